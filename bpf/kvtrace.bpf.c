@@ -1,0 +1,471 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kvtrace.bpf.c - the kernel side of kvtrace-bpf (bcc C).
+ *
+ * kvtrace_site_hit is attached to every probe address.  It finds the site's
+ * description in `sites` by (pid, ip) - the scheme of libbpf's usdt.bpf.h -
+ * so one compiled program serves every probe of every process and a new site
+ * needs no recompile.  It decodes the arguments into per-CPU `work` and
+ * tail-calls a stage that reads the op's index array (slots, block pairs or
+ * sizes) segment by segment, tail-calling itself while there is more; the
+ * last run finishes the op (totals, histogram, stack, perf record).
+ *
+ * Exact counts live in maps and never depend on the perf buffer: losing
+ * records makes the per-op stream incomplete, never the histograms wrong.
+ *
+ * Verifier notes.  The per-item loops are branch-free on purpose: every
+ * branch whose outcome the verifier cannot know leaves a pending state, and
+ * paths that differ in a counter never merge, so branches per slot multiply
+ * the work until the 1M-instruction limit.  Masks stand in for branches, and
+ * OPAQUE() keeps clang from turning the masks back into branches.  One run
+ * handles KVTRACE_SEGMENT_CHUNKS * KVTRACE_CHUNK items, which the verifier
+ * walks in about a quarter of its budget.
+ */
+#include <uapi/linux/ptrace.h>
+#include <linux/sched.h>
+#include "kvtrace.h"
+
+BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
+BPF_HASH(sites, struct kvtrace_site_key, struct kvtrace_site, 4096);
+BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, 4096);
+BPF_HASH(op_stats, struct kvtrace_op_key, struct kvtrace_op_stats, 4096);
+BPF_HASH(op_log2, struct kvtrace_hist_key, u64, 1024);
+BPF_ARRAY(globals, u64, KVTRACE_NR_GLOBALS);
+BPF_PROG_ARRAY(stages, KVTRACE_NR_STAGES);
+
+/*
+ * Per-block counters as arrays, not hashes: one masked index and one atomic
+ * add per slot.  Mmapable, so the front end reads them as numpy arrays
+ * without a syscall per element.
+ *   block_writes: row = cache index (one layer of one process)
+ *   block_moves:  row = proc index * KVTRACE_NR_MOVES + enum kvtrace_move
+ */
+BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_writes,
+	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
+	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
+
+/* One chunk of a user index array.  Twice KVTRACE_CHUNK long so that the
+ * read size can be bounded with a mask instead of a branch. */
+struct chunk {
+	s64 v[2 * KVTRACE_CHUNK];
+};
+BPF_PERCPU_ARRAY(scratch, struct chunk, 1);
+
+/* The op in progress on this CPU, carried across tail calls.  Safe per CPU:
+ * the kernel never runs a second tracing program on a CPU while one runs
+ * (bpf_prog_active); such a hit is counted as a miss instead. */
+struct work {
+	struct kvtrace_event ev;
+	u64 arr;        /* user address of the index array */
+	u64 n;          /* int64 values to read from it */
+	u64 done;       /* values read so far */
+	u64 block_size;
+	u64 keep;       /* 1 if this cache has a block_writes row */
+	u64 src_on, dst_on;
+	u64 oor;
+	u32 row, src_row, dst_row, proc;
+	s32 err;
+	u32 pad;
+};
+BPF_PERCPU_ARRAY(work, struct work, 1);
+
+BPF_PERF_OUTPUT(events);
+
+#ifdef KVTRACE_WITH_STACKS
+BPF_STACK_TRACE(stacks, 16384);
+BPF_HASH(stack_weights, struct kvtrace_stack_key, u64, 65536);
+#endif
+
+#define BLOCK_MASK ((u64)KVTRACE_MAX_BLOCKS - 1)
+
+/* Hide a value's origin from clang so that it cannot turn mask arithmetic
+ * back into compare-and-branch (BPF has no conditional-set instruction). */
+#define OPAQUE(x) asm volatile("" : "+r"(x))
+
+/* 1 if a < b, for a, b < 2^63, without a branch */
+static __always_inline u64 lt(u64 a, u64 b)
+{
+	u64 d = a - b;
+	OPAQUE(d);
+	d >>= 63;
+	OPAQUE(d);
+	return d;
+}
+
+static __always_inline void global_add(u32 idx, u64 n)
+{
+	u64 *v = globals.lookup(&idx);
+	if (v)
+		__sync_fetch_and_add(v, n);
+}
+
+/* One probe argument, decoded as libbpf's usdt.bpf.h does. */
+static __always_inline u64 fetch_arg(struct pt_regs *ctx,
+				     const struct kvtrace_arg_spec *spec)
+{
+	u64 val = 0;
+
+	switch (spec->kind) {
+	case KVTRACE_ARG_CONST:
+		val = spec->val_off;
+		break;
+	case KVTRACE_ARG_REG:
+		bpf_probe_read_kernel(&val, sizeof(val),
+				      (void *)ctx + (spec->reg_off & 0xff));
+		break;
+	case KVTRACE_ARG_REG_DEREF:
+		bpf_probe_read_kernel(&val, sizeof(val),
+				      (void *)ctx + (spec->reg_off & 0xff));
+		bpf_probe_read_user(&val, sizeof(val),
+				    (void *)(val + spec->val_off));
+		break;
+	}
+	/* trim to the argument's size, then sign- or zero-extend */
+	val <<= spec->bitshift & 63;
+	if (spec->is_signed)
+		val = ((s64)val) >> (spec->bitshift & 63);
+	else
+		val >>= spec->bitshift & 63;
+	return val;
+}
+
+/* The cache (layer) an op touches; a new one gets the next row. */
+static __always_inline struct kvtrace_cache *cache_of(u32 pid, u64 cache_id,
+						      u32 op)
+{
+	struct kvtrace_cache_key key = {.pid = pid, .cache_id = cache_id};
+	struct kvtrace_cache *c = caches.lookup(&key);
+	if (c)
+		return c;
+
+	u32 idx = KVTRACE_G_NEXT_CACHE;
+	u64 *next = globals.lookup(&idx);
+	if (!next)
+		return 0;
+	struct kvtrace_cache init = {};
+	init.index = __sync_fetch_and_add(next, 1);
+	init.op = op;
+	if (init.index >= KVTRACE_MAX_CACHES)
+		global_add(KVTRACE_G_CACHE_FULL, 1);
+	/* BPF_NOEXIST: if another CPU won the race, use its entry (our
+	 * index is then simply never used) */
+	caches.insert(&key, &init);
+	return caches.lookup(&key);
+}
+
+/*
+ * Read the next chunk of the op's index array into buf.  Returns how many
+ * values it read (1..KVTRACE_CHUNK), 0 when the array is done, -1 on a fault.
+ */
+static __always_inline s64 next_chunk(struct work *w, struct chunk *buf)
+{
+	u64 done = w->done, n = w->n;
+	if (done >= n)
+		return 0;
+	u64 left = n - done;
+	/* cnt = min(left, KVTRACE_CHUNK), branch-free */
+	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+	OPAQUE(cnt);
+	u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(s64);
+	if (bpf_probe_read_user(buf->v, size, (const s64 *)w->arr + done)) {
+		w->err = 1;
+		return -1;
+	}
+	w->done = done + cnt;
+	return cnt;
+}
+
+/* Everything an op does after its index array has been read. */
+static __always_inline int finish(struct pt_regs *ctx, struct work *w)
+{
+	struct kvtrace_event *ev = &w->ev;
+	u32 op = ev->op;
+	struct kvtrace_op_key okey = {.pid = ev->pid, .op = op};
+	struct kvtrace_op_stats zero = {};
+	struct kvtrace_op_stats *st = op_stats.lookup_or_try_init(&okey, &zero);
+	if (!st)
+		return 0;
+
+	u64 truncated = w->n > w->done ? w->n - w->done : 0;
+	if (op == KVTRACE_OP_COPY_BLOCKS || op == KVTRACE_OP_SWAP_BLOCKS)
+		truncated /= 2; /* values -> pairs */
+	if (truncated)
+		ev->flags |= KVTRACE_EV_TRUNCATED;
+	if (w->err)
+		ev->flags |= KVTRACE_EV_READ_ERROR;
+	__sync_fetch_and_add(&st->calls, 1);
+	__sync_fetch_and_add(&st->items, ev->items);
+	__sync_fetch_and_add(&st->slots, ev->slots);
+	__sync_fetch_and_add(&st->padding, ev->padding);
+	__sync_fetch_and_add(&st->bytes, ev->bytes);
+	__sync_fetch_and_add(&st->out_of_range, w->oor);
+	__sync_fetch_and_add(&st->truncated, truncated);
+	__sync_fetch_and_add(&st->read_errors, w->err ? 1 : 0);
+
+	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
+		struct kvtrace_cache_key ckey = {.pid = ev->pid,
+						 .cache_id = ev->cache_id};
+		struct kvtrace_cache *c = caches.lookup(&ckey);
+		if (c) {
+			__sync_fetch_and_add(&c->calls, 1);
+			__sync_fetch_and_add(&c->slots, ev->slots);
+			__sync_fetch_and_add(&c->padding, ev->padding);
+			__sync_fetch_and_add(&c->out_of_range, w->oor);
+		}
+	}
+
+	struct kvtrace_hist_key hkey = {.op = op, .slot = bpf_log2l(ev->items)};
+	u64 hzero = 0, *h = op_log2.lookup_or_try_init(&hkey, &hzero);
+	if (h)
+		__sync_fetch_and_add(h, 1);
+
+#ifdef KVTRACE_WITH_STACKS
+	ev->stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+	struct kvtrace_stack_key wkey = {.pid = ev->pid,
+					 .stack_id = ev->stack_id,
+					 .op = op,
+					 .cache_index = ev->cache_index};
+	u64 wzero = 0, *wt = stack_weights.lookup_or_try_init(&wkey, &wzero);
+	/* weight: slots written, or pairs / entries moved */
+	if (wt)
+		__sync_fetch_and_add(wt, op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE
+					     ? ev->slots
+					     : ev->items);
+#else
+	ev->stack_id = -1;
+#endif
+	events.perf_submit(ctx, ev, sizeof(*ev));
+	return 0;
+}
+
+/* Stage: count slot numbers into the cache's block_writes row. */
+int kvtrace_stage_slots(struct pt_regs *ctx)
+{
+	u32 zero = 0;
+	struct work *w = work.lookup(&zero);
+	struct chunk *buf = scratch.lookup(&zero);
+	if (!w || !buf)
+		return 0;
+	u32 row_idx = w->row;
+	struct kvtrace_block_row *row = block_writes.lookup(&row_idx);
+	if (!row)
+		return 0;
+	u64 keep = w->keep, block_size = w->block_size;
+	u64 valid = 0, padding = 0, oor = 0;
+	OPAQUE(keep);
+
+#pragma clang loop unroll(disable)
+	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+		s64 cnt = next_chunk(w, buf);
+		if (cnt <= 0)
+			break;
+#pragma clang loop unroll(disable)
+		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
+			s64 slot = buf->v[i];
+			u64 live = lt(i, cnt);       /* within the array */
+			u64 pad = (u64)slot >> 63;   /* slot < 0: padding */
+			u64 block = (u64)slot / block_size;
+			u64 real = live & (pad ^ 1);
+			u64 kept = real & keep & lt(block, KVTRACE_MAX_BLOCKS);
+			valid += real;
+			padding += live & pad;
+			oor += real & (kept ^ 1);
+			__sync_fetch_and_add(&row->count[block & BLOCK_MASK], kept);
+		}
+	}
+	w->ev.slots += valid;
+	w->ev.padding += padding;
+	w->oor += oor;
+	if (w->done < w->n && !w->err)
+		stages.call(ctx, KVTRACE_STAGE_SLOTS); /* returns only if out of tail calls */
+	return finish(ctx, w);
+}
+
+/* Stage: count (src, dst) block pairs into the process's move rows. */
+int kvtrace_stage_pairs(struct pt_regs *ctx)
+{
+	u32 zero = 0;
+	struct work *w = work.lookup(&zero);
+	struct chunk *buf = scratch.lookup(&zero);
+	if (!w || !buf)
+		return 0;
+	u32 s = w->src_row, d = w->dst_row;
+	struct kvtrace_block_row *src_row = block_moves.lookup(&s);
+	struct kvtrace_block_row *dst_row = block_moves.lookup(&d);
+	if (!src_row || !dst_row)
+		return 0;
+	u64 src_on = w->src_on, dst_on = w->dst_on, oor = 0;
+	OPAQUE(src_on);
+	OPAQUE(dst_on);
+
+#pragma clang loop unroll(disable)
+	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+		s64 cnt = next_chunk(w, buf);
+		if (cnt <= 0)
+			break;
+#pragma clang loop unroll(disable)
+		for (u32 i = 0; i < KVTRACE_CHUNK; i += 2) {
+			u64 live = lt(i, cnt);
+			u64 src = buf->v[i], dst = buf->v[i + 1];
+			u64 src_ok = live & src_on & lt(src, KVTRACE_MAX_BLOCKS);
+			u64 dst_ok = live & dst_on & lt(dst, KVTRACE_MAX_BLOCKS);
+			oor += (live & src_on & (src_ok ^ 1)) +
+			       (live & dst_on & (dst_ok ^ 1));
+			__sync_fetch_and_add(&src_row->count[src & BLOCK_MASK], src_ok);
+			__sync_fetch_and_add(&dst_row->count[dst & BLOCK_MASK], dst_ok);
+		}
+	}
+	w->oor += oor;
+	if (w->done < w->n && !w->err)
+		stages.call(ctx, KVTRACE_STAGE_PAIRS);
+	return finish(ctx, w);
+}
+
+/* Stage: sum the sizes array of swap_blocks_batch. */
+int kvtrace_stage_sizes(struct pt_regs *ctx)
+{
+	u32 zero = 0;
+	struct work *w = work.lookup(&zero);
+	struct chunk *buf = scratch.lookup(&zero);
+	if (!w || !buf)
+		return 0;
+	u64 bytes = 0;
+
+#pragma clang loop unroll(disable)
+	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+		s64 cnt = next_chunk(w, buf);
+		if (cnt <= 0)
+			break;
+#pragma clang loop unroll(disable)
+		for (u32 i = 0; i < KVTRACE_CHUNK; i++)
+			bytes += (u64)buf->v[i] & -lt(i, cnt);
+	}
+	w->ev.bytes += bytes;
+	if (w->done < w->n && !w->err)
+		stages.call(ctx, KVTRACE_STAGE_SIZES);
+	return finish(ctx, w);
+}
+
+int kvtrace_site_hit(struct pt_regs *ctx)
+{
+	u64 pid_tgid = bpf_get_current_pid_tgid();
+	u32 pid = pid_tgid >> 32;
+
+	/* A uprobe in a shared library fires for every process mapping it:
+	 * drop processes we were not asked to trace before touching a map. */
+	struct kvtrace_proc *proc = traced_pids.lookup(&pid);
+	if (!proc) {
+		global_add(KVTRACE_G_FOREIGN, 1);
+		return 0;
+	}
+	u32 proc_index = proc->index;
+	if (proc_index >= KVTRACE_MAX_PROCS)
+		return 0;
+
+	struct kvtrace_site_key skey = {.pid = pid, .ip = PT_REGS_IP(ctx)};
+	struct kvtrace_site *site = sites.lookup(&skey);
+	if (!site) {
+		global_add(KVTRACE_G_NO_SITE, 1);
+		return 0;
+	}
+
+	u64 a[KVTRACE_MAX_ARGS] = {};
+#pragma unroll
+	for (int i = 0; i < KVTRACE_MAX_ARGS; i++)
+		if (i < site->nargs)
+			a[i] = fetch_arg(ctx, &site->args[i]);
+
+	u32 zero = 0;
+	struct work *w = work.lookup(&zero);
+	if (!w)
+		return 0;
+	__builtin_memset(w, 0, sizeof(*w));
+	u32 op = site->op;
+	w->ev.ts_ns = bpf_ktime_get_ns();
+	w->ev.pid = pid;
+	w->ev.tid = (u32)pid_tgid;
+	w->ev.op = op;
+	w->ev.cache_index = (u32)-1;
+	w->proc = proc_index;
+	u32 stage;
+
+	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
+		/* (slots, num_tokens, block_size, cache_id, num_blocks) */
+		u64 n = (s64)a[1] > 0 ? a[1] : 0, bs = a[2];
+		if (bs == 0 || (s64)bs < 0)
+			return 0;
+		struct kvtrace_cache *c = cache_of(pid, a[3], op);
+		if (!c)
+			return 0;
+		if (!c->block_size) { /* first seen by a copy or swap */
+			c->block_size = bs;
+			c->num_blocks = a[4];
+		}
+		w->arr = a[0];
+		w->n = n;
+		w->block_size = bs;
+		w->keep = c->index < KVTRACE_MAX_CACHES;
+		w->row = w->keep ? c->index : 0;
+		w->ev.cache_index = c->index;
+		w->ev.cache_id = a[3];
+		w->ev.items = n;
+		stage = KVTRACE_STAGE_SLOTS;
+	} else if (op == KVTRACE_OP_COPY_BLOCKS || op == KVTRACE_OP_SWAP_BLOCKS) {
+		/* copy: (pairs, n, bytes_per_block, cache_id)
+		 * swap: (pairs, n, bytes_per_block, direction, cache_id) */
+		u64 n = (s64)a[1] > 0 ? a[1] : 0;
+		u64 cache_id = op == KVTRACE_OP_COPY_BLOCKS ? a[3] : a[4];
+		u32 base = proc_index * KVTRACE_NR_MOVES;
+		if (op == KVTRACE_OP_COPY_BLOCKS) {
+			w->src_row = base + KVTRACE_MOVE_COPY_SRC;
+			w->dst_row = base + KVTRACE_MOVE_COPY_DST;
+			w->src_on = w->dst_on = 1;
+		} else {
+			/* count the device-side block of each pair */
+			w->src_row = base + KVTRACE_MOVE_SWAP_OUT;
+			w->dst_row = base + KVTRACE_MOVE_SWAP_IN;
+			w->src_on = a[3] == KVTRACE_DIR_OUT;
+			w->dst_on = a[3] == KVTRACE_DIR_IN;
+		}
+		struct kvtrace_cache *c = cache_of(pid, cache_id, op);
+		if (!c)
+			return 0;
+		w->arr = a[0];
+		w->n = n * 2;
+		w->ev.cache_index = c->index;
+		w->ev.cache_id = cache_id;
+		w->ev.items = n;
+		w->ev.bytes = n * a[2];
+		stage = KVTRACE_STAGE_PAIRS;
+	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {
+		/* (src_ptrs, dst_ptrs, sizes, count): no block numbers here */
+		u64 n = (s64)a[3] > 0 ? a[3] : 0;
+		w->arr = a[2];
+		w->n = n;
+		w->ev.items = n;
+		stage = KVTRACE_STAGE_SIZES;
+	} else {
+		return 0;
+	}
+
+	if (w->n)
+		stages.call(ctx, stage);
+	/* reached with nothing to read, or if the stage is missing */
+	w->err = w->n ? 1 : 0;
+	return finish(ctx, w);
+}
+
+/*
+ * For `attach -- CMD`: fires once at the new program's entry point, after
+ * the dynamic loader mapped its libraries and before any of its code ran,
+ * and stops it so the front end can attach to the probes in those
+ * libraries.  A signal, not a write to the target's memory.
+ */
+int kvtrace_stop_at_entry(struct pt_regs *ctx)
+{
+	u32 pid = bpf_get_current_pid_tgid() >> 32;
+	if (traced_pids.lookup(&pid))
+		bpf_send_signal(19 /* SIGSTOP */);
+	return 0;
+}

@@ -1,0 +1,186 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kvtrace.h - the few layouts the BPF program (kvtrace.bpf.c) and the Python
+ * front end share, in the manner of libbpf-tools' X.h.  The front end reads
+ * the enums and limits below from this file (tracer/abi.py) and gets the
+ * struct layouts from bcc, which compiles this same file; nothing here is
+ * written down twice.
+ */
+#ifndef KVTRACE_H
+#define KVTRACE_H
+
+/* Operations, one per USDT probe name in bpf/kvtrace_probes.h. */
+enum kvtrace_op {
+	KVTRACE_OP_RESHAPE_AND_CACHE = 0,
+	KVTRACE_OP_RESHAPE_AND_CACHE_FLASH = 1,
+	KVTRACE_OP_CONCAT_AND_CACHE_MLA = 2,
+	KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE = 3,
+	KVTRACE_OP_COPY_BLOCKS = 4,
+	KVTRACE_OP_SWAP_BLOCKS = 5,
+	KVTRACE_OP_SWAP_BLOCKS_BATCH = 6,
+	KVTRACE_NR_OPS = 7,
+};
+
+/* Per-block movement counters: the rows of block_moves for one process are
+ * proc_index * KVTRACE_NR_MOVES + kind. */
+enum kvtrace_move {
+	KVTRACE_MOVE_COPY_SRC = 0,
+	KVTRACE_MOVE_COPY_DST = 1,
+	KVTRACE_MOVE_SWAP_OUT = 2, /* device block of a device->host swap */
+	KVTRACE_MOVE_SWAP_IN = 3,  /* device block of a host->device swap */
+	KVTRACE_NR_MOVES = 4,
+};
+
+/* Indices of the globals array. */
+enum kvtrace_global {
+	KVTRACE_G_NEXT_CACHE = 0,   /* next free cache index */
+	KVTRACE_G_FOREIGN = 1,      /* hits from processes we do not trace */
+	KVTRACE_G_NO_SITE = 2,      /* hits at an address with no site spec */
+	KVTRACE_G_CACHE_FULL = 3,   /* caches beyond KVTRACE_MAX_CACHES */
+	KVTRACE_NR_GLOBALS = 4,
+};
+
+/* swap_blocks direction (same values as KVTRACE_SWAP_* in kvtrace_probes.h) */
+#define KVTRACE_DIR_OUT 1
+#define KVTRACE_DIR_IN 2
+
+/* How one probe argument is fetched (the scheme of libbpf's usdt.bpf.h). */
+enum kvtrace_arg_kind {
+	KVTRACE_ARG_CONST = 0,     /* value = val_off */
+	KVTRACE_ARG_REG = 1,       /* value = regs[reg_off] */
+	KVTRACE_ARG_REG_DEREF = 2, /* value = *(regs[reg_off] + val_off) */
+};
+
+#define KVTRACE_MAX_ARGS 6
+
+/*
+ * Index arrays (slots, block pairs, sizes) are read KVTRACE_CHUNK int64s per
+ * bpf_probe_read_user, KVTRACE_SEGMENT_CHUNKS chunks per program run; a run
+ * that has more left tail-calls the next.  The kernel allows 33 tail calls,
+ * so one op reads at most 33 * 8192 = 270336 values; anything beyond is
+ * counted as truncated, never dropped silently.
+ */
+#define KVTRACE_CHUNK 64
+#define KVTRACE_SEGMENT_CHUNKS 128
+#define KVTRACE_MAX_TAIL_CALLS 33
+
+/* Tail-call targets (prog array `stages`); program kvtrace_stage_<name>. */
+enum kvtrace_stage {
+	KVTRACE_STAGE_SLOTS = 0, /* count slot numbers into block_writes */
+	KVTRACE_STAGE_PAIRS = 1, /* count (src, dst) pairs into block_moves */
+	KVTRACE_STAGE_SIZES = 2, /* sum swap_blocks_batch sizes */
+	KVTRACE_NR_STAGES = 3,
+};
+
+/* Limits; the front end may override them with -D at compile time. */
+#ifndef KVTRACE_MAX_BLOCKS
+#define KVTRACE_MAX_BLOCKS 32768 /* per cache (layer); a power of two */
+#endif
+#ifndef KVTRACE_MAX_CACHES
+#define KVTRACE_MAX_CACHES 64 /* (pid, cache id) pairs, i.e. layers */
+#endif
+#ifndef KVTRACE_MAX_PROCS
+#define KVTRACE_MAX_PROCS 8 /* traced processes */
+#endif
+
+struct kvtrace_arg_spec {
+	__u64 val_off;
+	__u32 kind;   /* enum kvtrace_arg_kind */
+	__s16 reg_off; /* byte offset into struct pt_regs */
+	__u8 is_signed;
+	__u8 bitshift; /* 64 - 8 * size: trims and extends sub-word arguments */
+};
+
+/* sites: one entry per attached probe address in one process */
+struct kvtrace_site_key {
+	__u32 pid;
+	__u32 pad;
+	__u64 ip;
+};
+
+struct kvtrace_site {
+	__u32 op; /* enum kvtrace_op */
+	__u32 nargs;
+	struct kvtrace_arg_spec args[KVTRACE_MAX_ARGS];
+};
+
+/* caches: one entry per (process, cache id); a cache id is one layer */
+struct kvtrace_cache_key {
+	__u32 pid;
+	__u32 pad;
+	__u64 cache_id;
+};
+
+struct kvtrace_cache {
+	__u32 index; /* row in block_writes; >= KVTRACE_MAX_CACHES: not kept */
+	__u32 op;    /* op that first wrote it */
+	__u64 block_size;
+	__u64 num_blocks;
+	__u64 calls;
+	__u64 slots;        /* valid slots written */
+	__u64 padding;      /* negative slots skipped */
+	__u64 out_of_range; /* slots whose block >= KVTRACE_MAX_BLOCKS */
+};
+
+/* op_stats: exact per-(process, op) totals */
+struct kvtrace_op_key {
+	__u32 pid;
+	__u32 op;
+};
+
+struct kvtrace_op_stats {
+	__u64 calls;
+	__u64 items;       /* tokens (write ops), pairs, or batch entries */
+	__u64 slots;       /* valid slots written */
+	__u64 padding;     /* negative slots skipped */
+	__u64 bytes;       /* bytes moved (copy, swap, batch) */
+	__u64 truncated;   /* items beyond what one op can read */
+	__u64 read_errors; /* index arrays that could not be read */
+	__u64 out_of_range; /* blocks >= KVTRACE_MAX_BLOCKS, or no row left */
+};
+
+/* traced_pids value: which block_moves rows belong to the process */
+struct kvtrace_proc {
+	__u32 index; /* < KVTRACE_MAX_PROCS, assigned by the front end */
+	__u32 pad;
+};
+
+/* One row of per-block counters (block_writes, block_moves). */
+struct kvtrace_block_row {
+	__u64 count[KVTRACE_MAX_BLOCKS];
+};
+
+/* op_log2: log2 histogram of items per op */
+struct kvtrace_hist_key {
+	__u32 op;
+	__u32 slot;
+};
+
+/* stack_weights: folded-stack weights, exact (not from the perf buffer) */
+struct kvtrace_stack_key {
+	__u32 pid;
+	__s32 stack_id; /* negative: the stack could not be taken */
+	__u32 op;
+	__u32 cache_index;
+};
+
+/* One record per op through the perf buffer. */
+struct kvtrace_event {
+	__u64 ts_ns;
+	__u32 pid;
+	__u32 tid;
+	__u32 op;
+	__u32 cache_index;
+	__u64 cache_id;
+	__u64 items;
+	__u64 slots;
+	__u64 padding;
+	__u64 bytes;
+	__s32 stack_id;
+	__u32 flags; /* KVTRACE_EV_* */
+};
+
+#define KVTRACE_EV_TRUNCATED 1 /* more items than the per-op read limit */
+#define KVTRACE_EV_READ_ERROR 2
+
+#endif /* KVTRACE_H */

@@ -1,0 +1,1187 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kvsim - a small paged-KV-cache simulator, the test target of kvtrace-bpf.
+ *
+ * It runs a vLLM-like block manager and scheduler (paged blocks, refcounted
+ * sharing for parallel sampling, chunked prefill, swap preemption, offload on
+ * finish) and performs every KV write, copy and swap through the cache ops in
+ * libkvsim_ops.so, which fire the kvtrace USDT probes.
+ *
+ * Independently of the probes, the scheduler records at the point where it
+ * decides what to write, copy or swap what a tracer should have counted, and
+ * writes that ground truth as JSON (--truth FILE).  It also checks the KV
+ * bytes themselves: when a sequence finishes, every token it wrote must still
+ * hold its expected value in every layer.
+ *
+ * Exit status: 0 ok, 1 KV mismatch or runtime failure, 2 bad usage.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "kvsim_ops.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define KVSIM_VERSION 1
+#define KV_BYTES_PER_TOKEN 16 /* bytes stored per slot, per layer */
+#define PAD_TO 8              /* slot arrays padded to a multiple (CUDA graphs) */
+#define MAX_SAMPLES 8         /* parallel samples per request */
+#define MAX_LAYERS 64
+#define MIN_CPU_BLOCKS 512
+
+/* ------------------------------------------------------------------ */
+/* Errors                                                              */
+
+static void usage_error(const char *fmt, const char *arg)
+{
+	fprintf(stderr, "kvsim: ");
+	fprintf(stderr, fmt, arg);
+	fprintf(stderr, " (try --help)\n");
+	exit(2);
+}
+
+static void fatal(const char *msg)
+{
+	fprintf(stderr, "kvsim: %s\n", msg);
+	exit(1);
+}
+
+static void *xcalloc(size_t n, size_t size)
+{
+	void *p = calloc(n ? n : 1, size);
+	if (!p)
+		fatal("out of memory");
+	return p;
+}
+
+/* ------------------------------------------------------------------ */
+/* Deterministic RNG and the KV value hash                             */
+
+static uint64_t mix64(uint64_t z)
+{
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+	return z ^ (z >> 31);
+}
+
+struct rng {
+	uint64_t state;
+};
+
+static uint64_t rng_next(struct rng *r) /* splitmix64 */
+{
+	r->state += 0x9e3779b97f4a7c15ULL;
+	return mix64(r->state);
+}
+
+static int64_t rng_range(struct rng *r, int64_t lo, int64_t hi)
+{
+	return lo + (int64_t)(rng_next(r) % (uint64_t)(hi - lo + 1));
+}
+
+/*
+ * The value stored for one token in one layer.  sample is 0 for positions
+ * before the fork point (the shared prompt), so all samples of a request
+ * expect the same prompt values.
+ */
+static uint64_t kv_value(uint64_t req_id, int sample, int64_t pos, int64_t layer)
+{
+	uint64_t h = mix64(req_id + 0x6b76736d00000000ULL);
+	h = mix64(h ^ (uint64_t)sample);
+	h = mix64(h ^ (uint64_t)pos);
+	return mix64(h ^ ((uint64_t)layer << 32));
+}
+
+/* ------------------------------------------------------------------ */
+/* Configuration and workloads                                         */
+
+struct workload {
+	const char *name;
+	int64_t layers, block_size, blocks;
+	int64_t requests, samples;
+	int64_t prompt_min, prompt_max, gen_min, gen_max;
+	int64_t max_tokens_per_step;
+	int write_op;
+	bool offload_on_finish; /* swap_blocks_batch when a request finishes */
+};
+
+static const struct workload workloads[] = {
+	{ "default", 4, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
+	  KV_OP_RESHAPE_AND_CACHE, false },
+	{ "beam", 4, 16, 512, 16, 4, 8, 300, 1, 64, 1024,
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false },
+	{ "swap", 2, 16, 48, 24, 1, 16, 160, 32, 128, 1024,
+	  KV_OP_CPU_ATTN_RESHAPE_AND_CACHE, true },
+	{ "stress", 2, 16, 16384, 400, 1, 256, 4096, 16, 256, 8192,
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false },
+	{ "mla", 2, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
+	  KV_OP_CONCAT_AND_CACHE_MLA, false },
+};
+#define NUM_WORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
+
+struct config {
+	struct workload w; /* the workload with flag overrides applied */
+	uint64_t seed;
+	const char *truth_path;
+	bool pause, quiet;
+	uint64_t repeat;
+	uint64_t step_delay_us;
+	int64_t cpu_blocks;
+};
+
+/* ------------------------------------------------------------------ */
+/* Ground truth                                                        */
+
+enum {
+	OP_COPY_BLOCKS = KV_NUM_WRITE_OPS,
+	OP_SWAP_BLOCKS,
+	OP_SWAP_BLOCKS_BATCH,
+	NUM_OPS
+};
+
+struct op_truth {
+	uint64_t calls, slots, padding, pairs, bytes;
+};
+
+struct truth {
+	uint64_t **writes;     /* [layer][block] valid slots written */
+	uint64_t *token_writes; /* [block] once per step, layer-independent */
+	uint64_t *copy_src, *copy_dst, *swap_out, *swap_in; /* [gpu block] */
+	struct op_truth ops[NUM_OPS];
+	uint64_t slots_written, padding_skipped;
+	uint64_t steps, requests, preemptions, forks;
+	uint64_t kv_mismatches;
+};
+
+static const char *op_name(int op)
+{
+	switch (op) {
+	case OP_COPY_BLOCKS:
+		return "copy_blocks";
+	case OP_SWAP_BLOCKS:
+		return "swap_blocks";
+	case OP_SWAP_BLOCKS_BATCH:
+		return "swap_blocks_batch";
+	default:
+		return kv_write_op_name(op);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Block pools: a FIFO free list plus refcounts (shared prompt blocks) */
+
+struct pool {
+	int32_t n;
+	int32_t *fifo; /* free blocks, allocated from head, freed to tail */
+	int32_t head, nfree;
+	uint32_t *ref;
+};
+
+static void pool_init(struct pool *p, int32_t n)
+{
+	p->n = n;
+	p->fifo = xcalloc((size_t)n, sizeof(*p->fifo));
+	p->ref = xcalloc((size_t)n, sizeof(*p->ref));
+}
+
+static void pool_reset(struct pool *p)
+{
+	for (int32_t i = 0; i < p->n; i++) {
+		p->fifo[i] = i;
+		p->ref[i] = 0;
+	}
+	p->head = 0;
+	p->nfree = p->n;
+}
+
+static int32_t pool_alloc(struct pool *p)
+{
+	if (p->nfree == 0)
+		return -1;
+	int32_t b = p->fifo[p->head];
+	p->head = (p->head + 1) % p->n;
+	p->nfree--;
+	p->ref[b] = 1;
+	return b;
+}
+
+static void pool_incref(struct pool *p, int32_t b)
+{
+	p->ref[b]++;
+}
+
+static void pool_decref(struct pool *p, int32_t b)
+{
+	if (p->ref[b] == 0)
+		fatal("internal error: block freed twice");
+	if (--p->ref[b] == 0) {
+		p->fifo[(p->head + p->nfree) % p->n] = b;
+		p->nfree++;
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Requests and sequences                                              */
+
+struct seq {
+	int32_t *table;  /* block table: GPU blocks, or CPU blocks while swapped */
+	int64_t nblocks; /* entries in use == ceil(len / block_size) */
+	int64_t cap;
+	int64_t len;     /* tokens written to the KV cache: positions [0, len) */
+	int64_t gen;     /* tokens generated so far */
+	int64_t gen_len; /* finishes when gen == gen_len */
+	int sample;
+	bool finished;
+};
+
+enum rq_state { RQ_WAITING, RQ_RUNNING, RQ_SWAPPED, RQ_DONE };
+enum sched_kind { SCHED_PREFILL, SCHED_PREFILL_LAST, SCHED_DECODE };
+
+struct request {
+	uint64_t id; /* root request id */
+	int64_t prompt_len;
+	int64_t prefilled; /* prompt tokens written so far (chunked prefill) */
+	int nsamples;
+	int nseqs; /* 1 until the fork at the end of prefill, then nsamples */
+	int nlive;
+	enum rq_state state;
+	uint64_t sched_step; /* 1 + the step that last scheduled it, 0 never */
+	enum sched_kind sched_kind;
+	int32_t fork_blocks[MAX_SAMPLES]; /* copies of the partial block */
+	int nfork_blocks;
+	struct seq seqs[MAX_SAMPLES];
+};
+
+/* ------------------------------------------------------------------ */
+/* Simulator state                                                     */
+
+struct sim {
+	const struct config *cfg;
+	int64_t L, bs, nblocks, bpb;
+	struct kv_layer gpu[MAX_LAYERS], cpu[MAX_LAYERS];
+	struct pool gpool, cpool;
+
+	/* request parameters: generated once, identical in every repeat */
+	int64_t nreq;
+	struct request *reqs;
+	int64_t max_seq_blocks;
+
+	/* scheduler queues (indices into reqs) */
+	int64_t *running, nrunning; /* admission order; victims from the end */
+	int64_t *swapped, nswapped; /* FIFO */
+	int64_t next_waiting;
+	int64_t done;
+	uint64_t step_no;
+
+	/* this step's tokens (slots padded to PAD_TO) and their value keys */
+	int64_t cap_tokens;
+	int64_t ntok;
+	int64_t *slots;
+	uint64_t *tok_id;
+	int64_t *tok_pos;
+	int *tok_sample;
+	uint64_t *values;
+
+	/* scratch */
+	int64_t *pairs;     /* 2 * max(GPU, CPU) blocks */
+	int32_t *remap;     /* block -> new block, -1 if not yet mapped */
+	uint8_t *offload;   /* CPU offload buffer for swap_blocks_batch */
+	uint64_t *batch_src, *batch_dst, *batch_sizes;
+
+	struct truth t;
+};
+
+static int64_t ceil_div(int64_t a, int64_t b)
+{
+	return (a + b - 1) / b;
+}
+
+/* Blocks a request can hold at once, at most (all samples at full length). */
+static int64_t worst_case_blocks(const struct request *r, int64_t bs)
+{
+	int64_t shared = r->prompt_len / bs;
+	int64_t total = r->nsamples > 1 ? shared : 0;
+	for (int k = 0; k < r->nsamples; k++) {
+		int64_t own = ceil_div(r->prompt_len + r->seqs[k].gen_len - 1, bs);
+		total += r->nsamples > 1 ? own - shared : own;
+	}
+	return total;
+}
+
+static void generate_requests(struct sim *s)
+{
+	const struct workload *w = &s->cfg->w;
+	struct rng rng = { s->cfg->seed };
+
+	s->nreq = w->requests;
+	s->reqs = xcalloc((size_t)s->nreq, sizeof(*s->reqs));
+	s->max_seq_blocks = 0;
+	for (int64_t i = 0; i < s->nreq; i++) {
+		struct request *r = &s->reqs[i];
+		r->id = (uint64_t)i;
+		r->prompt_len = rng_range(&rng, w->prompt_min, w->prompt_max);
+		r->nsamples = (int)w->samples;
+		for (int k = 0; k < r->nsamples; k++) {
+			struct seq *q = &r->seqs[k];
+			q->gen_len = rng_range(&rng, w->gen_min, w->gen_max);
+			q->cap = ceil_div(r->prompt_len + q->gen_len - 1,
+					  s->bs);
+			q->table = xcalloc((size_t)q->cap, sizeof(*q->table));
+			if (q->cap > s->max_seq_blocks)
+				s->max_seq_blocks = q->cap;
+		}
+		int64_t worst = worst_case_blocks(r, s->bs);
+		if (worst > s->nblocks) {
+			fprintf(stderr,
+				"kvsim: request %" PRId64 " may need %" PRId64
+				" blocks but the pool has %" PRId64
+				" (raise --blocks)\n",
+				i, worst, s->nblocks);
+			exit(2);
+		}
+	}
+}
+
+/* Resets all run state (for --repeat); truth counters are kept. */
+static void reset_run(struct sim *s)
+{
+	pool_reset(&s->gpool);
+	pool_reset(&s->cpool);
+	for (int64_t l = 0; l < s->L; l++) {
+		memset(s->gpu[l].bytes, 0, (size_t)(s->nblocks * s->bpb));
+		memset(s->cpu[l].bytes, 0, (size_t)(s->cpool.n * s->bpb));
+	}
+	for (int64_t i = 0; i < s->nreq; i++) {
+		struct request *r = &s->reqs[i];
+		r->prefilled = 0;
+		r->nseqs = 1;
+		r->nlive = 1;
+		r->state = RQ_WAITING;
+		r->sched_step = 0;
+		r->nfork_blocks = 0;
+		for (int k = 0; k < r->nsamples; k++) {
+			struct seq *q = &r->seqs[k];
+			q->nblocks = q->len = q->gen = 0;
+			q->sample = k;
+			q->finished = false;
+		}
+	}
+	s->nrunning = s->nswapped = 0;
+	s->next_waiting = 0;
+	s->done = 0;
+}
+
+static void sim_init(struct sim *s, const struct config *cfg)
+{
+	const struct workload *w = &cfg->w;
+
+	memset(s, 0, sizeof(*s));
+	s->cfg = cfg;
+	s->L = w->layers;
+	s->bs = w->block_size;
+	s->nblocks = w->blocks;
+	s->bpb = s->bs * KV_BYTES_PER_TOKEN;
+
+	pool_init(&s->gpool, (int32_t)s->nblocks);
+	pool_init(&s->cpool, (int32_t)cfg->cpu_blocks);
+	for (int64_t l = 0; l < s->L; l++) {
+		s->gpu[l] = (struct kv_layer){
+			.bytes = xcalloc((size_t)s->nblocks, (size_t)s->bpb),
+			.block_size = s->bs,
+			.num_blocks = s->nblocks,
+			.kv_bytes_per_token = KV_BYTES_PER_TOKEN,
+		};
+		s->cpu[l] = s->gpu[l];
+		s->cpu[l].bytes = xcalloc((size_t)cfg->cpu_blocks, (size_t)s->bpb);
+		s->cpu[l].num_blocks = cfg->cpu_blocks;
+	}
+
+	generate_requests(s);
+	s->running = xcalloc((size_t)s->nreq, sizeof(*s->running));
+	s->swapped = xcalloc((size_t)s->nreq, sizeof(*s->swapped));
+
+	s->cap_tokens = ceil_div(w->max_tokens_per_step, PAD_TO) * PAD_TO;
+	s->slots = xcalloc((size_t)s->cap_tokens, sizeof(*s->slots));
+	s->tok_id = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_id));
+	s->tok_pos = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_pos));
+	s->tok_sample = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_sample));
+	s->values = xcalloc((size_t)s->cap_tokens, sizeof(*s->values));
+
+	int64_t maxb = s->nblocks > cfg->cpu_blocks ? s->nblocks : cfg->cpu_blocks;
+	s->pairs = xcalloc((size_t)(2 * maxb), sizeof(*s->pairs));
+	s->remap = xcalloc((size_t)maxb, sizeof(*s->remap));
+	for (int64_t i = 0; i < maxb; i++)
+		s->remap[i] = -1;
+
+	/* The offload area holds one finished sequence, layer-major. */
+	int64_t entries = s->L * s->max_seq_blocks;
+	s->offload = xcalloc((size_t)entries, (size_t)s->bpb);
+	s->batch_src = xcalloc((size_t)entries, sizeof(uint64_t));
+	s->batch_dst = xcalloc((size_t)entries, sizeof(uint64_t));
+	s->batch_sizes = xcalloc((size_t)entries, sizeof(uint64_t));
+
+	struct truth *t = &s->t;
+	t->writes = xcalloc((size_t)s->L, sizeof(*t->writes));
+	for (int64_t l = 0; l < s->L; l++)
+		t->writes[l] = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	t->token_writes = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	t->copy_src = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	t->copy_dst = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	t->swap_out = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	t->swap_in = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+}
+
+/* ------------------------------------------------------------------ */
+/* Sequences: allocation, token emission, verification                 */
+
+static int sample_at(const struct request *r, const struct seq *q, int64_t pos)
+{
+	return pos < r->prompt_len ? 0 : q->sample;
+}
+
+/* Appends the token at q->len to this step's slot array. */
+static void emit_token(struct sim *s, struct request *r, struct seq *q)
+{
+	int64_t pos = q->len;
+
+	if (pos / s->bs >= q->nblocks) {
+		if (q->nblocks >= q->cap)
+			fatal("internal error: block table overflow");
+		int32_t b = pool_alloc(&s->gpool);
+		if (b < 0)
+			fatal("internal error: allocation not reserved");
+		q->table[q->nblocks++] = b;
+	}
+	if (s->ntok >= s->cap_tokens)
+		fatal("internal error: step token budget overflow");
+
+	int64_t block = q->table[pos / s->bs];
+	int64_t i = s->ntok++;
+	s->slots[i] = block * s->bs + pos % s->bs;
+	s->tok_id[i] = r->id;
+	s->tok_pos[i] = pos;
+	s->tok_sample[i] = sample_at(r, q, pos);
+	s->t.token_writes[block]++;
+	q->len++;
+}
+
+/* Counts a KV mismatch of every (token, layer) whose bytes are wrong. */
+static void verify_seq(struct sim *s, const struct request *r,
+		       const struct seq *q)
+{
+	uint8_t want[KV_BYTES_PER_TOKEN];
+
+	for (int64_t pos = 0; pos < q->len; pos++) {
+		int64_t slot = (int64_t)q->table[pos / s->bs] * s->bs + pos % s->bs;
+		for (int64_t l = 0; l < s->L; l++) {
+			uint64_t v = kv_value(r->id, sample_at(r, q, pos), pos, l);
+			for (int off = 0; off < KV_BYTES_PER_TOKEN; off += 8)
+				memcpy(want + off, &v, 8);
+			if (memcmp(s->gpu[l].bytes + slot * KV_BYTES_PER_TOKEN,
+				   want, KV_BYTES_PER_TOKEN) != 0)
+				s->t.kv_mismatches++;
+		}
+	}
+}
+
+/* Offloads a finished sequence's blocks with one swap_blocks_batch call. */
+static void offload_seq(struct sim *s, const struct seq *q)
+{
+	int64_t n = 0;
+
+	for (int64_t l = 0; l < s->L; l++) {
+		for (int64_t j = 0; j < q->nblocks; j++, n++) {
+			s->batch_src[n] = (uint64_t)(uintptr_t)(
+				s->gpu[l].bytes + (int64_t)q->table[j] * s->bpb);
+			s->batch_dst[n] = (uint64_t)(uintptr_t)(
+				s->offload + (l * q->nblocks + j) * s->bpb);
+			s->batch_sizes[n] = (uint64_t)s->bpb;
+		}
+	}
+	kv_swap_blocks_batch(s->batch_src, s->batch_dst, s->batch_sizes, n);
+
+	struct op_truth *o = &s->t.ops[OP_SWAP_BLOCKS_BATCH];
+	o->calls++;
+	o->pairs += (uint64_t)n;
+	for (int64_t i = 0; i < n; i++) {
+		o->bytes += s->batch_sizes[i];
+		if (memcmp((void *)(uintptr_t)s->batch_dst[i],
+			   (void *)(uintptr_t)s->batch_src[i],
+			   (size_t)s->batch_sizes[i]) != 0)
+			s->t.kv_mismatches++;
+	}
+}
+
+static void finish_seq(struct sim *s, struct request *r, struct seq *q)
+{
+	if (q->len != r->prompt_len + q->gen_len - 1)
+		fatal("internal error: finished sequence has the wrong length");
+	verify_seq(s, r, q);
+	if (s->cfg->w.offload_on_finish)
+		offload_seq(s, q);
+	for (int64_t j = 0; j < q->nblocks; j++)
+		pool_decref(&s->gpool, q->table[j]);
+	q->nblocks = 0;
+	q->finished = true;
+	if (--r->nlive == 0) {
+		r->state = RQ_DONE;
+		s->done++;
+		s->t.requests++;
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Fork (parallel sampling) and swapping                               */
+
+/*
+ * After prefill, a request with n samples forks into n sequences.  Full
+ * prompt blocks are shared (refcount); each extra sample gets its own copy of
+ * the last, partial block (reserved in fork_blocks when the last prefill
+ * chunk was scheduled), copied with one copy_blocks call per layer.
+ */
+static void fork_request(struct sim *s, struct request *r)
+{
+	struct seq *parent = &r->seqs[0];
+	int64_t full = r->prompt_len / s->bs;
+	bool partial = r->prompt_len % s->bs != 0;
+	int64_t npairs = 0;
+
+	for (int k = 1; k < r->nsamples; k++) {
+		struct seq *q = &r->seqs[k];
+		for (int64_t j = 0; j < full; j++) {
+			q->table[j] = parent->table[j];
+			pool_incref(&s->gpool, parent->table[j]);
+		}
+		q->nblocks = full;
+		if (partial) {
+			int32_t dst = r->fork_blocks[k - 1];
+			q->table[q->nblocks++] = dst;
+			s->pairs[2 * npairs] = parent->table[full];
+			s->pairs[2 * npairs + 1] = dst;
+			npairs++;
+		}
+		q->len = parent->len;
+	}
+	r->nfork_blocks = 0;
+	r->nseqs = r->nlive = r->nsamples;
+	s->t.forks++;
+
+	if (npairs == 0)
+		return; /* prompt ends on a block boundary: nothing to copy */
+	for (int64_t l = 0; l < s->L; l++)
+		kv_copy_blocks(&s->gpu[l], s->pairs, npairs);
+
+	struct op_truth *o = &s->t.ops[OP_COPY_BLOCKS];
+	o->calls += (uint64_t)s->L;
+	o->pairs += (uint64_t)(npairs * s->L);
+	o->bytes += (uint64_t)(npairs * s->L * s->bpb);
+	for (int64_t i = 0; i < npairs; i++) {
+		s->t.copy_src[s->pairs[2 * i]] += (uint64_t)s->L;
+		s->t.copy_dst[s->pairs[2 * i + 1]] += (uint64_t)s->L;
+	}
+}
+
+/* Blocks a request's live sequences reference, each shared block once. */
+static int64_t unique_blocks(struct sim *s, const struct request *r)
+{
+	int64_t n = 0;
+
+	for (int k = 0; k < r->nseqs; k++) {
+		const struct seq *q = &r->seqs[k];
+		if (q->finished)
+			continue;
+		for (int64_t j = 0; j < q->nblocks; j++) {
+			if (s->remap[q->table[j]] == -1) {
+				s->remap[q->table[j]] = 0;
+				s->pairs[n++] = q->table[j];
+			}
+		}
+	}
+	for (int64_t i = 0; i < n; i++)
+		s->remap[s->pairs[i]] = -1;
+	return n;
+}
+
+/*
+ * Moves all of a request's blocks from one pool to the other, keeping
+ * sharing: each distinct block is copied once and the tables are rewritten.
+ * Builds the (src, dst) pairs in s->pairs and returns how many.
+ */
+static int64_t move_request_blocks(struct sim *s, struct request *r,
+				   struct pool *from, struct pool *to)
+{
+	int64_t npairs = 0;
+
+	for (int k = 0; k < r->nseqs; k++) {
+		struct seq *q = &r->seqs[k];
+		if (q->finished)
+			continue;
+		for (int64_t j = 0; j < q->nblocks; j++) {
+			int32_t src = q->table[j];
+			int32_t dst = s->remap[src];
+			if (dst == -1) {
+				dst = pool_alloc(to);
+				if (dst < 0 && to == &s->cpool)
+					fatal("CPU swap pool exhausted");
+				if (dst < 0)
+					fatal("internal error: swap-in not reserved");
+				s->remap[src] = dst;
+				s->pairs[2 * npairs] = src;
+				s->pairs[2 * npairs + 1] = dst;
+				npairs++;
+			} else {
+				pool_incref(to, dst);
+			}
+			pool_decref(from, src);
+			q->table[j] = dst;
+		}
+	}
+	for (int64_t i = 0; i < npairs; i++)
+		s->remap[s->pairs[2 * i]] = -1;
+	return npairs;
+}
+
+static void record_swap(struct sim *s, int64_t npairs, int direction)
+{
+	struct op_truth *o = &s->t.ops[OP_SWAP_BLOCKS];
+
+	for (int64_t l = 0; l < s->L; l++)
+		kv_swap_blocks(&s->gpu[l], &s->cpu[l], s->pairs, npairs,
+			       direction);
+	o->calls += (uint64_t)s->L;
+	o->pairs += (uint64_t)(npairs * s->L);
+	o->bytes += (uint64_t)(npairs * s->L * s->bpb);
+	for (int64_t i = 0; i < npairs; i++) {
+		if (direction == KV_SWAP_OUT)
+			s->t.swap_out[s->pairs[2 * i]] += (uint64_t)s->L;
+		else
+			s->t.swap_in[s->pairs[2 * i + 1]] += (uint64_t)s->L;
+	}
+}
+
+/* Preempts the most recently admitted running request by swapping it out. */
+static void preempt_last(struct sim *s)
+{
+	struct request *r = &s->reqs[s->running[--s->nrunning]];
+
+	if (r->nfork_blocks)
+		fatal("internal error: preempting a request with a pending fork");
+	int64_t npairs = move_request_blocks(s, r, &s->gpool, &s->cpool);
+	record_swap(s, npairs, KV_SWAP_OUT);
+	r->state = RQ_SWAPPED;
+	s->swapped[s->nswapped++] = r - s->reqs;
+	s->t.preemptions++;
+}
+
+/* Swaps swapped requests back in, oldest first, while blocks allow. */
+static void swap_in_ready(struct sim *s)
+{
+	while (s->nswapped > 0) {
+		struct request *r = &s->reqs[s->swapped[0]];
+		/*
+		 * Keep room for one decode block per sequence when others are
+		 * running, so a swapped-in request is not evicted at once.
+		 */
+		int64_t need = unique_blocks(s, r) + (s->nrunning ? r->nlive : 0);
+		if (s->gpool.nfree < need)
+			break;
+		int64_t npairs = move_request_blocks(s, r, &s->cpool, &s->gpool);
+		record_swap(s, npairs, KV_SWAP_IN);
+		r->state = RQ_RUNNING;
+		s->running[s->nrunning++] = s->swapped[0];
+		memmove(s->swapped, s->swapped + 1,
+			(size_t)(--s->nswapped) * sizeof(*s->swapped));
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Scheduling                                                          */
+
+/* New GPU blocks a prefill chunk needs, including the fork's copies. */
+static int64_t prefill_blocks(const struct sim *s, const struct request *r,
+			      int64_t chunk)
+{
+	int64_t end = r->prefilled + chunk;
+	int64_t need = ceil_div(end, s->bs) - r->seqs[0].nblocks;
+
+	if (end == r->prompt_len && r->nsamples > 1 && r->prompt_len % s->bs)
+		need += r->nsamples - 1;
+	return need;
+}
+
+static int64_t decode_blocks(const struct sim *s, const struct request *r)
+{
+	int64_t need = 0;
+
+	for (int k = 0; k < r->nseqs; k++) {
+		const struct seq *q = &r->seqs[k];
+		if (!q->finished && q->len == q->nblocks * s->bs)
+			need++;
+	}
+	return need;
+}
+
+static void schedule_prefill(struct sim *s, struct request *r, int64_t chunk)
+{
+	struct seq *q = &r->seqs[0];
+
+	for (int64_t i = 0; i < chunk; i++)
+		emit_token(s, r, q);
+	r->prefilled += chunk;
+	r->sched_step = s->step_no + 1;
+	r->sched_kind = SCHED_PREFILL;
+	if (r->prefilled < r->prompt_len)
+		return;
+	r->sched_kind = SCHED_PREFILL_LAST;
+	if (r->nsamples > 1 && r->prompt_len % s->bs) {
+		/* reserve the fork's partial-block copies now */
+		for (int k = 1; k < r->nsamples; k++)
+			r->fork_blocks[r->nfork_blocks++] = pool_alloc(&s->gpool);
+	}
+}
+
+static void schedule_decode(struct sim *s, struct request *r)
+{
+	for (int k = 0; k < r->nseqs; k++)
+		if (!r->seqs[k].finished)
+			emit_token(s, r, &r->seqs[k]);
+	r->sched_step = s->step_no + 1;
+	r->sched_kind = SCHED_DECODE;
+}
+
+/*
+ * Builds this step's token list: swap-ins first, then every running request
+ * (continuing prefill chunks, or one decode token per live sequence), then new
+ * prefills from the waiting queue, all within max_tokens_per_step.  When a
+ * running request cannot get its blocks, the most recently admitted running
+ * request is swapped out (possibly the request itself), as vLLM does.
+ */
+static void schedule_step(struct sim *s)
+{
+	int64_t budget = s->cfg->w.max_tokens_per_step;
+
+	s->ntok = 0;
+	swap_in_ready(s);
+
+	for (int64_t i = 0; i < s->nrunning; i++) {
+		struct request *r = &s->reqs[s->running[i]];
+		bool prefill = r->prefilled < r->prompt_len;
+		int64_t chunk = 0, need;
+
+		if (prefill) {
+			chunk = r->prompt_len - r->prefilled;
+			if (chunk > budget)
+				chunk = budget;
+			if (chunk == 0)
+				continue;
+			need = prefill_blocks(s, r, chunk);
+		} else {
+			if (budget < r->nlive)
+				continue;
+			need = decode_blocks(s, r);
+		}
+		/* victims come from the end: never an already scheduled one */
+		while (s->gpool.nfree < need && s->nrunning - 1 > i)
+			preempt_last(s);
+		if (s->gpool.nfree < need) {
+			preempt_last(s); /* the request itself */
+			break;
+		}
+		if (prefill) {
+			schedule_prefill(s, r, chunk);
+			budget -= chunk;
+		} else {
+			schedule_decode(s, r);
+			budget -= r->nlive;
+		}
+	}
+
+	/* New prefills wait while anything is swapped out. */
+	while (s->nswapped == 0 && s->next_waiting < s->nreq && budget > 0) {
+		struct request *r = &s->reqs[s->next_waiting];
+		int64_t chunk = r->prompt_len < budget ? r->prompt_len : budget;
+		if (s->gpool.nfree < prefill_blocks(s, r, chunk))
+			break;
+		r->state = RQ_RUNNING;
+		s->running[s->nrunning++] = s->next_waiting++;
+		schedule_prefill(s, r, chunk);
+		budget -= chunk;
+	}
+}
+
+/* Runs the model on this step's tokens: one write call per layer. */
+static void write_step(struct sim *s)
+{
+	const int op = s->cfg->w.write_op;
+	int64_t n = ceil_div(s->ntok, PAD_TO) * PAD_TO;
+	uint64_t pad = (uint64_t)(n - s->ntok);
+
+	for (int64_t i = s->ntok; i < n; i++)
+		s->slots[i] = -1;
+
+	for (int64_t l = 0; l < s->L; l++) {
+		for (int64_t i = 0; i < s->ntok; i++)
+			s->values[i] = kv_value(s->tok_id[i], s->tok_sample[i],
+						s->tok_pos[i], l);
+		for (int64_t i = s->ntok; i < n; i++)
+			s->values[i] = 0;
+		kv_write_slots(op, &s->gpu[l], s->slots, n, s->values);
+
+		for (int64_t i = 0; i < s->ntok; i++)
+			s->t.writes[l][s->slots[i] / s->bs]++;
+		s->t.ops[op].calls++;
+		s->t.ops[op].slots += (uint64_t)s->ntok;
+		s->t.ops[op].padding += pad;
+		s->t.slots_written += (uint64_t)s->ntok;
+		s->t.padding_skipped += pad;
+	}
+}
+
+/* After the step: sample tokens, fork, finish sequences. */
+static void complete_step(struct sim *s)
+{
+	int64_t kept = 0;
+
+	for (int64_t i = 0; i < s->nrunning; i++) {
+		struct request *r = &s->reqs[s->running[i]];
+
+		if (r->sched_step == s->step_no + 1 &&
+		    r->sched_kind != SCHED_PREFILL) {
+			if (r->sched_kind == SCHED_PREFILL_LAST &&
+			    r->nsamples > 1)
+				fork_request(s, r);
+			/*
+			 * The prefill samples each sequence's first token; a
+			 * decode step samples the next one.
+			 */
+			for (int k = 0; k < r->nseqs; k++) {
+				struct seq *q = &r->seqs[k];
+				if (q->finished)
+					continue;
+				q->gen++;
+				if (q->gen == q->gen_len)
+					finish_seq(s, r, q);
+			}
+		}
+		if (r->state != RQ_DONE)
+			s->running[kept++] = s->running[i];
+	}
+	s->nrunning = kept;
+}
+
+static void run_once(struct sim *s)
+{
+	const struct timespec delay = {
+		.tv_sec = (time_t)(s->cfg->step_delay_us / 1000000),
+		.tv_nsec = (long)(s->cfg->step_delay_us % 1000000) * 1000,
+	};
+
+	reset_run(s);
+	while (s->done < s->nreq) {
+		schedule_step(s);
+		if (s->ntok == 0)
+			fatal("internal error: scheduler made no progress");
+		write_step(s);
+		complete_step(s);
+		s->step_no++;
+		s->t.steps++;
+		if (s->cfg->step_delay_us && s->done < s->nreq)
+			nanosleep(&delay, NULL);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Output                                                              */
+
+static void print_array(FILE *f, const uint64_t *a, int64_t n)
+{
+	fputc('[', f);
+	for (int64_t i = 0; i < n; i++)
+		fprintf(f, i ? ", %" PRIu64 : "%" PRIu64, a[i]);
+	fputc(']', f);
+}
+
+static void write_truth(const struct sim *s, const char *path)
+{
+	const struct config *c = s->cfg;
+	const struct truth *t = &s->t;
+	size_t len = strlen(path) + 32;
+	char *tmp = xcalloc(len, 1);
+	snprintf(tmp, len, "%s.tmp.%ld", path, (long)getpid());
+
+	FILE *f = fopen(tmp, "w");
+	if (!f) {
+		fprintf(stderr, "kvsim: %s: %s\n", tmp, strerror(errno));
+		exit(1);
+	}
+	fprintf(f, "{\n");
+	fprintf(f, "  \"kvsim_version\": %d,\n", KVSIM_VERSION);
+	fprintf(f, "  \"workload\": \"%s\",\n", c->w.name);
+	fprintf(f, "  \"seed\": %" PRIu64 ",\n", c->seed);
+	fprintf(f, "  \"pid\": %ld,\n", (long)getpid());
+	fprintf(f, "  \"repeat\": %" PRIu64 ",\n", c->repeat);
+	fprintf(f, "  \"block_size\": %" PRId64 ",\n", s->bs);
+	fprintf(f, "  \"num_blocks\": %" PRId64 ",\n", s->nblocks);
+	fprintf(f, "  \"num_layers\": %" PRId64 ",\n", s->L);
+	fprintf(f, "  \"bytes_per_block\": %" PRId64 ",\n", s->bpb);
+	fprintf(f, "  \"write_op\": \"%s\",\n", kv_write_op_name(c->w.write_op));
+	fprintf(f, "  \"layers\": [\n");
+	for (int64_t l = 0; l < s->L; l++) {
+		fprintf(f,
+			"    {\"layer\": %" PRId64 ", \"cache_id\": %" PRIu64
+			", \"writes\": ",
+			l, kv_cache_id(&s->gpu[l]));
+		print_array(f, t->writes[l], s->nblocks);
+		fprintf(f, "}%s\n", l + 1 < s->L ? "," : "");
+	}
+	fprintf(f, "  ],\n");
+	const struct {
+		const char *name;
+		const uint64_t *a;
+	} arrays[] = {
+		{ "token_writes", t->token_writes }, { "copy_src", t->copy_src },
+		{ "copy_dst", t->copy_dst },         { "swap_out", t->swap_out },
+		{ "swap_in", t->swap_in },
+	};
+	for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++) {
+		fprintf(f, "  \"%s\": ", arrays[i].name);
+		print_array(f, arrays[i].a, s->nblocks);
+		fprintf(f, ",\n");
+	}
+	fprintf(f, "  \"ops\": {\n");
+	for (int op = 0; op < NUM_OPS; op++) {
+		const struct op_truth *o = &t->ops[op];
+		fprintf(f,
+			"    \"%s\": {\"calls\": %" PRIu64 ", \"slots\": %" PRIu64
+			", \"padding\": %" PRIu64 ", \"pairs\": %" PRIu64
+			", \"bytes\": %" PRIu64 "}%s\n",
+			op_name(op), o->calls, o->slots, o->padding, o->pairs,
+			o->bytes, op + 1 < NUM_OPS ? "," : "");
+	}
+	fprintf(f, "  },\n");
+	fprintf(f, "  \"slots_written\": %" PRIu64 ",\n", t->slots_written);
+	fprintf(f, "  \"padding_skipped\": %" PRIu64 ",\n", t->padding_skipped);
+	fprintf(f, "  \"steps\": %" PRIu64 ",\n", t->steps);
+	fprintf(f, "  \"requests\": %" PRIu64 ",\n", t->requests);
+	fprintf(f, "  \"preemptions\": %" PRIu64 ",\n", t->preemptions);
+	fprintf(f, "  \"forks\": %" PRIu64 ",\n", t->forks);
+	fprintf(f, "  \"kv_checksum_ok\": %s\n",
+		t->kv_mismatches ? "false" : "true");
+	fprintf(f, "}\n");
+
+	/* '|' not '||': the file must be closed whatever ferror() says */
+	if ((ferror(f) | (fclose(f) != 0)) || rename(tmp, path) != 0) {
+		fprintf(stderr, "kvsim: cannot write %s: %s\n", path,
+			strerror(errno));
+		unlink(tmp);
+		exit(1);
+	}
+	free(tmp);
+}
+
+/* ------------------------------------------------------------------ */
+/* Command line                                                        */
+
+static void print_help(void)
+{
+	printf("usage: kvsim [options]\n"
+	       "A paged-KV-cache simulator that fires the kvtrace USDT probes.\n"
+	       "\n"
+	       "  --workload NAME      default | beam | swap | stress | mla\n"
+	       "  --seed N             RNG seed (default 1)\n"
+	       "  --truth FILE         write the ground-truth JSON to FILE\n"
+	       "  --pause              wait for SIGUSR1 before running\n"
+	       "  --repeat N           run the workload N times (default 1)\n"
+	       "  --step-delay-us N    sleep N us between steps (default 0)\n"
+	       "  --layers N           override the workload's layer count\n"
+	       "  --blocks N           override the GPU block count\n"
+	       "  --block-size N       override the tokens per block\n"
+	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
+	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
+	       "  --quiet              no summary line\n"
+	       "  --help               this text\n"
+	       "\n"
+	       "Exit status: 0 ok, 1 KV contents mismatch or failure, 2 bad usage.\n");
+}
+
+static uint64_t parse_u64(const char *flag, const char *v, uint64_t min,
+			  uint64_t max)
+{
+	char *end;
+
+	errno = 0;
+	if (*v < '0' || *v > '9')
+		usage_error("bad number for %s", flag);
+	unsigned long long x = strtoull(v, &end, 10);
+	if (errno || *end || x < min || x > max)
+		usage_error("bad number for %s", flag);
+	return (uint64_t)x;
+}
+
+static void parse_args(int argc, char **argv, struct config *c)
+{
+	const char *workload = "default";
+	int64_t layers = -1, blocks = -1, block_size = -1;
+	int write_op = -1;
+
+	c->seed = 1;
+	c->repeat = 1;
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i];
+		const char *val = NULL;
+		char flag[64];
+
+		if (strncmp(a, "--", 2) != 0)
+			usage_error("unexpected argument '%s'", a);
+		/* accept both --flag VALUE and --flag=VALUE */
+		const char *eq = strchr(a, '=');
+		size_t flen = eq ? (size_t)(eq - a) : strlen(a);
+		if (flen >= sizeof(flag))
+			usage_error("unknown option '%s'", a);
+		memcpy(flag, a, flen);
+		flag[flen] = '\0';
+
+		bool has_arg = !strcmp(flag, "--workload") ||
+			       !strcmp(flag, "--seed") ||
+			       !strcmp(flag, "--truth") ||
+			       !strcmp(flag, "--repeat") ||
+			       !strcmp(flag, "--step-delay-us") ||
+			       !strcmp(flag, "--layers") ||
+			       !strcmp(flag, "--blocks") ||
+			       !strcmp(flag, "--block-size") ||
+			       !strcmp(flag, "--write-op");
+		if (has_arg) {
+			if (eq)
+				val = eq + 1;
+			else if (i + 1 < argc)
+				val = argv[++i];
+			else
+				usage_error("%s needs a value", flag);
+		} else if (eq) {
+			usage_error("%s takes no value", flag);
+		}
+
+		if (!strcmp(flag, "--help")) {
+			print_help();
+			exit(0);
+		} else if (!strcmp(flag, "--pause")) {
+			c->pause = true;
+		} else if (!strcmp(flag, "--quiet")) {
+			c->quiet = true;
+		} else if (!strcmp(flag, "--workload")) {
+			workload = val;
+		} else if (!strcmp(flag, "--seed")) {
+			c->seed = parse_u64(flag, val, 0, UINT64_MAX);
+		} else if (!strcmp(flag, "--truth")) {
+			if (!*val)
+				usage_error("%s needs a file name", flag);
+			c->truth_path = val;
+		} else if (!strcmp(flag, "--repeat")) {
+			c->repeat = parse_u64(flag, val, 1, 1000000);
+		} else if (!strcmp(flag, "--step-delay-us")) {
+			c->step_delay_us = parse_u64(flag, val, 0, 60000000);
+		} else if (!strcmp(flag, "--layers")) {
+			layers = (int64_t)parse_u64(flag, val, 1, MAX_LAYERS);
+		} else if (!strcmp(flag, "--blocks")) {
+			blocks = (int64_t)parse_u64(flag, val, 1, 1 << 22);
+		} else if (!strcmp(flag, "--block-size")) {
+			block_size = (int64_t)parse_u64(flag, val, 1, 1 << 12);
+		} else if (!strcmp(flag, "--write-op")) {
+			for (int op = 0; op < KV_NUM_WRITE_OPS; op++)
+				if (!strcmp(val, kv_write_op_name(op)))
+					write_op = op;
+			if (write_op < 0)
+				usage_error("unknown write op '%s'", val);
+		} else {
+			usage_error("unknown option '%s'", a);
+		}
+	}
+
+	size_t w;
+	for (w = 0; w < NUM_WORKLOADS; w++)
+		if (!strcmp(workload, workloads[w].name))
+			break;
+	if (w == NUM_WORKLOADS)
+		usage_error("unknown workload '%s'", workload);
+	c->w = workloads[w];
+	if (layers > 0)
+		c->w.layers = layers;
+	if (blocks > 0)
+		c->w.blocks = blocks;
+	if (block_size > 0)
+		c->w.block_size = block_size;
+	if (write_op >= 0)
+		c->w.write_op = write_op;
+	c->cpu_blocks = c->w.blocks > MIN_CPU_BLOCKS ? c->w.blocks : MIN_CPU_BLOCKS;
+}
+
+/* Blocks SIGUSR1 before announcing the pause, so no signal can be missed. */
+static void wait_for_sigusr1(void)
+{
+	sigset_t set, old;
+	int sig;
+
+	sigemptyset(&set);
+	sigaddset(&set, SIGUSR1);
+	if (sigprocmask(SIG_BLOCK, &set, &old) != 0)
+		fatal("sigprocmask failed");
+	fprintf(stderr, "kvsim: pid %ld paused, send SIGUSR1 to start\n",
+		(long)getpid());
+	fflush(stderr);
+	while (sigwait(&set, &sig) != 0)
+		;
+	sigprocmask(SIG_SETMASK, &old, NULL);
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+	struct config cfg = { 0 };
+	static struct sim sim;
+
+	parse_args(argc, argv, &cfg);
+	/* Everything (library, KV buffers, requests) is set up before --pause. */
+	sim_init(&sim, &cfg);
+	if (cfg.pause)
+		wait_for_sigusr1();
+
+	double t0 = now_s();
+	for (uint64_t i = 0; i < cfg.repeat; i++)
+		run_once(&sim);
+	double elapsed = now_s() - t0;
+
+	if (cfg.truth_path)
+		write_truth(&sim, cfg.truth_path);
+
+	const struct truth *t = &sim.t;
+	if (!cfg.quiet)
+		fprintf(stderr,
+			"kvsim: workload=%s seed=%" PRIu64 " repeat=%" PRIu64
+			" steps=%" PRIu64 " requests=%" PRIu64
+			" slots_written=%" PRIu64 " padding=%" PRIu64
+			" preemptions=%" PRIu64 " forks=%" PRIu64
+			" copies=%" PRIu64 " kv=%s time=%.3fs\n",
+			cfg.w.name, cfg.seed, cfg.repeat, t->steps, t->requests,
+			t->slots_written, t->padding_skipped, t->preemptions,
+			t->forks, t->ops[OP_COPY_BLOCKS].pairs,
+			t->kv_mismatches ? "MISMATCH" : "ok", elapsed);
+	if (t->kv_mismatches) {
+		fprintf(stderr, "kvsim: %" PRIu64 " KV mismatches\n",
+			t->kv_mismatches);
+		return 1;
+	}
+	return 0;
+}

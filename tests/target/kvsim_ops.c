@@ -1,0 +1,167 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kvsim_ops.c - libkvsim_ops.so: the cache ops of kvsim, and its probe sites.
+ *
+ * Every op fires its probe (gated by the probe's semaphore) before doing the
+ * work, like the vLLM kernels' host-side launch code.  The ops then really
+ * move bytes so that kvsim can check the KV contents afterwards.  An index out
+ * of range is a bug in kvsim's scheduler: abort rather than corrupt memory.
+ */
+#include "kvsim_ops.h"
+
+#include "kvtrace_probes.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+_Static_assert(KV_SWAP_OUT == KVTRACE_SWAP_OUT, "swap direction ABI");
+_Static_assert(KV_SWAP_IN == KVTRACE_SWAP_IN, "swap direction ABI");
+
+static const char *const write_op_names[KV_NUM_WRITE_OPS] = {
+	[KV_OP_RESHAPE_AND_CACHE] = "reshape_and_cache",
+	[KV_OP_RESHAPE_AND_CACHE_FLASH] = "reshape_and_cache_flash",
+	[KV_OP_CONCAT_AND_CACHE_MLA] = "concat_and_cache_mla",
+	[KV_OP_CPU_ATTN_RESHAPE_AND_CACHE] = "cpu_attn_reshape_and_cache",
+};
+
+const char *kv_write_op_name(int write_op)
+{
+	if (write_op < 0 || write_op >= KV_NUM_WRITE_OPS)
+		return NULL;
+	return write_op_names[write_op];
+}
+
+static void die(const char *op, const char *what, int64_t v)
+{
+	fprintf(stderr, "kvsim_ops: %s: %s (%lld)\n", op, what, (long long)v);
+	abort();
+}
+
+static uint8_t *block_ptr(const struct kv_layer *layer, int64_t block,
+			  const char *op)
+{
+	if (block < 0 || block >= layer->num_blocks)
+		die(op, "block out of range", block);
+	return layer->bytes + block * kv_bytes_per_block(layer);
+}
+
+static void fire_write_probe(int write_op, const struct kv_layer *layer,
+			     const int64_t *slots, int64_t n)
+{
+	/* Unused when the probes are compiled out. */
+	(void)layer;
+	(void)slots;
+	(void)n;
+
+	/* One site per probe: each probe has its own note and semaphore. */
+	switch (write_op) {
+	case KV_OP_RESHAPE_AND_CACHE:
+		if (KVTRACE_ENABLED(reshape_and_cache))
+			KVTRACE_RESHAPE_AND_CACHE(slots, n, layer->block_size,
+						  kv_cache_id(layer),
+						  layer->num_blocks);
+		break;
+	case KV_OP_RESHAPE_AND_CACHE_FLASH:
+		if (KVTRACE_ENABLED(reshape_and_cache_flash))
+			KVTRACE_RESHAPE_AND_CACHE_FLASH(slots, n,
+							layer->block_size,
+							kv_cache_id(layer),
+							layer->num_blocks);
+		break;
+	case KV_OP_CONCAT_AND_CACHE_MLA:
+		if (KVTRACE_ENABLED(concat_and_cache_mla))
+			KVTRACE_CONCAT_AND_CACHE_MLA(slots, n,
+						     layer->block_size,
+						     kv_cache_id(layer),
+						     layer->num_blocks);
+		break;
+	case KV_OP_CPU_ATTN_RESHAPE_AND_CACHE:
+		if (KVTRACE_ENABLED(cpu_attn_reshape_and_cache))
+			KVTRACE_CPU_ATTN_RESHAPE_AND_CACHE(slots, n,
+							   layer->block_size,
+							   kv_cache_id(layer),
+							   layer->num_blocks);
+		break;
+	default:
+		die("kv_write_slots", "bad write op", write_op);
+	}
+}
+
+void kv_write_slots(int write_op, struct kv_layer *layer, const int64_t *slots,
+		    int64_t n, const uint64_t *values)
+{
+	const int64_t nslots = layer->num_blocks * layer->block_size;
+	const int64_t bpt = layer->kv_bytes_per_token;
+
+	fire_write_probe(write_op, layer, slots, n);
+
+	for (int64_t i = 0; i < n; i++) {
+		if (slots[i] < 0)
+			continue; /* padding */
+		if (slots[i] >= nslots)
+			die("kv_write_slots", "slot out of range", slots[i]);
+		uint8_t *dst = layer->bytes + slots[i] * bpt;
+		for (int64_t off = 0; off < bpt; off += 8) {
+			size_t len = bpt - off < 8 ? (size_t)(bpt - off) : 8;
+			memcpy(dst + off, &values[i], len);
+		}
+	}
+}
+
+void kv_copy_blocks(struct kv_layer *layer, const int64_t *pairs,
+		    int64_t npairs)
+{
+	const int64_t bpb = kv_bytes_per_block(layer);
+
+	if (KVTRACE_ENABLED(copy_blocks))
+		KVTRACE_COPY_BLOCKS(pairs, npairs, bpb, kv_cache_id(layer));
+
+	for (int64_t i = 0; i < npairs; i++) {
+		uint8_t *src = block_ptr(layer, pairs[2 * i], "kv_copy_blocks");
+		uint8_t *dst =
+			block_ptr(layer, pairs[2 * i + 1], "kv_copy_blocks");
+		if (src != dst)
+			memcpy(dst, src, (size_t)bpb);
+	}
+}
+
+void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
+		    const int64_t *pairs, int64_t npairs, int direction)
+{
+	const int64_t bpb = kv_bytes_per_block(gpu);
+	struct kv_layer *from, *to;
+
+	if (kv_bytes_per_block(cpu) != bpb)
+		die("kv_swap_blocks", "block geometry mismatch", bpb);
+	if (direction == KV_SWAP_OUT) {
+		from = gpu;
+		to = cpu;
+	} else if (direction == KV_SWAP_IN) {
+		from = cpu;
+		to = gpu;
+	} else {
+		die("kv_swap_blocks", "bad direction", direction);
+		return;
+	}
+
+	if (KVTRACE_ENABLED(swap_blocks))
+		KVTRACE_SWAP_BLOCKS(pairs, npairs, bpb, direction,
+				    kv_cache_id(gpu));
+
+	for (int64_t i = 0; i < npairs; i++)
+		memcpy(block_ptr(to, pairs[2 * i + 1], "kv_swap_blocks"),
+		       block_ptr(from, pairs[2 * i], "kv_swap_blocks"),
+		       (size_t)bpb);
+}
+
+void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
+			  const uint64_t *sizes, int64_t n)
+{
+	if (KVTRACE_ENABLED(swap_blocks_batch))
+		KVTRACE_SWAP_BLOCKS_BATCH(src, dst, sizes, n);
+
+	for (int64_t i = 0; i < n; i++)
+		memcpy((void *)(uintptr_t)dst[i],
+		       (const void *)(uintptr_t)src[i], (size_t)sizes[i]);
+}

@@ -1,0 +1,77 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kvsim_ops.h - the "cache ops" of the kvsim test target.
+ *
+ * libkvsim_ops.so plays the part of vLLM's _C.so: it owns the kernels that
+ * write, copy and swap KV-cache blocks, and it is the ONLY object that fires
+ * the kvtrace USDT probes (bpf/kvtrace_probes.h).  A tracer therefore has to
+ * find the probes in a shared library mapped into the process, as with vLLM.
+ *
+ * This header deliberately does not include kvtrace_probes.h, so that the
+ * kvsim executable carries no probe semaphores of its own.
+ */
+#ifndef KVSIM_OPS_H
+#define KVSIM_OPS_H
+
+#include <stdint.h>
+
+/* Slot-write ops; each fires the probe of the same name. */
+enum kv_write_op {
+	KV_OP_RESHAPE_AND_CACHE = 0,
+	KV_OP_RESHAPE_AND_CACHE_FLASH,
+	KV_OP_CONCAT_AND_CACHE_MLA,
+	KV_OP_CPU_ATTN_RESHAPE_AND_CACHE,
+	KV_NUM_WRITE_OPS
+};
+
+/* swap_blocks directions: the same values as KVTRACE_SWAP_OUT / _IN. */
+#define KV_SWAP_OUT 1 /* GPU block src -> CPU block dst */
+#define KV_SWAP_IN 2  /* CPU block src -> GPU block dst */
+
+/* One layer's KV cache: num_blocks blocks of block_size tokens. */
+struct kv_layer {
+	uint8_t *bytes;             /* num_blocks * bytes_per_block bytes */
+	int64_t block_size;         /* tokens per block */
+	int64_t num_blocks;
+	int64_t kv_bytes_per_token; /* bytes stored per slot */
+};
+
+static inline int64_t kv_bytes_per_block(const struct kv_layer *layer)
+{
+	return layer->block_size * layer->kv_bytes_per_token;
+}
+
+/* The cache_id passed to the probes: the layer buffer's base address. */
+static inline uint64_t kv_cache_id(const struct kv_layer *layer)
+{
+	return (uint64_t)(uintptr_t)layer->bytes;
+}
+
+/* Probe name of a write op ("reshape_and_cache", ...), NULL if invalid. */
+const char *kv_write_op_name(int write_op);
+
+/*
+ * Writes values[i] into slot slots[i] of layer (the 8-byte value repeated
+ * over the slot's kv_bytes_per_token bytes).  Negative slots are padding and
+ * are skipped.  Fires the probe of write_op first.
+ */
+void kv_write_slots(int write_op, struct kv_layer *layer, const int64_t *slots,
+		    int64_t n, const uint64_t *values);
+
+/* Copies block pairs[2i] to block pairs[2i+1] inside layer (copy_blocks). */
+void kv_copy_blocks(struct kv_layer *layer, const int64_t *pairs,
+		    int64_t npairs);
+
+/*
+ * Copies blocks between a GPU layer and its CPU twin (swap_blocks).
+ * KV_SWAP_OUT: pairs are (gpu src, cpu dst); KV_SWAP_IN: (cpu src, gpu dst).
+ * The probe's cache_id is always the GPU layer's.
+ */
+void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
+		    const int64_t *pairs, int64_t npairs, int direction);
+
+/* memcpy(dst[i], src[i], sizes[i]) for raw addresses (swap_blocks_batch). */
+void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
+			  const uint64_t *sizes, int64_t n);
+
+#endif /* KVSIM_OPS_H */

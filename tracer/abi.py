@@ -1,0 +1,58 @@
+"""The probe ABI and the shared layouts, read from bpf/ (their one home).
+
+Op names come from `enum kvtrace_op` in bpf/kvtrace.h; the probe names of
+bpf/kvtrace_probes.h are the same names in lower case.  Struct layouts are not
+repeated here: bcc compiles kvtrace.h and hands us matching ctypes.
+"""
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+SHARED_HEADER = BPF_DIR / "kvtrace.h"
+PROBE_HEADER = BPF_DIR / "kvtrace_probes.h"
+BPF_PROGRAM = BPF_DIR / "kvtrace.bpf.c"
+
+PROVIDER = "vllm"
+
+
+@lru_cache(maxsize=None)
+def _enum(name: str) -> dict:
+    text = SHARED_HEADER.read_text()
+    m = re.search(r"enum\s+%s\s*\{(.*?)\};" % re.escape(name), text, re.S)
+    if not m:
+        raise RuntimeError(f"enum {name} missing from {SHARED_HEADER}")
+    body = re.sub(r"/\*.*?\*/", "", m.group(1), flags=re.S)
+    return {k: int(v) for k, v in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
+
+
+@lru_cache(maxsize=None)
+def define(name: str) -> int:
+    m = re.search(r"#define\s+%s\s+(\d+)" % re.escape(name), SHARED_HEADER.read_text())
+    if not m:
+        raise RuntimeError(f"#define {name} missing from {SHARED_HEADER}")
+    return int(m.group(1))
+
+
+def _strip(prefix: str, enum: dict) -> dict:
+    return {k[len(prefix):].lower(): v for k, v in enum.items() if k.startswith(prefix)}
+
+
+OPS = {k: v for k, v in _strip("KVTRACE_OP_", _enum("kvtrace_op")).items()}
+OP_NAMES = {v: k for k, v in OPS.items()}
+NR_OPS = _enum("kvtrace_op")["KVTRACE_NR_OPS"]
+WRITE_OPS = frozenset(
+    ("reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
+     "cpu_attn_reshape_and_cache"))
+MOVES = _strip("KVTRACE_MOVE_", _enum("kvtrace_move"))
+GLOBALS = _strip("KVTRACE_G_", _enum("kvtrace_global"))
+ARG_KINDS = _strip("KVTRACE_ARG_", _enum("kvtrace_arg_kind"))
+MAX_ARGS = define("KVTRACE_MAX_ARGS")
+CHUNK = define("KVTRACE_CHUNK")
+DEFAULT_MAX_BLOCKS = define("KVTRACE_MAX_BLOCKS")
+DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
+EV_TRUNCATED = define("KVTRACE_EV_TRUNCATED")
+EV_READ_ERROR = define("KVTRACE_EV_READ_ERROR")
+
+assert set(OPS) >= WRITE_OPS and len(OPS) == NR_OPS

@@ -1,0 +1,228 @@
+"""Find probe sites: USDT notes in ELF files (pyelftools), and the files a
+running process maps (/proc/PID/maps).
+
+Everything here only reads: files on disk, /proc/PID/maps, and (for
+`probes -p`, to show semaphore values) /proc/PID/mem.
+"""
+
+import os
+import platform
+import re
+import struct
+from dataclasses import dataclass, field
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from . import abi
+from .errors import TargetError
+
+# Byte offsets of the registers in the kernel's struct pt_regs (x86_64),
+# keyed by every name an SDT argument may use for them.
+_X86_PT_REGS = {
+    "r15": 0, "r14": 8, "r13": 16, "r12": 24, "bp": 32, "bx": 40, "r11": 48,
+    "r10": 56, "r9": 64, "r8": 72, "ax": 80, "cx": 88, "dx": 96, "si": 104,
+    "di": 112, "ip": 128, "sp": 152,
+}
+
+
+def _x86_reg_offset(name: str) -> int:
+    """pt_regs offset for any x86_64 register spelling (rax, eax, ax, al, r8d...)."""
+    m = re.fullmatch(r"r(\d+)[dwb]?", name)
+    if m and 8 <= int(m.group(1)) <= 15:
+        return _X86_PT_REGS["r" + m.group(1)]
+    for full in ("ax", "bx", "cx", "dx"):
+        if name in ("r" + full, "e" + full, full, full[0] + "l", full[0] + "h"):
+            return _X86_PT_REGS[full]
+    for full in ("si", "di", "bp", "sp", "ip"):
+        if name in ("r" + full, "e" + full, full, full + "l"):
+            return _X86_PT_REGS[full]
+    raise ValueError(f"unknown register %{name}")
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One argument's location, in the BPF program's terms (kvtrace_arg_spec)."""
+
+    kind: int  # abi.ARG_KINDS value
+    reg_off: int
+    val_off: int
+    size: int  # bytes
+    is_signed: bool
+
+    @property
+    def bitshift(self) -> int:
+        return 64 - 8 * self.size
+
+
+def parse_sdt_arg(text: str) -> ArgSpec:
+    """Parse one x86_64 SDT argument such as '-8@%rax', '8@-24(%rbp)', '4@$5'."""
+    m = re.fullmatch(r"(-?)(1|2|4|8)@(.+)", text)
+    if not m:
+        raise ValueError(f"unsupported SDT argument {text!r}")
+    signed, size, loc = m.group(1) == "-", int(m.group(2)), m.group(3)
+    if loc.startswith("$"):
+        return ArgSpec(abi.ARG_KINDS["const"], 0, int(loc[1:], 0) & (2**64 - 1), size, signed)
+    m = re.fullmatch(r"%(\w+)", loc)
+    if m:
+        return ArgSpec(abi.ARG_KINDS["reg"], _x86_reg_offset(m.group(1)), 0, size, signed)
+    m = re.fullmatch(r"(-?(?:0x)?[0-9a-fA-F]*)\(%(\w+)\)", loc)
+    if m and m.group(2) != "rip":
+        disp = int(m.group(1), 0) if m.group(1) not in ("", "-") else 0
+        return ArgSpec(abi.ARG_KINDS["reg_deref"], _x86_reg_offset(m.group(2)),
+                       disp & (2**64 - 1), size, signed)
+    raise ValueError(f"unsupported SDT argument {text!r}")
+
+
+@dataclass
+class Probe:
+    path: str
+    provider: str
+    name: str
+    vaddr: int  # link-time address of the probe instruction
+    offset: int  # its file offset: what a uprobe is placed on
+    sem_vaddr: int  # 0 when the probe has no semaphore
+    sem_offset: int  # file offset of the semaphore (uprobe ref_ctr_offset)
+    args: str  # the raw argument spec, e.g. '8@%rax -8@$4'
+    arg_specs: list = field(default_factory=list)
+    arg_error: str = ""  # why arg_specs could not be decoded, if so
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.provider}:{self.name}"
+
+
+def _vaddr_to_offset(elf: ELFFile, vaddr: int) -> int:
+    for seg in elf.iter_segments():
+        if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
+            return vaddr - seg["p_vaddr"] + seg["p_offset"]
+    raise ValueError(f"address {vaddr:#x} is in no loadable segment")
+
+
+def read_probes(path: str, provider: str = abi.PROVIDER) -> list:
+    """All USDT probes of `provider` in the ELF file at `path` (empty if none)."""
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            notes = elf.get_section_by_name(".note.stapsdt")
+            if notes is None:
+                return []
+            base_sec = elf.get_section_by_name(".stapsdt.base")
+            addr_fmt = "<3Q" if elf.elfclass == 64 else "<3I"
+            addr_size = struct.calcsize(addr_fmt)
+            probes = []
+            for note in notes.iter_notes():
+                # pyelftools names type 3 after the GNU note of that number
+                if note["n_name"] != "stapsdt" or note["n_type"] not in (
+                        3, "NT_GNU_BUILD_ID", "NT_STAPSDT"):
+                    continue
+                desc = note["n_descdata"]
+                pc, base, sem = struct.unpack_from(addr_fmt, desc)
+                prov, name, args = desc[addr_size:].split(b"\0")[:3]
+                if prov.decode() != provider:
+                    continue
+                if base_sec is not None and base:
+                    # prelink may have moved the file; the note records the
+                    # link-time .stapsdt.base so that the pc can be adjusted
+                    pc += base_sec["sh_addr"] - base
+                probe = Probe(path, prov.decode(), name.decode(), pc,
+                              _vaddr_to_offset(elf, pc), sem,
+                              _vaddr_to_offset(elf, sem) if sem else 0,
+                              args.decode())
+                try:
+                    probe.arg_specs = [parse_sdt_arg(a) for a in probe.args.split()]
+                except ValueError as e:
+                    probe.arg_error = str(e)
+                probes.append(probe)
+            return probes
+    except (ELFError, struct.error) as e:
+        raise TargetError(f"{path}: not a readable ELF file ({e})") from None
+    except IsADirectoryError:
+        raise TargetError(f"{path}: is a directory, not an ELF file") from None
+    except PermissionError:
+        raise TargetError(f"{path}: permission denied") from None
+    except FileNotFoundError:
+        raise TargetError(f"{path}: no such file") from None
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    inode: int
+    path: str
+
+
+def read_maps(pid: int) -> list:
+    """The file-backed mappings of a process."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise TargetError(f"no process with pid {pid}") from None
+    except PermissionError:
+        raise TargetError(f"cannot read /proc/{pid}/maps: permission denied") from None
+    maps = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        maps.append(Mapping(lo, hi, parts[1], int(parts[2], 16), int(parts[4]),
+                            parts[5]))
+    return maps
+
+
+def runtime_address(maps: list, path: str, file_offset: int):
+    """Where file_offset of `path` is mapped in the process, or None."""
+    for m in maps:
+        if m.path == path and m.offset <= file_offset < m.offset + (m.end - m.start):
+            return m.start + file_offset - m.offset
+    return None
+
+
+def process_probe_files(pid: int, provider: str = abi.PROVIDER) -> dict:
+    """{path: [Probe]} for every file mapped by `pid` that has `provider` probes."""
+    found = {}
+    for path in sorted({m.path for m in read_maps(pid)}):
+        if path.endswith(" (deleted)") or not os.path.isfile(path):
+            continue
+        try:
+            probes = read_probes(path, provider)
+        except TargetError:
+            continue  # a mapped non-ELF (fonts, locale archives...)
+        if probes:
+            found[path] = probes
+    return found
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def read_semaphore(pid: int, maps: list, probe: Probe):
+    """Current value of a probe's semaphore in a live process (read only)."""
+    if not probe.sem_vaddr:
+        return None
+    addr = runtime_address(maps, probe.path, probe.sem_offset)
+    if addr is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as f:
+            f.seek(addr)
+            return struct.unpack("<H", f.read(2))[0]
+    except OSError:
+        return None
+
+
+def check_arch():
+    if platform.machine() != "x86_64":
+        from .errors import EnvironmentProblem
+        raise EnvironmentProblem(
+            f"SDT argument decoding is implemented for x86_64 only, not {platform.machine()}")

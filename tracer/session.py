@@ -1,0 +1,285 @@
+"""Load the BPF program, attach it to probe sites, poll, read, detach (bcc).
+
+Attaching goes through the kernel's uprobe PMU (uprobe_pmu.py), so the kernel
+owns the USDT semaphores; bcc compiles and loads the programs and owns the maps
+and the perf buffer.  Reading the exact counters is a snapshot of the maps
+(aggregate.py turns it into histograms); the perf buffer only carries the
+per-op stream, and what it loses is counted, not guessed.
+"""
+
+import ctypes
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import abi, discover
+from .errors import EnvironmentProblem, TargetError
+from .uprobe_pmu import Uprobe
+
+_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+
+
+def check_privileges():
+    """Root, or CAP_BPF + CAP_PERFMON (CAP_SYS_ADMIN covers both)."""
+    if os.geteuid() == 0:
+        return
+    with open("/proc/self/status") as f:
+        caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    if caps & (1 << _CAP_SYS_ADMIN) or (caps & (1 << _CAP_BPF) and caps & (1 << _CAP_PERFMON)):
+        return
+    raise EnvironmentProblem(
+        "tracing needs root (or CAP_BPF and CAP_PERFMON): run it with sudo")
+
+
+def check_kernel_headers():
+    """bcc compiles at run time against the running kernel's headers."""
+    release = os.uname().release
+    build = f"/lib/modules/{release}/build"
+    if os.path.isdir(os.path.join(build, "include")) or os.path.exists("/sys/kernel/kheaders.tar.xz"):
+        return
+    raise EnvironmentProblem(
+        f"no kernel headers for {release} ({build} is missing): run `make setup`, "
+        "which links Debian's linux-headers there")
+
+
+def _import_bcc():
+    try:
+        import bcc  # the distribution's python3-bpfcc, not PyPI's "bcc"
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"bcc is not importable ({e}): install python3-bpfcc and use a venv "
+            "made with --system-site-packages (`make setup` does both)") from None
+    return bcc
+
+
+@dataclass
+class TracedProcess:
+    pid: int
+    index: int  # row group in block_moves
+    comm: str
+    uprobes: list = field(default_factory=list)
+    probe_files: dict = field(default_factory=dict)  # path -> [Probe]
+    skipped: list = field(default_factory=list)  # (probe, reason)
+
+
+class Tracer:
+    """One BPF program instance tracing a set of processes."""
+
+    def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
+                 max_caches: int = abi.DEFAULT_MAX_CACHES, max_procs: int = 8,
+                 stacks: bool = False, perf_pages: int = 64, on_record=None):
+        check_privileges()
+        check_kernel_headers()
+        discover.check_arch()
+        bcc = _import_bcc()
+        if max_blocks & (max_blocks - 1):
+            max_blocks = 1 << max_blocks.bit_length()  # the BPF side masks
+        self.max_blocks, self.max_caches, self.max_procs = max_blocks, max_caches, max_procs
+        cflags = [f"-I{abi.BPF_DIR}", f"-DKVTRACE_MAX_BLOCKS={max_blocks}",
+                  f"-DKVTRACE_MAX_CACHES={max_caches}", f"-DKVTRACE_MAX_PROCS={max_procs}"]
+        if stacks:
+            cflags.append("-DKVTRACE_WITH_STACKS")
+        self.stacks = stacks
+        t0 = time.monotonic()
+        try:
+            self.bpf = bcc.BPF(src_file=str(abi.BPF_PROGRAM).encode(), cflags=cflags)
+        except Exception as e:  # bcc raises bare Exception on compile errors
+            raise EnvironmentProblem(f"the BPF program did not compile: {e}") from None
+        self.compile_seconds = time.monotonic() - t0
+        try:
+            stages = self.bpf["stages"]
+            for name, idx in ((n[len("KVTRACE_STAGE_"):].lower(), i)
+                              for n, i in abi._enum("kvtrace_stage").items()
+                              if n != "KVTRACE_NR_STAGES"):
+                fn = self.bpf.load_func(f"kvtrace_stage_{name}".encode(), bcc.BPF.KPROBE)
+                stages[ctypes.c_int(idx)] = ctypes.c_int(fn.fd)
+            self.site_prog = self.bpf.load_func(b"kvtrace_site_hit", bcc.BPF.KPROBE)
+            self.entry_prog = self.bpf.load_func(b"kvtrace_stop_at_entry", bcc.BPF.KPROBE)
+        except Exception as e:
+            raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
+        self.load_seconds = time.monotonic() - t0
+
+        row_bytes = max_blocks * 8
+        self._writes_map = self._mmap(self.bpf["block_writes"], max_caches * row_bytes)
+        self._moves_map = self._mmap(self.bpf["block_moves"],
+                                     max_procs * len(abi.MOVES) * row_bytes)
+        self.writes = np.frombuffer(self._writes_map, dtype=np.uint64,
+                                    count=max_caches * max_blocks).reshape(max_caches, max_blocks)
+        self.moves = np.frombuffer(self._moves_map, dtype=np.uint64,
+                                   count=max_procs * len(abi.MOVES) * max_blocks
+                                   ).reshape(max_procs, len(abi.MOVES), max_blocks)
+
+        self.records = 0
+        self.lost = 0
+        self._on_record = on_record
+        events = self.bpf["events"]
+        events.open_perf_buffer(self._record, page_cnt=perf_pages, lost_cb=self._lost)
+        self._events = events
+        self.procs = {}  # pid -> TracedProcess
+        self._probe_cache = {}  # (path, inode, mtime) -> [Probe]
+        self.started = time.monotonic()
+
+    @staticmethod
+    def _mmap(table, size):
+        return mmap.mmap(table.map_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+    # -- the per-op stream -------------------------------------------------
+
+    def _record(self, cpu, data, size):
+        self.records += 1
+        if self._on_record is not None:
+            self._on_record(self._events.event(data))
+
+    def _lost(self, count):
+        self.lost += count
+
+    def poll(self, timeout_ms: int):
+        self.bpf.perf_buffer_poll(timeout=timeout_ms)
+
+    # -- processes and probes ----------------------------------------------
+
+    def track(self, pid: int) -> TracedProcess:
+        """Add pid to the traced set (before any of its probes can fire)."""
+        if pid in self.procs:
+            return self.procs[pid]
+        if len(self.procs) >= self.max_procs:
+            raise TargetError(f"cannot trace more than {self.max_procs} processes (--max-procs)")
+        proc = TracedProcess(pid, len(self.procs), discover.comm(pid))
+        table = self.bpf["traced_pids"]
+        value = table.Leaf()
+        value.index = proc.index
+        table[table.Key(pid)] = value
+        self.procs[pid] = proc
+        return proc
+
+    def probe_files(self, pid: int) -> dict:
+        """{path: [Probe]} of files mapped by pid, parsing each file once."""
+        found = {}
+        for path in sorted({m.path for m in discover.read_maps(pid)}):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            key = (path, st.st_ino, st.st_mtime_ns)
+            if key not in self._probe_cache:
+                try:
+                    self._probe_cache[key] = discover.read_probes(path) if os.path.isfile(path) else []
+                except TargetError:
+                    self._probe_cache[key] = []
+            if self._probe_cache[key]:
+                found[path] = self._probe_cache[key]
+        return found
+
+    def attach(self, pid: int, files: dict) -> int:
+        """Attach to every known probe in `files` not yet attached in pid.
+        Returns the number of new uprobes."""
+        proc = self.track(pid)
+        maps = discover.read_maps(pid)
+        sites = self.bpf["sites"]
+        added = 0
+        for path, probes in files.items():
+            if path in proc.probe_files:
+                continue
+            proc.probe_files[path] = probes
+            for probe in probes:
+                if probe.name not in abi.OPS:
+                    proc.skipped.append((probe, "unknown probe name"))
+                    continue
+                if probe.arg_error or len(probe.arg_specs) > abi.MAX_ARGS:
+                    proc.skipped.append((probe, probe.arg_error or "too many arguments"))
+                    continue
+                ip = discover.runtime_address(maps, path, probe.offset)
+                if ip is None:
+                    proc.skipped.append((probe, "not mapped"))
+                    continue
+                key = sites.Key()
+                key.pid, key.ip = pid, ip
+                site = sites.Leaf()
+                site.op = abi.OPS[probe.name]
+                site.nargs = len(probe.arg_specs)
+                for i, spec in enumerate(probe.arg_specs):
+                    site.args[i].kind = spec.kind
+                    site.args[i].reg_off = spec.reg_off
+                    site.args[i].val_off = spec.val_off
+                    site.args[i].is_signed = spec.is_signed
+                    site.args[i].bitshift = spec.bitshift
+                # the site is described before its uprobe exists: no hit
+                # can arrive that the program cannot decode
+                sites[key] = site
+                proc.uprobes.append(Uprobe(path, probe.offset, pid, self.site_prog.fd,
+                                           ref_ctr_offset=probe.sem_offset))
+                added += 1
+        return added
+
+    def stop_at_entry(self, pid: int, exe: str, entry_offset: int) -> Uprobe:
+        """A uprobe that SIGSTOPs pid at its program's entry point."""
+        self.track(pid)
+        return Uprobe(exe, entry_offset, pid, self.entry_prog.fd)
+
+    def detach(self):
+        """Close every uprobe: the kernel removes them and drops the semaphores."""
+        for proc in self.procs.values():
+            for up in proc.uprobes:
+                up.close()
+            proc.uprobes.clear()
+
+    def close(self):
+        self.detach()
+        # numpy views first: an mmap with live views cannot close
+        self.writes = self.moves = None
+        for m in (self._writes_map, self._moves_map):
+            m.close()
+        # let bcc free the perf buffer while its map is still open
+        self._events = None
+        self.bpf.cleanup()
+
+    # -- reading -------------------------------------------------------------
+
+    def read_globals(self) -> dict:
+        table = self.bpf["globals"]
+        return {name: int(table[ctypes.c_int(i)].value) for name, i in abi.GLOBALS.items()}
+
+    def read_maps(self) -> dict:
+        """A raw, consistent-enough copy of every counter map (see aggregate.Snapshot)."""
+        caches = []
+        for k, v in self.bpf["caches"].items():
+            caches.append(dict(pid=k.pid, cache_id=k.cache_id, index=v.index,
+                               op=abi.OP_NAMES.get(v.op, str(v.op)),
+                               block_size=v.block_size, num_blocks=v.num_blocks,
+                               calls=v.calls, slots=v.slots, padding=v.padding,
+                               out_of_range=v.out_of_range))
+        for c in caches:
+            if c["index"] < self.max_caches:
+                c["writes"] = self.writes[c["index"]].copy()
+        op_stats = {}
+        for k, v in self.bpf["op_stats"].items():
+            op_stats[(k.pid, abi.OP_NAMES.get(k.op, str(k.op)))] = {
+                name: int(getattr(v, name)) for name, _ in v._fields_}
+        log2 = {}
+        for k, v in self.bpf["op_log2"].items():
+            log2.setdefault(abi.OP_NAMES.get(k.op, str(k.op)), {})[k.slot] = v.value
+        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()}
+        stacks = []
+        if self.stacks:
+            for k, v in self.bpf["stack_weights"].items():
+                stacks.append((k.pid, k.stack_id, abi.OP_NAMES.get(k.op, str(k.op)),
+                               k.cache_index, v.value))
+        return dict(time=time.monotonic(), caches=caches, op_stats=op_stats, log2=log2,
+                    moves=moves, stacks=stacks, globals=self.read_globals(),
+                    records=self.records, lost=self.lost)
+
+    def stack_frames(self, stack_id: int, pid: int) -> list:
+        """Symbolized user frames of a stack, outermost first."""
+        if stack_id < 0:
+            return []
+        frames = []
+        try:
+            addrs = list(self.bpf["stacks"].walk(stack_id))
+        except KeyError:
+            return []
+        for addr in reversed(addrs):
+            frames.append(self.bpf.sym(addr, pid, show_module=True).decode(errors="replace"))
+        return frames
