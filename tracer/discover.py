@@ -226,3 +226,13 @@ def check_arch():
         from .errors import EnvironmentProblem
         raise EnvironmentProblem(
             f"SDT argument decoding is implemented for x86_64 only, not {platform.machine()}")
+
+
+def entry_offset(path: str):
+    """File offset of an ELF executable's entry point, None if not ELF."""
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            return _vaddr_to_offset(elf, elf.header["e_entry"])
+    except (ELFError, ValueError, struct.error):
+        return None

@@ -177,6 +177,7 @@ class Tracer:
         """Attach to every known probe in `files` not yet attached in pid.
         Returns the number of new uprobes."""
         proc = self.track(pid)
+        proc.comm = discover.comm(pid)  # it may have exec'd since track()
         maps = discover.read_maps(pid)
         sites = self.bpf["sites"]
         added = 0
@@ -212,6 +213,11 @@ class Tracer:
                 proc.uprobes.append(Uprobe(path, probe.offset, pid, self.site_prog.fd,
                                            ref_ctr_offset=probe.sem_offset))
                 added += 1
+                if self.stacks and added == 1:
+                    # bcc reads /proc/PID/maps on a pid's first lookup and
+                    # keeps it: look once now, while the target lives, so
+                    # stacks still resolve after it exits
+                    self.bpf.sym(ip, pid)
         return added
 
     def stop_at_entry(self, pid: int, exe: str, entry_offset: int) -> Uprobe:

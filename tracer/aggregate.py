@@ -1,0 +1,214 @@
+"""Turn a raw copy of the BPF maps into per-block histograms (numpy).
+
+Pure logic: no bcc here, so views, exporters and tests can use it on any
+machine.  The input is Tracer.read_maps()'s dict; the output is an Aggregate,
+which also knows how to say whether its counts are exact and how to become
+the --json document (docs/json-schema.md).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import abi
+
+JSON_SCHEMA = "kvtrace-bpf/aggregate"
+JSON_VERSION = 1
+
+OP_COUNTERS = ("calls", "items", "slots", "padding", "bytes", "truncated",
+               "read_errors", "out_of_range")
+
+
+@dataclass
+class Layer:
+    """One KV cache (one layer) of one process."""
+
+    pid: int
+    layer: int  # order of first appearance in the process
+    cache_id: int
+    index: int
+    op: str
+    block_size: int
+    num_blocks: int
+    calls: int
+    slots: int
+    padding: int
+    out_of_range: int
+    writes: np.ndarray  # uint64 per block: slots written into it
+
+
+@dataclass
+class Process:
+    pid: int
+    comm: str
+    layers: list = field(default_factory=list)
+    ops: dict = field(default_factory=dict)  # op -> {counter: n}
+    moves: dict = field(default_factory=dict)  # move kind -> uint64 per block
+    probe_files: list = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return max([len(l.writes) for l in self.layers] +
+                   [len(m) for m in self.moves.values()] + [0])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Per block, the writes of the layer that wrote it most.
+
+        Every layer of a step sees the same slot mapping, so this is the
+        number of tokens written into the block, counted once and not once
+        per layer (models whose layers differ in groups get the busiest one).
+        """
+        out = np.zeros(self.num_blocks, dtype=np.uint64)
+        for layer in self.layers:
+            np.maximum(out[:len(layer.writes)], layer.writes, out=out[:len(layer.writes)])
+        return out
+
+    @property
+    def all_layer_writes(self) -> np.ndarray:
+        out = np.zeros(self.num_blocks, dtype=np.uint64)
+        for layer in self.layers:
+            out[:len(layer.writes)] += layer.writes
+        return out
+
+
+def _trim(arr: np.ndarray, length: int) -> np.ndarray:
+    """arr cut to `length` entries, or to its last non-zero one if unknown."""
+    if length <= 0:
+        nz = np.flatnonzero(arr)
+        length = int(nz[-1]) + 1 if len(nz) else 0
+    return arr[:length]
+
+
+@dataclass
+class Aggregate:
+    time: float
+    processes: dict  # pid -> Process
+    log2: dict  # op -> {log2 slot: ops}
+    globals: dict
+    records: int
+    lost: int
+
+    @classmethod
+    def from_maps(cls, raw: dict, comms: dict = None, probe_files: dict = None):
+        comms, probe_files = comms or {}, probe_files or {}
+        procs = {}
+
+        def proc(pid):
+            if pid not in procs:
+                procs[pid] = Process(pid, comms.get(pid, "?"),
+                                     probe_files=list(probe_files.get(pid, [])))
+            return procs[pid]
+
+        for pid in raw.get("moves", {}):
+            proc(pid)
+        by_pid = {}
+        for c in raw["caches"]:
+            by_pid.setdefault(c["pid"], []).append(c)
+        for pid, caches in by_pid.items():
+            for n, c in enumerate(sorted(caches, key=lambda c: c["index"])):
+                nb = int(c["num_blocks"])
+                writes = c.get("writes")
+                writes = (_trim(writes, min(nb, len(writes))) if writes is not None
+                          else np.zeros(0, dtype=np.uint64))
+                proc(pid).layers.append(Layer(
+                    pid, n, int(c["cache_id"]), int(c["index"]), c["op"],
+                    int(c["block_size"]), nb, int(c["calls"]), int(c["slots"]),
+                    int(c["padding"]), int(c["out_of_range"]), writes))
+        for (pid, op), st in raw["op_stats"].items():
+            proc(pid).ops[op] = {k: int(st.get(k, 0)) for k in OP_COUNTERS}
+        for pid, rows in raw.get("moves", {}).items():
+            p = proc(pid)
+            length = max([l.num_blocks for l in p.layers] + [0])
+            for kind, i in abi.MOVES.items():
+                p.moves[kind] = _trim(rows[i], min(length, len(rows[i])) if length else 0)
+        return cls(raw["time"], procs, raw["log2"], raw["globals"], raw["records"], raw["lost"])
+
+    # -- totals and honesty ------------------------------------------------
+
+    def op_totals(self) -> dict:
+        totals = {}
+        for p in self.processes.values():
+            for op, st in p.ops.items():
+                t = totals.setdefault(op, dict.fromkeys(OP_COUNTERS, 0))
+                for k in OP_COUNTERS:
+                    t[k] += st[k]
+        return {op: totals[op] for op in sorted(totals, key=lambda o: abi.OPS.get(o, 99))}
+
+    def inexact_reasons(self) -> list:
+        """Why the per-block counts may differ from what the target did.
+
+        Lost perf records are not a reason: the counts never come from them.
+        """
+        reasons = []
+        totals = self.op_totals()
+        for key, what in (("truncated", "items beyond the per-op read limit"),
+                          ("read_errors", "index arrays that could not be read"),
+                          ("out_of_range", "blocks beyond --max-blocks")):
+            n = sum(t[key] for t in totals.values())
+            if n:
+                reasons.append(f"{n} {what}")
+        if self.globals.get("cache_full"):
+            reasons.append(f"{self.globals['cache_full']} layers beyond --max-layers")
+        return reasons
+
+    # -- JSON ----------------------------------------------------------------
+
+    def to_json(self, **meta) -> dict:
+        def sparse(arr):
+            nz = np.flatnonzero(arr)
+            return [[int(b), int(arr[b])] for b in nz]
+
+        def log2_rows(hist):
+            return [[0 if s == 0 else 1 << s, (1 << (s + 1)) - 1, int(hist[s])]
+                    for s in sorted(hist)]
+
+        procs = []
+        for p in sorted(self.processes.values(), key=lambda p: p.pid):
+            procs.append({
+                "pid": p.pid, "comm": p.comm, "probe_files": p.probe_files,
+                "ops": p.ops,
+                "layers": [{
+                    "layer": l.layer, "cache_id": l.cache_id, "op": l.op,
+                    "block_size": l.block_size, "num_blocks": l.num_blocks,
+                    "calls": l.calls, "slots": l.slots, "padding": l.padding,
+                    "out_of_range": l.out_of_range, "writes": sparse(l.writes),
+                } for l in p.layers],
+                "blocks": {"num_blocks": p.num_blocks, "tokens": sparse(p.tokens),
+                           **{k: sparse(v) for k, v in p.moves.items()}},
+            })
+        reasons = self.inexact_reasons()
+        return {
+            "schema": JSON_SCHEMA, "version": JSON_VERSION, **meta,
+            "records": self.records, "lost_records": self.lost,
+            "exact": not reasons, "inexact_reasons": reasons,
+            "dropped": {"foreign_process_hits": self.globals.get("foreign", 0),
+                        "unknown_site_hits": self.globals.get("no_site", 0)},
+            "ops": self.op_totals(),
+            "items_log2": {op: log2_rows(h) for op, h in sorted(self.log2.items())},
+            "processes": procs,
+        }
+
+
+def bucket(counts: np.ndarray, nbuckets: int):
+    """Sum counts into at most nbuckets equal runs of blocks.
+
+    Returns (sums, blocks_per_bucket)."""
+    n = len(counts)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64), 1
+    per = max(1, -(-n // max(1, nbuckets)))
+    starts = np.arange(0, n, per)
+    return np.add.reduceat(counts.astype(np.uint64), starts), per
+
+
+def rates(now: "Aggregate", before: "Aggregate") -> dict:
+    """Per-op calls/s and items/s between two aggregates."""
+    dt = now.time - before.time
+    if dt <= 0:
+        return {}
+    a, b = now.op_totals(), before.op_totals()
+    zero = dict.fromkeys(OP_COUNTERS, 0)
+    return {op: {"calls": (a[op]["calls"] - b.get(op, zero)["calls"]) / dt,
+                 "items": (a[op]["items"] - b.get(op, zero)["items"]) / dt}
+            for op in a}

@@ -1,0 +1,58 @@
+"""`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
+
+import argparse
+import sys
+
+from . import __version__, cmd_attach, cmd_probes
+from .errors import EXIT_USAGE, KvtraceError
+
+EPILOG = """\
+examples:
+  sudo kvtrace-bpf attach -p $(pgrep -f 'vllm serve')   # live per-block histograms
+  sudo kvtrace-bpf attach -- tests/target/kvsim --workload swap
+  kvtrace-bpf probes tests/target/libkvsim_ops.so
+
+exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors exit with our usage code, on one line."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser():
+    parser = _Parser(prog="kvtrace-bpf", epilog=EPILOG,
+                     description="eBPF tracer for vLLM's paged KV cache: what happens "
+                                 "to every physical block.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
+    for module in (cmd_attach, cmd_probes):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except KvtraceError as e:
+        if args.debug:
+            raise
+        print(f"kvtrace-bpf: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

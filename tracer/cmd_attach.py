@@ -1,0 +1,243 @@
+"""`kvtrace-bpf attach`: trace a process live, print a summary on exit."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from rich.console import Console
+from rich.live import Live
+
+from . import abi, live, target as target_mod
+from .aggregate import Aggregate
+from .errors import TargetError, UsageError
+from .export import folded_lines
+from .files import check_writable, open_private
+
+EXAMPLES = """\
+examples:
+  sudo kvtrace-bpf attach -p 1234                  # live view until Ctrl-C
+  sudo kvtrace-bpf attach -p 1234 -d 30 --json kv.json
+  sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
+  flamegraph.pl --countname=slots kv.folded > kv.svg
+"""
+
+
+def positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return v
+
+
+def positive_int(text):
+    try:
+        v = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return v
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "attach", help="trace a vLLM process (or a command) live",
+        description="Attach to the vllm:* probes of a running process (-p) or of a "
+                    "command started under the tracer (-- CMD), show per-block KV-cache "
+                    "histograms live, and print a summary when tracing ends "
+                    "(Ctrl-C, --duration, or the target exits).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--pid", type=positive_int, help="trace this running process")
+    p.add_argument("-d", "--duration", type=positive_float, metavar="S",
+                   help="stop after S seconds")
+    p.add_argument("-i", "--interval", type=positive_float, default=1.0, metavar="S",
+                   help="refresh the view every S seconds (default 1)")
+    p.add_argument("--json", metavar="FILE", help="write the final aggregate as JSON "
+                   "(docs/json-schema.md)")
+    p.add_argument("--folded", metavar="FILE", help="write folded stacks weighted by "
+                   "slots written or pairs moved (flamegraph.pl, speedscope)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no live view: only the summary at the end")
+    p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
+                   metavar="N", help="blocks per layer counted exactly "
+                   f"(rounded up to a power of two; default {abi.DEFAULT_MAX_BLOCKS})")
+    p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
+                   metavar="N", help="layers (caches) counted per block, all processes "
+                   f"together (default {abi.DEFAULT_MAX_CACHES})")
+    p.add_argument("--perf-pages", type=positive_int, default=64, metavar="N",
+                   help="perf buffer pages per CPU for the per-op records (default 64)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- CMD [ARG...]: start CMD and trace it")
+    p.set_defaults(run=run)
+    return p
+
+
+class _Stop(Exception):
+    pass
+
+
+def _validate(args):
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if bool(args.pid) == bool(args.command):
+        raise UsageError("give exactly one of -p PID or -- CMD [ARG...]")
+    if args.max_blocks > 1 << 18:
+        raise UsageError("--max-blocks must be at most 262144")
+    if args.perf_pages & (args.perf_pages - 1):
+        raise UsageError("--perf-pages must be a power of two")
+    for path in (args.json, args.folded):
+        if path:
+            check_writable(path)
+
+
+def run(args) -> int:
+    t_start = time.monotonic()
+    _validate(args)
+    # imported here so that `--help` and `probes` work without bcc
+    from .session import Tracer, check_privileges
+
+    check_privileges()
+    if args.pid:
+        target_mod.check_pid(args.pid)
+        tracer_probe_check = True
+    else:
+        target_mod.resolve_command(args.command)
+        tracer_probe_check = False
+
+    stop = {"reason": None}
+
+    def on_signal(signum, frame):
+        stop["reason"] = signal.Signals(signum).name
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    tracer = target = None
+    err = Console(stderr=True, highlight=False)
+    try:
+        if tracer_probe_check:
+            # fail fast, before the seconds of compiling, if pid is not ours
+            _require_probes(args.pid)
+        tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
+                        stacks=bool(args.folded), perf_pages=args.perf_pages)
+        if args.pid:
+            target = target_mod.Target(args.pid, child=False)
+            files = tracer.probe_files(args.pid)
+            n = tracer.attach(args.pid, files)
+        else:
+            target = target_mod.launch(args.command, tracer)
+            files = tracer.probe_files(target.pid)
+            n = tracer.attach(target.pid, files)
+            os.kill(target.pid, signal.SIGCONT)
+        proc = tracer.procs[target.pid]
+        where = ", ".join(os.path.basename(f) for f in files) or "no file yet"
+        err.print(f"kvtrace-bpf: tracing pid {target.pid} ({proc.comm}): {n} probes in "
+                  f"{where}; ready after {time.monotonic() - t_start:.1f}s"
+                  f" (BPF compile {tracer.compile_seconds:.1f}s). Ctrl-C to stop.")
+        for probe, why in proc.skipped:
+            err.print(f"kvtrace-bpf: skipped {probe.qualified} in {probe.path}: {why}")
+        sys.stderr.flush()
+        agg = _trace_loop(args, tracer, target, stop)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if tracer is not None:
+            tracer.detach()  # first: the semaphores drop now
+        if target is not None:
+            target.end_child()
+            target.close()
+
+    try:
+        _finish(args, tracer, target, agg, stop["reason"] or "?")
+    finally:
+        tracer.close()
+    return 0
+
+
+def _require_probes(pid):
+    from . import discover
+    files = discover.process_probe_files(pid)
+    if not files:
+        raise TargetError(
+            f"process {pid} ({discover.comm(pid)}) maps no file with {abi.PROVIDER}:* "
+            f"probes (is it vLLM built with kvtrace probes? `kvtrace-bpf probes -p {pid}`)")
+
+
+def _probe_files_now(tracer, pid) -> dict:
+    try:
+        return tracer.probe_files(pid)
+    except TargetError:  # exited meanwhile: the loop notices next time
+        return {}
+
+
+def _aggregate(tracer) -> Aggregate:
+    return Aggregate.from_maps(
+        tracer.read_maps(),
+        comms={pid: p.comm for pid, p in tracer.procs.items()},
+        probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()})
+
+
+def _trace_loop(args, tracer, target, stop) -> Aggregate:
+    console = Console(highlight=False)
+    show_live = console.is_terminal and not args.quiet
+    deadline = tracer.started + args.duration if args.duration else None
+    prev = agg = _aggregate(tracer)
+    title = f"kvtrace-bpf  pid {target.pid} ({tracer.procs[target.pid].comm})"
+    next_refresh = time.monotonic() + args.interval
+
+    def view():
+        return live.render(agg, prev, title=title, width=min(console.width, 120),
+                           elapsed=time.monotonic() - tracer.started)
+
+    live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
+        if show_live else None
+    if live_ctx:
+        live_ctx.start()
+    try:
+        while stop["reason"] is None:
+            tracer.poll(100)
+            now = time.monotonic()
+            if target.exited():
+                stop["reason"] = "target exited"
+            elif deadline is not None and now >= deadline:
+                stop["reason"] = "duration"
+            if now >= next_refresh:
+                # libraries loaded since (dlopen) may bring probes
+                tracer.attach(target.pid, _probe_files_now(tracer, target.pid))
+                prev, agg = agg, _aggregate(tracer)
+                next_refresh = now + args.interval
+                if live_ctx:
+                    live_ctx.update(view(), refresh=True)
+    finally:
+        if live_ctx:
+            live_ctx.stop()
+    stop["prev"] = prev
+    return agg
+
+
+def _finish(args, tracer, target, agg, reason):
+    tracer.poll(0)  # drain what the perf buffer still holds
+    agg = _aggregate(tracer)
+    elapsed = time.monotonic() - tracer.started
+    console = Console(highlight=False)
+    console.print(live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
+                              width=min(console.width, 120), elapsed=elapsed))
+    if args.json:
+        doc = agg.to_json(duration_s=round(elapsed, 3), stop_reason=reason,
+                          target_exit_status=target.status if target.child else None,
+                          max_blocks=tracer.max_blocks, max_layers=tracer.max_caches)
+        with open_private(args.json) as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+    if args.folded:
+        layer_of = {(l.pid, l.index): l.layer for p in agg.processes.values() for l in p.layers}
+        lines = folded_lines(
+            tracer.read_maps()["stacks"], tracer.stack_frames,
+            lambda pid: tracer.procs[pid].comm if pid in tracer.procs else str(pid),
+            lambda pid, idx: layer_of.get((pid, idx)))
+        with open_private(args.folded) as f:
+            f.write("".join(line + "\n" for line in lines))

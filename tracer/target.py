@@ -1,0 +1,114 @@
+"""The traced target: start a command paused at its entry point, or watch an
+existing pid, and notice when it exits."""
+
+import os
+import select
+import shutil
+import signal
+
+from . import discover
+from .errors import TargetError
+
+
+class Target:
+    """A process we trace: exited() polls without blocking."""
+
+    def __init__(self, pid: int, child: bool):
+        self.pid, self.child = pid, child
+        self.status = None  # exit status once known (children only)
+        self._pidfd = None
+        if not child:
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                raise TargetError(f"no process with pid {pid}") from None
+            except OSError:
+                self._pidfd = None  # old kernel: fall back to kill(0)
+
+    def exited(self) -> bool:
+        if self.child:
+            if self.status is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == self.pid:
+                    self.status = os.waitstatus_to_exitcode(status)
+            return self.status is not None
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        try:
+            os.kill(self.pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    def end_child(self, grace: float = 5.0):
+        """Stop a command we started and reap it (no zombie left behind)."""
+        if not self.child or self.exited():
+            return
+        os.kill(self.pid, signal.SIGTERM)
+        for _ in range(int(grace * 20)):
+            if self.exited():
+                return
+            select.select([], [], [], 0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        _, status = os.waitpid(self.pid, 0)
+        self.status = os.waitstatus_to_exitcode(status)
+
+    def close(self):
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+def check_pid(pid: int):
+    if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
+        raise TargetError(f"no process with pid {pid}")
+
+
+def resolve_command(argv: list) -> str:
+    exe = shutil.which(argv[0])
+    if exe is None:
+        raise TargetError(f"command not found: {argv[0]}")
+    return os.path.realpath(exe)
+
+
+def launch(argv: list, tracer, wait_for_entry=True) -> Target:
+    """Fork argv held at a gate; with an ELF executable, have the BPF side
+    stop it at its entry point (libraries mapped, no code of its own run) and
+    return with it stopped.  The caller attaches, then sends SIGCONT."""
+    exe = resolve_command(argv)
+    entry = discover.entry_offset(exe) if wait_for_entry else None
+    gate_r, gate_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: wait for the gate, then become the command
+        try:
+            os.close(gate_w)
+            os.read(gate_r, 1)
+            os.close(gate_r)
+            os.execv(exe, argv)
+        except BaseException:
+            pass
+        os._exit(127)
+    os.close(gate_r)
+    target = Target(pid, child=True)
+    entry_probe = None
+    try:
+        if entry is not None:
+            entry_probe = tracer.stop_at_entry(pid, exe, entry)
+        else:
+            tracer.track(pid)
+        os.write(gate_w, b"go")
+        os.close(gate_w)
+        if entry_probe is not None:
+            _, status = os.waitpid(pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                target.status = os.waitstatus_to_exitcode(status)
+                raise TargetError(f"{argv[0]} exited (status {target.status}) before it started")
+    except BaseException:
+        if target.status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise
+    finally:
+        if entry_probe is not None:
+            entry_probe.close()
+    return target
