@@ -22,7 +22,6 @@
  * walks in about a quarter of its budget.
  */
 #include <uapi/linux/ptrace.h>
-#include <linux/sched.h>
 #include "kvtrace.h"
 
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
@@ -235,7 +234,10 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 #else
 	ev->stack_id = -1;
 #endif
-	events.perf_submit(ctx, ev, sizeof(*ev));
+	/* counted here, at the source: the user-space lost callback only
+	 * hears of losses once the buffer has room again */
+	if (events.perf_submit(ctx, ev, sizeof(*ev)) < 0)
+		global_add(KVTRACE_G_RECORDS_LOST, 1);
 	return 0;
 }
 

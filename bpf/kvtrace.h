@@ -37,7 +37,8 @@ enum kvtrace_global {
 	KVTRACE_G_FOREIGN = 1,      /* hits from processes we do not trace */
 	KVTRACE_G_NO_SITE = 2,      /* hits at an address with no site spec */
 	KVTRACE_G_CACHE_FULL = 3,   /* caches beyond KVTRACE_MAX_CACHES */
-	KVTRACE_NR_GLOBALS = 4,
+	KVTRACE_G_RECORDS_LOST = 4, /* per-op records the perf buffer refused */
+	KVTRACE_NR_GLOBALS = 5,
 };
 
 /* swap_blocks direction (same values as KVTRACE_SWAP_* in kvtrace_probes.h) */

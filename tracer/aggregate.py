@@ -150,6 +150,9 @@ class Aggregate:
                 reasons.append(f"{n} {what}")
         if self.globals.get("cache_full"):
             reasons.append(f"{self.globals['cache_full']} layers beyond --max-layers")
+        if self.globals.get("missed_hits"):
+            reasons.append(f"{self.globals['missed_hits']} probe hits the kernel skipped "
+                           "(another BPF program was running on that CPU)")
         return reasons
 
     # -- JSON ----------------------------------------------------------------

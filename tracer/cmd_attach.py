@@ -220,7 +220,7 @@ def _trace_loop(args, tracer, target, stop) -> Aggregate:
 
 
 def _finish(args, tracer, target, agg, reason):
-    tracer.poll(0)  # drain what the perf buffer still holds
+    tracer.drain()
     agg = _aggregate(tracer)
     elapsed = time.monotonic() - tracer.started
     console = Console(highlight=False)

@@ -1,0 +1,182 @@
+"""Shared helpers for the end-to-end tests: they run the real CLI, load real
+BPF programs and trace real kvsim processes.  Expected values always come
+from kvsim's own ground truth (--truth), never from the tracer's code."""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from elftools.elf.elffile import ELFFile
+
+ROOT = Path(__file__).resolve().parents[1]
+KVSIM = ROOT / "tests" / "target" / "kvsim"
+KVSIM_LIB = ROOT / "tests" / "target" / "libkvsim_ops.so"
+WRITE_OPS = ("reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
+             "cpu_attn_reshape_and_cache")
+UPROBE_EVENTS = Path("/sys/kernel/tracing/uprobe_events")
+
+
+def kvtrace_cmd(*args):
+    return [sys.executable, "-m", "tracer.cli", *map(str, args)]
+
+
+def run_kvtrace(*args, timeout=120, **kw):
+    return subprocess.run(kvtrace_cmd(*args), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def read_line(stream, needle, timeout):
+    """Read lines from a text pipe until one contains needle; all lines read."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], 0.2)
+        if ready:
+            line = stream.readline()
+            if not line:
+                break
+            seen.append(line)
+            if needle in line:
+                return seen
+    raise AssertionError(f"no line with {needle!r} within {timeout}s; got {seen!r}")
+
+
+class Kvsim:
+    """A kvsim process started paused (--pause): attach first, then go()."""
+
+    def __init__(self, tmp_path, workload="default", *extra, pause=True):
+        self.truth_path = tmp_path / f"truth-{workload}-{time.monotonic_ns()}.json"
+        argv = [str(KVSIM), "--workload", workload, "--truth", str(self.truth_path),
+                "--quiet", *map(str, extra)]
+        if pause:
+            argv.append("--pause")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+        self.pid = self.proc.pid
+        if pause:
+            read_line(self.proc.stderr, "paused", 10)
+
+    def go(self):
+        os.kill(self.pid, signal.SIGUSR1)
+
+    def wait(self, timeout=60):
+        return self.proc.wait(timeout)
+
+    def truth(self):
+        return json.loads(self.truth_path.read_text())
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Tracer:
+    """`kvtrace-bpf attach` running in the background."""
+
+    def __init__(self, *args):
+        self.proc = subprocess.Popen(kvtrace_cmd("attach", *args), cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_attached(self, timeout=60):
+        try:
+            read_line(self.proc.stderr, "tracing pid", timeout)
+        except AssertionError:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"tracer did not attach: {out}{err}") from None
+
+    def finish(self, timeout=60):
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+
+def semaphore_values(pid, lib=KVSIM_LIB):
+    """The vllm_*_semaphore counters in a live process, read from its memory.
+
+    Found through the library's symbol table (not the stapsdt notes the
+    tracer uses) and the process's mapping of the library."""
+    with open(lib, "rb") as f:
+        elf = ELFFile(f)
+        symtab = elf.get_section_by_name(".symtab")
+        syms = {s.name: s["st_value"] for s in symtab.iter_symbols()
+                if s.name.startswith("vllm_") and s.name.endswith("_semaphore")}
+        first_vaddr = min(seg["p_vaddr"] for seg in elf.iter_segments()
+                          if seg["p_type"] == "PT_LOAD")
+    real = os.path.realpath(lib)
+    with open(f"/proc/{pid}/maps") as f:
+        starts = [int(line.split("-")[0], 16) for line in f
+                  if line.rstrip().endswith(real) and int(line.split()[2], 16) == 0]
+    assert starts, f"{lib} not mapped in {pid}"
+    base = starts[0] - first_vaddr
+    values = {}
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        for name, vaddr in syms.items():
+            mem.seek(base + vaddr)
+            values[name[len("vllm_"):-len("_semaphore")]] = int.from_bytes(mem.read(2), "little")
+    assert len(values) == 7, values
+    return values
+
+
+def uprobe_events():
+    return UPROBE_EVENTS.read_text() if UPROBE_EVENTS.exists() else ""
+
+
+def dense(pairs, n):
+    out = [0] * n
+    for block, count in pairs:
+        assert 0 <= block < n, f"block {block} outside 0..{n - 1}"
+        out[block] = count
+    return out
+
+
+def assert_matches_truth(doc, truth):
+    """Every exact count of a --json aggregate against kvsim's ground truth."""
+    assert doc["exact"] is True, doc["inexact_reasons"]
+    assert [p["pid"] for p in doc["processes"]] == [truth["pid"]]
+    proc = doc["processes"][0]
+    n = truth["num_blocks"]
+    got_layers = {l["cache_id"]: l for l in proc["layers"]}
+    assert sorted(got_layers) == sorted(l["cache_id"] for l in truth["layers"])
+    for want in truth["layers"]:
+        got = got_layers[want["cache_id"]]
+        assert got["block_size"] == truth["block_size"]
+        assert got["num_blocks"] == n
+        assert dense(got["writes"], n) == want["writes"], f"layer {want['layer']}"
+    assert dense(proc["blocks"]["tokens"], n) == truth["token_writes"]
+    for kind in ("copy_src", "copy_dst", "swap_out", "swap_in"):
+        assert dense(proc["blocks"][kind], n) == truth[kind], kind
+    zero = {"calls": 0, "items": 0, "slots": 0, "padding": 0, "bytes": 0}
+    for op, want in truth["ops"].items():
+        got = doc["ops"].get(op, zero)
+        assert got["calls"] == want["calls"], op
+        assert got["slots"] == want["slots"], op
+        assert got["padding"] == want["padding"], op
+        assert got["bytes"] == want["bytes"], op
+        if op not in WRITE_OPS:
+            assert got["items"] == want["pairs"], op
+    assert sum(o["slots"] for o in doc["ops"].values()) == truth["slots_written"]
+    assert sum(o["padding"] for o in doc["ops"].values()) == truth["padding_skipped"]
+
+
+@pytest.fixture(scope="session")
+def bpf_env():
+    if os.geteuid() != 0:
+        pytest.fail("end-to-end tests load BPF programs into the kernel: run as root "
+                    "(sudo make test)")
+    assert KVSIM.exists(), "kvsim is not built: run make setup"
+
+
+@pytest.fixture
+def no_leftovers(bpf_env):
+    """Nothing of ours stays registered after a test."""
+    before = uprobe_events()
+    yield
+    assert uprobe_events() == before
+    assert "kvsim" not in uprobe_events()

@@ -1,0 +1,175 @@
+"""The tracer against kvsim's own ground truth: real BPF, real processes."""
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, run_kvtrace,
+                      semaphore_values)
+
+WORKLOADS = ("default", "beam", "swap", "stress", "mla")
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_attach_command_matches_truth(tmp_path, workload):
+    out = tmp_path / "agg.json"
+    truth_path = tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", workload,
+                    "--truth", truth_path, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["stop_reason"] == "target exited"
+    assert doc["target_exit_status"] == 0  # kvsim verified its KV bytes too
+    assert_matches_truth(doc, json.loads(truth_path.read_text()))
+    assert "summary (target exited)" in r.stdout
+
+
+@pytest.mark.parametrize("workload", ("default", "beam", "swap"))
+def test_attach_pid_matches_truth(tmp_path, workload):
+    sim = Kvsim(tmp_path, workload)
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "--json", tmp_path / "agg.json")
+        tracer.wait_attached()
+        sim.go()
+        assert sim.wait() == 0
+        rc, out, err = tracer.finish()
+        assert rc == 0, err
+        assert_matches_truth(json.loads((tmp_path / "agg.json").read_text()), sim.truth())
+    finally:
+        sim.kill()
+
+
+def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
+    """Exact counters never depend on the perf buffer; what it drops is counted."""
+    out = tmp_path / "agg.json"
+    truth_path = tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--perf-pages", 1, "--json", out, "--", KVSIM,
+                    "--workload", "stress", "--repeat", 3, "--truth", truth_path, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    truth = json.loads(truth_path.read_text())
+    assert_matches_truth(doc, truth)
+    # 8192-token prefill ops are read whole (several tail-called segments)
+    assert doc["ops"]["reshape_and_cache_flash"]["truncated"] == 0
+    assert any(lo <= 8192 <= hi for lo, hi, _ in doc["items_log2"]["reshape_and_cache_flash"])
+    # every op produced exactly one record, delivered or counted as lost
+    calls = sum(o["calls"] for o in truth["ops"].values())
+    assert doc["records"] + doc["lost_records"] == calls
+    print(f"stress x3: {calls} ops, {doc['records']} records, {doc['lost_records']} lost")
+
+
+def test_folded_stacks_parse_and_sum_to_totals(tmp_path):
+    folded = tmp_path / "kv.folded"
+    truth_path = tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--folded", folded, "--", KVSIM, "--workload", "swap",
+                    "--truth", truth_path, "--quiet")
+    assert r.returncode == 0, r.stderr
+    truth = json.loads(truth_path.read_text())
+    assert oct(folded.stat().st_mode & 0o777) == "0o600"
+    weights = {}
+    lines = folded.read_text().splitlines()
+    assert lines
+    for line in lines:
+        m = re.match(r"^(.*)\s+(\d+)$", line)  # flamegraph.pl's own line grammar
+        assert m, line
+        frames = m.group(1).split(";")
+        assert all(f.strip() for f in frames), line
+        assert frames[0] == "kvsim"
+        op, layer = frames[-2], frames[-1]
+        assert re.fullmatch(r"layer_\d\d|all_layers", layer), line
+        weights[op] = weights.get(op, 0) + int(m.group(2))
+    for op, want in truth["ops"].items():
+        expected = want["slots"] if op in WRITE_OPS else want["pairs"]
+        assert weights.get(op, 0) == expected, op
+    # stacks are symbolized while the target lives: the ops library's functions
+    text = folded.read_text()
+    assert "kv_write_slots [libkvsim_ops.so]" in text
+    assert "kv_swap_blocks [libkvsim_ops.so]" in text
+
+
+def _attached_running_kvsim(tmp_path, *tracer_args):
+    """A kvsim that runs for a few seconds, with a tracer attached to it."""
+    sim = Kvsim(tmp_path, "default", "--repeat", 100, "--step-delay-us", 300)
+    tracer = Tracer("-q", "-p", sim.pid, *tracer_args)
+    tracer.wait_attached()
+    assert semaphore_values(sim.pid)["reshape_and_cache"] == 1  # the kernel turned it on
+    sim.go()
+    time.sleep(0.5)
+    return sim, tracer
+
+
+def test_sigkill_of_the_tracer_leaves_no_semaphore_on(tmp_path):
+    sim, tracer = _attached_running_kvsim(tmp_path)
+    try:
+        tracer.proc.kill()
+        tracer.proc.wait()
+        for _ in range(50):  # the fds close as the process is torn down
+            if not any(semaphore_values(sim.pid).values()):
+                break
+            time.sleep(0.1)
+        assert semaphore_values(sim.pid) == dict.fromkeys(semaphore_values(sim.pid), 0)
+        assert sim.proc.poll() is None  # the target runs on...
+        assert sim.wait() == 0  # ...and finishes with its KV bytes intact
+    finally:
+        sim.kill()
+
+
+@pytest.mark.parametrize("sig", (signal.SIGINT, signal.SIGTERM))
+def test_signal_detaches_and_prints_summary(tmp_path, sig):
+    out = tmp_path / "agg.json"
+    sim, tracer = _attached_running_kvsim(tmp_path, "--json", out)
+    try:
+        tracer.proc.send_signal(sig)
+        rc, stdout, err = tracer.finish()
+        assert rc == 0, err
+        assert f"summary ({sig.name})" in stdout
+        assert "Traceback" not in err
+        assert not any(semaphore_values(sim.pid).values())
+        doc = json.loads(out.read_text())
+        assert doc["stop_reason"] == sig.name
+        assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+        assert sim.wait() == 0
+    finally:
+        sim.kill()
+
+
+def test_target_killed_mid_trace(tmp_path):
+    out = tmp_path / "agg.json"
+    sim, tracer = _attached_running_kvsim(tmp_path, "--json", out)
+    sim.kill()
+    rc, stdout, err = tracer.finish()
+    assert rc == 0, err
+    assert "summary (target exited)" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["stop_reason"] == "target exited"
+    assert doc["exact"] is True
+    calls = doc["ops"]["reshape_and_cache"]["calls"]
+    assert calls > 0 and calls % 4 == 0  # whole steps of its 4 layers
+
+
+def test_only_the_traced_process_counts(tmp_path):
+    """Two kvsims from one binary; the untraced one contributes nothing."""
+    traced = Kvsim(tmp_path, "default")
+    other = Kvsim(tmp_path, "beam")
+    try:
+        tracer = Tracer("-q", "-p", traced.pid, "--json", tmp_path / "agg.json")
+        tracer.wait_attached()
+        # the kernel turned on the traced process's semaphores only
+        assert set(semaphore_values(traced.pid).values()) == {1}
+        assert set(semaphore_values(other.pid).values()) == {0}
+        other.go()
+        traced.go()
+        assert other.wait() == 0 and traced.wait() == 0
+        rc, _, err = tracer.finish()
+        assert rc == 0, err
+        doc = json.loads((tmp_path / "agg.json").read_text())
+        assert_matches_truth(doc, traced.truth())
+        assert doc["dropped"]["foreign_process_hits"] == 0
+    finally:
+        traced.kill()
+        other.kill()
