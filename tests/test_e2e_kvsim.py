@@ -148,8 +148,11 @@ def test_target_killed_mid_trace(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "target exited"
     assert doc["exact"] is True
-    calls = doc["ops"]["reshape_and_cache"]["calls"]
-    assert calls > 0 and calls % 4 == 0  # whole steps of its 4 layers
+    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+    # layers fire in order within a step, so a kill mid-step leaves the
+    # first layers one call ahead, never more
+    calls = [l["calls"] for l in doc["processes"][0]["layers"]]
+    assert len(calls) == 4 and max(calls) - min(calls) <= 1 and calls == sorted(calls, reverse=True)
 
 
 def test_only_the_traced_process_counts(tmp_path):

@@ -77,8 +77,6 @@ def test_no_subcommand_is_usage_error():
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
 
 
-@pytest.mark.xfail(strict=True, reason="cli.main prints the whole --help to stderr "
-                   "when no subcommand is given, not one line")
 def test_no_subcommand_one_line():
     assert_one_line_error(cli(), 1)
 

@@ -117,8 +117,6 @@ def test_unsupported_forms_rejected(text):
         discover.parse_sdt_arg(text)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG discover.py _x86_reg_offset: %ah/%bh/%ch/%dh "
-                   "map to the whole register, so the BPF side would read AL, not AH")
 @pytest.mark.parametrize("reg", ["ah", "bh", "ch", "dh"])
 def test_high_byte_registers_rejected(reg):
     # bits 8..15 cannot be expressed as (reg_off, bitshift): must be refused
@@ -301,9 +299,6 @@ def test_directory_raises_target_error(tmp_path):
         discover.read_probes(str(tmp_path))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="BUG discover.read_probes: a note whose pc is in no LOAD "
-                   "segment leaks ValueError (traceback) instead of TargetError")
 def test_corrupt_note_raises_target_error(tmp_path, kvsim_lib):
     _need("readelf")
     data = bytearray(open(kvsim_lib, "rb").read())

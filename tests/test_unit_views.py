@@ -130,6 +130,10 @@ def test_render_fits_width_and_says_exact(width):
     assert len(lines) > 20
     assert max(cell_len(l) for l in lines) <= width
     assert "counts: exact" in flat(text) and "NOT exact" not in text
+    # each histogram is 6 bar rows and an axis, none wrapped by the panel
+    heads = [i for i, l in enumerate(lines) if "tokens written per block" in l]
+    feet = [i for i, l in enumerate(lines) if "per column, max column" in l]
+    assert len(heads) == 2 and [f - h for h, f in zip(heads, feet)] == [8, 8]
     for expected in ("pid 7 (VLLM::EngineCore_with_a_long_name)", "pid 9 (", "40000 blocks",
                      "reshape_and_cache", "swap_blocks",
                      "246,913,578", "6.0 GiB",  # two processes' totals
@@ -199,3 +203,10 @@ def test_histogram_buckets_blocks():
 def test_histogram_empty():
     assert live.histogram(np.zeros(5, dtype=np.uint64), 40).plain == "(nothing written yet)"
     assert live.histogram(np.zeros(0, dtype=np.uint64), 40).plain == "(nothing written yet)"
+
+
+def test_log2_table_ranges():
+    # bpf_log2l(v) = floor(log2 v) + 1: slot 1 holds 0..1, slot 4 holds 8..15
+    agg = FakeAggregate({}, log2={"copy_blocks": {1: 3, 4: 2}})
+    text = render_text(agg, 120)
+    assert "0 -> 1" in text and "8 -> 15" in text

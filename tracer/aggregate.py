@@ -163,8 +163,7 @@ class Aggregate:
             return [[int(b), int(arr[b])] for b in nz]
 
         def log2_rows(hist):
-            return [[0 if s == 0 else 1 << s, (1 << (s + 1)) - 1, int(hist[s])]
-                    for s in sorted(hist)]
+            return [[*log2_range(s), int(hist[s])] for s in sorted(hist)]
 
         procs = []
         for p in sorted(self.processes.values(), key=lambda p: p.pid):
@@ -191,6 +190,12 @@ class Aggregate:
             "items_log2": {op: log2_rows(h) for op, h in sorted(self.log2.items())},
             "processes": procs,
         }
+
+
+def log2_range(slot: int):
+    """The values bcc's bpf_log2l() puts in `slot`: floor(log2 v) + 1, with
+    0 and 1 both in slot 1."""
+    return (0 if slot <= 1 else 1 << (slot - 1)), (1 << slot) - 1
 
 
 def bucket(counts: np.ndarray, nbuckets: int):

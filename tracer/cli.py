@@ -41,8 +41,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        parser.error("give a COMMAND: attach or probes")
     try:
         return args.run(args)
     except KvtraceError as e:

@@ -105,10 +105,9 @@ def run(args) -> int:
     check_privileges()
     if args.pid:
         target_mod.check_pid(args.pid)
-        tracer_probe_check = True
+        _require_probes(args.pid)  # fail fast, before seconds of compiling
     else:
         target_mod.resolve_command(args.command)
-        tracer_probe_check = False
 
     stop = {"reason": None}
 
@@ -117,45 +116,54 @@ def run(args) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     tracer = target = None
-    err = Console(stderr=True, highlight=False)
     try:
-        if tracer_probe_check:
-            # fail fast, before the seconds of compiling, if pid is not ours
-            _require_probes(args.pid)
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         stacks=bool(args.folded), perf_pages=args.perf_pages)
-        if args.pid:
-            target = target_mod.Target(args.pid, child=False)
-            files = tracer.probe_files(args.pid)
-            n = tracer.attach(args.pid, files)
-        else:
-            target = target_mod.launch(args.command, tracer)
-            files = tracer.probe_files(target.pid)
-            n = tracer.attach(target.pid, files)
-            os.kill(target.pid, signal.SIGCONT)
-        proc = tracer.procs[target.pid]
-        where = ", ".join(os.path.basename(f) for f in files) or "no file yet"
-        err.print(f"kvtrace-bpf: tracing pid {target.pid} ({proc.comm}): {n} probes in "
-                  f"{where}; ready after {time.monotonic() - t_start:.1f}s"
-                  f" (BPF compile {tracer.compile_seconds:.1f}s). Ctrl-C to stop.")
-        for probe, why in proc.skipped:
-            err.print(f"kvtrace-bpf: skipped {probe.qualified} in {probe.path}: {why}")
-        sys.stderr.flush()
-        agg = _trace_loop(args, tracer, target, stop)
+        target = _start(args, tracer)
+        _announce(tracer, target, t_start)
+        _trace_loop(args, tracer, target, stop)
+    except BaseException:
+        if tracer is not None:
+            tracer.close()
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         if tracer is not None:
-            tracer.detach()  # first: the semaphores drop now
+            tracer.detach()  # first thing: the semaphores drop now
         if target is not None:
             target.end_child()
             target.close()
-
     try:
-        _finish(args, tracer, target, agg, stop["reason"] or "?")
+        _finish(args, tracer, target, stop["reason"] or "?")
     finally:
         tracer.close()
     return 0
+
+
+def _start(args, tracer):
+    """The target, with the tracer attached to its probes."""
+    if args.pid:
+        target = target_mod.Target(args.pid, child=False)
+        tracer.attach(args.pid, tracer.probe_files(args.pid))
+    else:
+        target = target_mod.launch(args.command, tracer)
+        try:
+            tracer.attach(target.pid, tracer.probe_files(target.pid))
+        finally:
+            os.kill(target.pid, signal.SIGCONT)  # stopped at its entry point
+    return target
+
+
+def _announce(tracer, target, t_start):
+    proc = tracer.procs[target.pid]
+    files = ", ".join(os.path.basename(f) for f in proc.probe_files) or "no file yet"
+    print(f"kvtrace-bpf: tracing pid {target.pid} ({proc.comm}): {len(proc.uprobes)} probes "
+          f"in {files}; ready after {time.monotonic() - t_start:.1f}s (BPF compile "
+          f"{tracer.compile_seconds:.1f}s). Ctrl-C to stop.", file=sys.stderr)
+    for probe, why in proc.skipped:
+        print(f"kvtrace-bpf: skipped {probe.qualified} in {probe.path}: {why}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _require_probes(pid):
@@ -181,7 +189,7 @@ def _aggregate(tracer) -> Aggregate:
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()})
 
 
-def _trace_loop(args, tracer, target, stop) -> Aggregate:
+def _trace_loop(args, tracer, target, stop):
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
     deadline = tracer.started + args.duration if args.duration else None
@@ -215,11 +223,9 @@ def _trace_loop(args, tracer, target, stop) -> Aggregate:
     finally:
         if live_ctx:
             live_ctx.stop()
-    stop["prev"] = prev
-    return agg
 
 
-def _finish(args, tracer, target, agg, reason):
+def _finish(args, tracer, target, reason):
     tracer.drain()
     agg = _aggregate(tracer)
     elapsed = time.monotonic() - tracer.started

@@ -32,7 +32,8 @@ def _x86_reg_offset(name: str) -> int:
     if m and 8 <= int(m.group(1)) <= 15:
         return _X86_PT_REGS["r" + m.group(1)]
     for full in ("ax", "bx", "cx", "dx"):
-        if name in ("r" + full, "e" + full, full, full[0] + "l", full[0] + "h"):
+        # not %ah..%dh: bits 8-15 cannot be expressed as a trim of the register
+        if name in ("r" + full, "e" + full, full, full[0] + "l"):
             return _X86_PT_REGS[full]
     for full in ("si", "di", "bp", "sp", "ip"):
         if name in ("r" + full, "e" + full, full, full + "l"):
@@ -137,6 +138,8 @@ def read_probes(path: str, provider: str = abi.PROVIDER) -> list:
             return probes
     except (ELFError, struct.error) as e:
         raise TargetError(f"{path}: not a readable ELF file ({e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TargetError(f"{path}: malformed .note.stapsdt ({e})") from None
     except IsADirectoryError:
         raise TargetError(f"{path}: is a directory, not an ELF file") from None
     except PermissionError:

@@ -11,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .aggregate import Aggregate, bucket, rates
+from .aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
 HIST_ROWS = 6
@@ -115,7 +115,7 @@ def log2_table(agg: Aggregate) -> Table:
     for op, hist in sorted(agg.log2.items()):
         peak = max(hist.values()) if hist else 1
         for s in sorted(hist):
-            lo, hi = (0 if s == 0 else 1 << s), (1 << (s + 1)) - 1
+            lo, hi = log2_range(s)
             t.add_row(op, f"{lo} -> {hi}", _n(hist[s]), "*" * max(1, round(24 * hist[s] / peak)))
             op = ""
     return t
@@ -140,11 +140,16 @@ def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float
         nl = len(proc.layers)
         head = (f"pid {proc.pid} ({proc.comm}): {nl} layer{'s' if nl != 1 else ''}, "
                 f"{proc.num_blocks} blocks")
+        hot = Group(Text("hottest blocks", style="bold"), hottest(proc))
+        moved = Group(Text("copies and swaps", style="bold"), moves_table(proc))
         body = [Text("tokens written per block (max over layers)", style="bold"),
-                histogram(proc.tokens, hist_width), Text(""),
-                Table.grid(padding=(0, 4))]
-        body[-1].add_row(Group(Text("hottest blocks", style="bold"), hottest(proc)),
-                         Group(Text("copies and swaps", style="bold"), moves_table(proc)))
+                histogram(proc.tokens, hist_width), Text("")]
+        if width >= 110:  # side by side only where both fit
+            grid = Table.grid(padding=(0, 4))
+            grid.add_row(hot, moved)
+            body.append(grid)
+        else:
+            body += [hot, moved]
         parts.append(Panel(Group(*body), title=head, title_align="left", width=width))
     if agg.log2:
         parts.append(log2_table(agg))

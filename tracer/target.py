@@ -82,9 +82,8 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
     if pid == 0:  # child: wait for the gate, then become the command
         try:
             os.close(gate_w)
-            os.read(gate_r, 1)
-            os.close(gate_r)
-            os.execv(exe, argv)
+            if os.read(gate_r, 2) == b"go":
+                os.execv(exe, argv)
         except BaseException:
             pass
         os._exit(127)
@@ -92,12 +91,14 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
     target = Target(pid, child=True)
     entry_probe = None
     try:
-        if entry is not None:
-            entry_probe = tracer.stop_at_entry(pid, exe, entry)
-        else:
-            tracer.track(pid)
-        os.write(gate_w, b"go")
-        os.close(gate_w)
+        try:
+            if entry is not None:
+                entry_probe = tracer.stop_at_entry(pid, exe, entry)
+            else:
+                tracer.track(pid)
+            os.write(gate_w, b"go")
+        finally:
+            os.close(gate_w)  # without "go" the child exits instead of exec
         if entry_probe is not None:
             _, status = os.waitpid(pid, os.WUNTRACED)
             if not os.WIFSTOPPED(status):
