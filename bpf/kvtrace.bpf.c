@@ -241,13 +241,31 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 	return 0;
 }
 
+/* The op in progress and the chunk buffer, for a stage; non-zero if absent. */
+static __always_inline int stage_state(struct work **w, struct chunk **buf)
+{
+	u32 zero = 0;
+	*w = work.lookup(&zero);
+	*buf = scratch.lookup(&zero);
+	return !*w || !*buf;
+}
+
+/* A stage's last step: go on with the next segment of the array if any is
+ * left, else (or when the kernel's 33 tail calls are used up) finish. */
+static __always_inline int next_segment_or_finish(struct pt_regs *ctx,
+						  struct work *w, u32 stage)
+{
+	if (w->done < w->n && !w->err)
+		stages.call(ctx, stage); /* returns only if the call failed */
+	return finish(ctx, w);
+}
+
 /* Stage: count slot numbers into the cache's block_writes row. */
 int kvtrace_stage_slots(struct pt_regs *ctx)
 {
-	u32 zero = 0;
-	struct work *w = work.lookup(&zero);
-	struct chunk *buf = scratch.lookup(&zero);
-	if (!w || !buf)
+	struct work *w;
+	struct chunk *buf;
+	if (stage_state(&w, &buf))
 		return 0;
 	u32 row_idx = w->row;
 	struct kvtrace_block_row *row = block_writes.lookup(&row_idx);
@@ -279,18 +297,15 @@ int kvtrace_stage_slots(struct pt_regs *ctx)
 	w->ev.slots += valid;
 	w->ev.padding += padding;
 	w->oor += oor;
-	if (w->done < w->n && !w->err)
-		stages.call(ctx, KVTRACE_STAGE_SLOTS); /* returns only if out of tail calls */
-	return finish(ctx, w);
+	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_SLOTS);
 }
 
 /* Stage: count (src, dst) block pairs into the process's move rows. */
 int kvtrace_stage_pairs(struct pt_regs *ctx)
 {
-	u32 zero = 0;
-	struct work *w = work.lookup(&zero);
-	struct chunk *buf = scratch.lookup(&zero);
-	if (!w || !buf)
+	struct work *w;
+	struct chunk *buf;
+	if (stage_state(&w, &buf))
 		return 0;
 	u32 s = w->src_row, d = w->dst_row;
 	struct kvtrace_block_row *src_row = block_moves.lookup(&s);
@@ -319,18 +334,15 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 		}
 	}
 	w->oor += oor;
-	if (w->done < w->n && !w->err)
-		stages.call(ctx, KVTRACE_STAGE_PAIRS);
-	return finish(ctx, w);
+	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_PAIRS);
 }
 
 /* Stage: sum the sizes array of swap_blocks_batch. */
 int kvtrace_stage_sizes(struct pt_regs *ctx)
 {
-	u32 zero = 0;
-	struct work *w = work.lookup(&zero);
-	struct chunk *buf = scratch.lookup(&zero);
-	if (!w || !buf)
+	struct work *w;
+	struct chunk *buf;
+	if (stage_state(&w, &buf))
 		return 0;
 	u64 bytes = 0;
 
@@ -344,9 +356,7 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
 			bytes += (u64)buf->v[i] & -lt(i, cnt);
 	}
 	w->ev.bytes += bytes;
-	if (w->done < w->n && !w->err)
-		stages.call(ctx, KVTRACE_STAGE_SIZES);
-	return finish(ctx, w);
+	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_SIZES);
 }
 
 int kvtrace_site_hit(struct pt_regs *ctx)

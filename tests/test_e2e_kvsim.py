@@ -29,7 +29,7 @@ def test_attach_command_matches_truth(tmp_path, workload):
     assert "summary (target exited)" in r.stdout
 
 
-@pytest.mark.parametrize("workload", ("default", "beam", "swap"))
+@pytest.mark.parametrize("workload", WORKLOADS)
 def test_attach_pid_matches_truth(tmp_path, workload):
     sim = Kvsim(tmp_path, workload)
     try:
@@ -61,6 +61,35 @@ def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
     calls = sum(o["calls"] for o in truth["ops"].values())
     assert doc["records"] + doc["lost_records"] == calls
     print(f"stress x3: {calls} ops, {doc['records']} records, {doc['lost_records']} lost")
+
+
+def test_limits_are_reported_not_hidden(tmp_path):
+    """Blocks and layers beyond --max-blocks / --max-layers: what is kept is
+    exact, the rest is counted as out of range and the run says NOT exact."""
+    out = tmp_path / "agg.json"
+    truth_path = tmp_path / "truth.json"
+    r = run_kvtrace("attach", "--max-blocks", 256, "--max-layers", 3, "--json", out, "--",
+                    KVSIM, "--workload", "default", "--truth", truth_path, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    truth = json.loads(truth_path.read_text())
+    assert truth["num_blocks"] == 512 and truth["num_layers"] == 4
+    assert doc["exact"] is False
+    assert any("--max-blocks" in why for why in doc["inexact_reasons"])
+    assert any("--max-layers" in why for why in doc["inexact_reasons"])
+    assert "NOT exact" in r.stdout
+    layers = {l["cache_id"]: l for l in doc["processes"][0]["layers"]}
+    beyond = 0
+    for want in truth["layers"]:
+        got = layers[want["cache_id"]]
+        if want["layer"] < 3:  # kept: exact below the block limit
+            assert [c for b, c in got["writes"]] == [c for c in want["writes"][:256] if c]
+            assert got["out_of_range"] == sum(want["writes"][256:])
+        else:  # no row left for the 4th layer: all of it out of range
+            assert got["writes"] == [] and got["out_of_range"] == sum(want["writes"])
+        beyond += got["out_of_range"]
+    assert doc["ops"]["reshape_and_cache"]["out_of_range"] == beyond
+    assert doc["ops"]["reshape_and_cache"]["slots"] == truth["slots_written"]
 
 
 def test_folded_stacks_parse_and_sum_to_totals(tmp_path):

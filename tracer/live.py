@@ -31,24 +31,37 @@ def _rate(x) -> str:
 
 def _bytes(x) -> str:
     x = float(x)
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if x >= div:
-            return f"{x / div:.1f} {unit}"
-    return f"{int(x)} B"
+            return f"{x / div:.1f}{unit}"
+    return f"{int(x)}B"
 
 
-def ops_table(agg: Aggregate, prev: Aggregate = None) -> Table:
-    r = rates(agg, prev) if prev is not None else {}
+def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
+              width: int = 100) -> Table:
+    """Ops with their rates: since the previous refresh, or (for a summary,
+    with no previous) averaged over the whole run.  Counts are printed whole,
+    never rounded; a narrow terminal drops the padding column instead."""
+    if prev is not None:
+        r = rates(agg, prev)
+    else:
+        r = {op: {"calls": st["calls"] / elapsed}
+             for op, st in agg.op_totals().items()} if elapsed > 0 else {}
     t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False)
-    for col in ("op", "calls", "calls/s", "items/s", "slots", "padding", "bytes"):
-        t.add_column(col, justify="left" if col == "op" else "right")
+    t.add_column("op", no_wrap=True, min_width=len("cpu_attn_reshape_and_cache"))
+    cols = ("calls", "calls/s", "slots", "padding", "bytes")
+    if width < 100:
+        cols = tuple(c for c in cols if c != "padding")
+    for col in cols:
+        t.add_column(col, justify="right", no_wrap=True)
     for op, st in agg.op_totals().items():
         rr = r.get(op, {})
-        t.add_row(op, _n(st["calls"]), _rate(rr.get("calls", 0)),
-                  _rate(rr.get("items", 0)), _n(st["slots"]), _n(st["padding"]),
-                  _bytes(st["bytes"]) if st["bytes"] else "-")
+        cells = {"calls": _n(st["calls"]), "calls/s": _rate(rr.get("calls", 0)),
+                 "slots": _n(st["slots"]), "padding": _n(st["padding"]),
+                 "bytes": _bytes(st["bytes"]) if st["bytes"] else "-"}
+        t.add_row(op, *(cells[c] for c in cols))
     if not t.row_count:
-        t.add_row("(no ops yet)", "", "", "", "", "", "")
+        t.add_row("(no ops yet)", *("" for _ in cols))
     return t
 
 
@@ -128,13 +141,13 @@ def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float
     status.append(title, style="bold")
     status.append(f"   {elapsed:.1f}s   records {_n(agg.records)}   ")
     status.append(f"lost {_n(agg.lost)}", style="red" if agg.lost else "")
-    status.append("   counts: ")
+    status.append("\ncounts: ")
     status.append("exact" if not reasons else "NOT exact: " + "; ".join(reasons),
                   style="green" if not reasons else "bold red")
     parts = [status]
     if note:
         parts.append(Text(note, style="yellow"))
-    parts.append(ops_table(agg, prev))
+    parts.append(ops_table(agg, prev, elapsed, width))
     hist_width = max(10, width - 12)
     for proc in sorted(agg.processes.values(), key=lambda p: p.pid):
         nl = len(proc.layers)
