@@ -60,6 +60,7 @@ struct work {
 	u64 n;          /* int64 values to read from it */
 	u64 done;       /* values read so far */
 	u64 block_size;
+	u64 block_shift; /* log2(block_size) when it is a power of two */
 	u64 keep;       /* 1 if this cache has a block_writes row */
 	u64 src_on, dst_on;
 	u64 oor;
@@ -260,8 +261,13 @@ static __always_inline int next_segment_or_finish(struct pt_regs *ctx,
 	return finish(ctx, w);
 }
 
-/* Stage: count slot numbers into the cache's block_writes row. */
-int kvtrace_stage_slots(struct pt_regs *ctx)
+/*
+ * Stage: count slot numbers into the cache's block_writes row.  Two
+ * programs from one body: block sizes that are powers of two (vLLM's usual
+ * 16, 32, 64...) shift instead of dividing, a 64-bit division being most of
+ * the per-slot cost; other block sizes divide.
+ */
+static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 {
 	struct work *w;
 	struct chunk *buf;
@@ -271,7 +277,7 @@ int kvtrace_stage_slots(struct pt_regs *ctx)
 	struct kvtrace_block_row *row = block_writes.lookup(&row_idx);
 	if (!row)
 		return 0;
-	u64 keep = w->keep, block_size = w->block_size;
+	u64 keep = w->keep, block_size = w->block_size, shift = w->block_shift;
 	u64 valid = 0, padding = 0, oor = 0;
 	OPAQUE(keep);
 
@@ -285,7 +291,8 @@ int kvtrace_stage_slots(struct pt_regs *ctx)
 			s64 slot = buf->v[i];
 			u64 live = lt(i, cnt);       /* within the array */
 			u64 pad = (u64)slot >> 63;   /* slot < 0: padding */
-			u64 block = (u64)slot / block_size;
+			u64 block = pow2 ? (u64)slot >> (shift & 63)
+					 : (u64)slot / block_size;
 			u64 real = live & (pad ^ 1);
 			u64 kept = real & keep & lt(block, KVTRACE_MAX_BLOCKS);
 			valid += real;
@@ -297,7 +304,18 @@ int kvtrace_stage_slots(struct pt_regs *ctx)
 	w->ev.slots += valid;
 	w->ev.padding += padding;
 	w->oor += oor;
-	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_SLOTS);
+	return next_segment_or_finish(
+	    ctx, w, pow2 ? KVTRACE_STAGE_SLOTS_POW2 : KVTRACE_STAGE_SLOTS);
+}
+
+int kvtrace_stage_slots(struct pt_regs *ctx)
+{
+	return count_slots(ctx, 0);
+}
+
+int kvtrace_stage_slots_pow2(struct pt_regs *ctx)
+{
+	return count_slots(ctx, 1);
 }
 
 /* Stage: count (src, dst) block pairs into the process's move rows. */
@@ -423,6 +441,10 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.cache_id = a[3];
 		w->ev.items = n;
 		stage = KVTRACE_STAGE_SLOTS;
+		if (!(bs & (bs - 1))) {
+			w->block_shift = bpf_log2l(bs) - 1; /* bcc: floor(log2) + 1 */
+			stage = KVTRACE_STAGE_SLOTS_POW2;
+		}
 	} else if (op == KVTRACE_OP_COPY_BLOCKS || op == KVTRACE_OP_SWAP_BLOCKS) {
 		/* copy: (pairs, n, bytes_per_block, cache_id)
 		 * swap: (pairs, n, bytes_per_block, direction, cache_id) */

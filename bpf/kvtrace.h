@@ -70,7 +70,8 @@ enum kvtrace_stage {
 	KVTRACE_STAGE_SLOTS = 0, /* count slot numbers into block_writes */
 	KVTRACE_STAGE_PAIRS = 1, /* count (src, dst) pairs into block_moves */
 	KVTRACE_STAGE_SIZES = 2, /* sum swap_blocks_batch sizes */
-	KVTRACE_NR_STAGES = 3,
+	KVTRACE_STAGE_SLOTS_POW2 = 3, /* SLOTS for power-of-two block sizes */
+	KVTRACE_NR_STAGES = 4,
 };
 
 /* Limits; the front end may override them with -D at compile time. */

@@ -15,12 +15,14 @@ WORKLOADS = ("default", "beam", "swap", "stress", "mla")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
-@pytest.mark.parametrize("workload", WORKLOADS)
-def test_attach_command_matches_truth(tmp_path, workload):
+@pytest.mark.parametrize("workload,extra", [(w, ()) for w in WORKLOADS] + [
+    # a block size that is not a power of two takes the dividing stage
+    ("beam", ("--block-size", 48)), ("swap", ("--block-size", 24))])
+def test_attach_command_matches_truth(tmp_path, workload, extra):
     out = tmp_path / "agg.json"
     truth_path = tmp_path / "truth.json"
     r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", workload,
-                    "--truth", truth_path, "--quiet")
+                    *extra, "--truth", truth_path, "--quiet")
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "target exited"
