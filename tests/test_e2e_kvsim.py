@@ -207,3 +207,17 @@ def test_only_the_traced_process_counts(tmp_path):
     finally:
         traced.kill()
         other.kill()
+
+
+def test_duration_ends_a_command_we_started(tmp_path):
+    """`-- CMD` outliving --duration is stopped and reaped, not left behind."""
+    out = tmp_path / "agg.json"
+    r = run_kvtrace("attach", "-q", "-d", 1, "--json", out, "--", KVSIM, "--workload",
+                    "default", "--repeat", 10000, "--step-delay-us", 1000, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["stop_reason"] == "duration"
+    assert doc["target_exit_status"] == -signal.SIGTERM
+    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+    pid = doc["processes"][0]["pid"]
+    assert not os.path.exists(f"/proc/{pid}")  # reaped: not even a zombie

@@ -150,8 +150,10 @@ def _start(args, tracer):
         target = target_mod.launch(args.command, tracer)
         try:
             tracer.attach(target.pid, tracer.probe_files(target.pid))
-        finally:
-            os.kill(target.pid, signal.SIGCONT)  # stopped at its entry point
+        except BaseException:
+            target.end_child()  # we started it: do not leave it behind
+            raise
+        os.kill(target.pid, signal.SIGCONT)  # it waits at its entry point
     return target
 
 
@@ -192,7 +194,7 @@ def _aggregate(tracer) -> Aggregate:
 def _trace_loop(args, tracer, target, stop):
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
-    deadline = tracer.started + args.duration if args.duration else None
+    deadline = time.monotonic() + args.duration if args.duration else None
     prev = agg = _aggregate(tracer)
     title = f"kvtrace-bpf  pid {target.pid} ({tracer.procs[target.pid].comm})"
     next_refresh = time.monotonic() + args.interval

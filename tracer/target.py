@@ -45,6 +45,7 @@ class Target:
         if not self.child or self.exited():
             return
         os.kill(self.pid, signal.SIGTERM)
+        os.kill(self.pid, signal.SIGCONT)  # a stopped process acts on nothing else
         for _ in range(int(grace * 20)):
             if self.exited():
                 return
