@@ -5,7 +5,7 @@
 # run-time compile, a compiler, and python3-venv.
 set -euo pipefail
 arch=$(dpkg --print-architecture)
-want=(bpfcc-tools python3-bpfcc systemtap-sdt-dev gcc make python3-venv)
+want=(bpfcc-tools python3-bpfcc systemtap-sdt-dev gcc libc6-dev make python3-venv)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
