@@ -39,13 +39,14 @@ def _strip(prefix: str, enum: dict) -> dict:
     return {k[len(prefix):].lower(): v for k, v in enum.items() if k.startswith(prefix)}
 
 
-OPS = {k: v for k, v in _strip("KVTRACE_OP_", _enum("kvtrace_op")).items()}
+OPS = _strip("KVTRACE_OP_", _enum("kvtrace_op"))
 OP_NAMES = {v: k for k, v in OPS.items()}
 NR_OPS = _enum("kvtrace_op")["KVTRACE_NR_OPS"]
 WRITE_OPS = frozenset(
     ("reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
      "cpu_attn_reshape_and_cache"))
 MOVES = _strip("KVTRACE_MOVE_", _enum("kvtrace_move"))
+STAGES = _strip("KVTRACE_STAGE_", _enum("kvtrace_stage"))  # program kvtrace_stage_<name>
 GLOBALS = _strip("KVTRACE_G_", _enum("kvtrace_global"))
 ARG_KINDS = _strip("KVTRACE_ARG_", _enum("kvtrace_arg_kind"))
 MAX_ARGS = define("KVTRACE_MAX_ARGS")
