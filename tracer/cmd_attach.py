@@ -48,10 +48,10 @@ def positive_int(text):
 def add_parser(sub):
     p = sub.add_parser(
         "attach", help="trace a vLLM process (or a command) live",
-        description="Attach to the vllm:* probes of a running process (-p) or of a "
-                    "command started under the tracer (-- CMD), show per-block KV-cache "
-                    "histograms live, and print a summary when tracing ends "
-                    "(Ctrl-C, --duration, or the target exits).",
+        description="Attach to the vllm:* probes of a running process (-p) or of a\n"
+                    "command started under the tracer (-- CMD), show per-block KV-cache\n"
+                    "histograms live, and print a summary when tracing ends (Ctrl-C,\n"
+                    "SIGTERM, --duration, or the target's exit). Needs root.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--pid", type=positive_int, help="trace this running process")
     p.add_argument("-d", "--duration", type=positive_float, metavar="S",
