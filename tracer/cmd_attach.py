@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 from rich.live import Live
 
-from . import abi, live, target as target_mod
+from . import abi, discover, live, target as target_mod
 from .aggregate import Aggregate
 from .errors import TargetError, UsageError
 from .export import folded_lines
@@ -78,10 +78,6 @@ def add_parser(sub):
     return p
 
 
-class _Stop(Exception):
-    pass
-
-
 def _validate(args):
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
@@ -103,9 +99,10 @@ def run(args) -> int:
     from .session import Tracer, check_privileges
 
     check_privileges()
+    probe_cache = {}  # each mapped file is parsed once per run
     if args.pid:
         target_mod.check_pid(args.pid)
-        _require_probes(args.pid)  # fail fast, before seconds of compiling
+        _require_probes(args.pid, probe_cache)  # fail fast, before seconds of compiling
     else:
         target_mod.resolve_command(args.command)
 
@@ -119,9 +116,9 @@ def run(args) -> int:
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         stacks=bool(args.folded), perf_pages=args.perf_pages)
-        target = _start(args, tracer)
+        target = _start(args, tracer, probe_cache)
         _announce(tracer, target, t_start)
-        _trace_loop(args, tracer, target, stop)
+        _trace_loop(args, tracer, target, stop, probe_cache)
     except BaseException:
         if tracer is not None:
             tracer.close()
@@ -141,15 +138,15 @@ def run(args) -> int:
     return 0
 
 
-def _start(args, tracer):
+def _start(args, tracer, probe_cache):
     """The target, with the tracer attached to its probes."""
     if args.pid:
         target = target_mod.Target(args.pid, child=False)
-        tracer.attach(args.pid, tracer.probe_files(args.pid))
+        tracer.attach(args.pid, discover.process_probe_files(args.pid, cache=probe_cache))
     else:
         target = target_mod.launch(args.command, tracer)
         try:
-            tracer.attach(target.pid, tracer.probe_files(target.pid))
+            tracer.attach(target.pid, discover.process_probe_files(target.pid, cache=probe_cache))
         except BaseException:
             target.end_child()  # we started it: do not leave it behind
             raise
@@ -168,30 +165,29 @@ def _announce(tracer, target, t_start):
     sys.stderr.flush()
 
 
-def _require_probes(pid):
-    from . import discover
-    files = discover.process_probe_files(pid)
+def _require_probes(pid, probe_cache):
+    files = discover.process_probe_files(pid, cache=probe_cache)
     if not files:
         raise TargetError(
             f"process {pid} ({discover.comm(pid)}) maps no file with {abi.PROVIDER}:* "
             f"probes (is it vLLM built with kvtrace probes? `kvtrace-bpf probes -p {pid}`)")
 
 
-def _probe_files_now(tracer, pid) -> dict:
+def _probe_files_now(pid, probe_cache) -> dict:
     try:
-        return tracer.probe_files(pid)
+        return discover.process_probe_files(pid, cache=probe_cache)
     except TargetError:  # exited meanwhile: the loop notices next time
         return {}
 
 
-def _aggregate(tracer) -> Aggregate:
+def _aggregate(tracer, raw=None) -> Aggregate:
     return Aggregate.from_maps(
-        tracer.read_maps(),
+        raw if raw is not None else tracer.read_maps(),
         comms={pid: p.comm for pid, p in tracer.procs.items()},
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()})
 
 
-def _trace_loop(args, tracer, target, stop):
+def _trace_loop(args, tracer, target, stop, probe_cache):
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
     deadline = time.monotonic() + args.duration if args.duration else None
@@ -217,7 +213,7 @@ def _trace_loop(args, tracer, target, stop):
                 stop["reason"] = "duration"
             if now >= next_refresh:
                 # libraries loaded since (dlopen) may bring probes
-                tracer.attach(target.pid, _probe_files_now(tracer, target.pid))
+                tracer.attach(target.pid, _probe_files_now(target.pid, probe_cache))
                 prev, agg = agg, _aggregate(tracer)
                 next_refresh = now + args.interval
                 if live_ctx:
@@ -229,7 +225,8 @@ def _trace_loop(args, tracer, target, stop):
 
 def _finish(args, tracer, target, reason):
     tracer.drain()
-    agg = _aggregate(tracer)
+    raw = tracer.read_maps()
+    agg = _aggregate(tracer, raw)
     elapsed = time.monotonic() - tracer.started
     console = Console(highlight=False)
     console.print(live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
@@ -244,7 +241,7 @@ def _finish(args, tracer, target, reason):
     if args.folded:
         layer_of = {(l.pid, l.index): l.layer for p in agg.processes.values() for l in p.layers}
         lines = folded_lines(
-            tracer.read_maps()["stacks"], tracer.stack_frames,
+            raw["stacks"], tracer.stack_frames,
             lambda pid: tracer.procs[pid].comm if pid in tracer.procs else str(pid),
             lambda pid, idx: layer_of.get((pid, idx)))
         with open_private(args.folded) as f:

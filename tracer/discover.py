@@ -186,18 +186,27 @@ def runtime_address(maps: list, path: str, file_offset: int):
     return None
 
 
-def process_probe_files(pid: int, provider: str = abi.PROVIDER) -> dict:
-    """{path: [Probe]} for every file mapped by `pid` that has `provider` probes."""
+def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = None) -> dict:
+    """{path: [Probe]} for every file mapped by `pid` that has `provider` probes.
+
+    With `cache` (a dict the caller keeps), each file is parsed once per
+    (path, inode, mtime): re-reading a process that maps hundreds of
+    libraries, as vLLM does, then costs a stat per file."""
+    cache = {} if cache is None else cache
     found = {}
     for path in sorted({m.path for m in read_maps(pid)}):
-        if path.endswith(" (deleted)") or not os.path.isfile(path):
-            continue
         try:
-            probes = read_probes(path, provider)
-        except TargetError:
-            continue  # a mapped non-ELF (fonts, locale archives...)
-        if probes:
-            found[path] = probes
+            st = os.stat(path)
+        except OSError:
+            continue  # "(deleted)", or gone since
+        key = (path, st.st_ino, st.st_mtime_ns)
+        if key not in cache:
+            try:
+                cache[key] = read_probes(path, provider) if os.path.isfile(path) else []
+            except TargetError:
+                cache[key] = []  # a mapped non-ELF (fonts, locale archives...)
+        if cache[key]:
+            found[path] = cache[key]
     return found
 
 

@@ -10,6 +10,7 @@ per-op stream, and what it loses is counted, not guessed.
 import ctypes
 import mmap
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +26,9 @@ _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
 # (uapi/linux/bpf.h; offsets checked against it with offsetof)
 _BPF_OBJ_GET_INFO_BY_FD = 15
 _PROG_INFO_SIZE = 232
-_PROG_INFO_RUN_CNT, _PROG_INFO_RECURSION_MISSES = 200, 208
+_PROG_INFO_RECURSION_MISSES = 208
 _SYS_bpf = 321
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def check_privileges():
@@ -123,7 +125,6 @@ class Tracer:
         events.open_perf_buffer(self._record, page_cnt=perf_pages, lost_cb=self._lost)
         self._events = events
         self.procs = {}  # pid -> TracedProcess
-        self._probe_cache = {}  # (path, inode, mtime) -> [Probe]
         self.started = time.monotonic()
 
     @staticmethod
@@ -158,7 +159,7 @@ class Tracer:
         if pid in self.procs:
             return self.procs[pid]
         if len(self.procs) >= self.max_procs:
-            raise TargetError(f"cannot trace more than {self.max_procs} processes (--max-procs)")
+            raise TargetError(f"cannot trace more than {self.max_procs} processes at once")
         proc = TracedProcess(pid, len(self.procs), discover.comm(pid))
         table = self.bpf["traced_pids"]
         value = table.Leaf()
@@ -166,24 +167,6 @@ class Tracer:
         table[table.Key(pid)] = value
         self.procs[pid] = proc
         return proc
-
-    def probe_files(self, pid: int) -> dict:
-        """{path: [Probe]} of files mapped by pid, parsing each file once."""
-        found = {}
-        for path in sorted({m.path for m in discover.read_maps(pid)}):
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            key = (path, st.st_ino, st.st_mtime_ns)
-            if key not in self._probe_cache:
-                try:
-                    self._probe_cache[key] = discover.read_probes(path) if os.path.isfile(path) else []
-                except TargetError:
-                    self._probe_cache[key] = []
-            if self._probe_cache[key]:
-                found[path] = self._probe_cache[key]
-        return found
 
     def attach(self, pid: int, files: dict) -> int:
         """Attach to every known probe in `files` not yet attached in pid.
@@ -264,15 +247,12 @@ class Tracer:
         is skipped and counted in the program's recursion_misses (5.12+).
         Each one is an op the counts lack, so it is reported, not hidden."""
         info = ctypes.create_string_buffer(_PROG_INFO_SIZE)
-        attr = ctypes.create_string_buffer(16)
-        ctypes.memmove(attr, ctypes.byref(ctypes.c_uint32(self.site_prog.fd)), 4)
-        ctypes.memmove(ctypes.addressof(attr) + 4, ctypes.byref(ctypes.c_uint32(_PROG_INFO_SIZE)), 4)
-        ctypes.memmove(ctypes.addressof(attr) + 8, ctypes.byref(ctypes.c_uint64(ctypes.addressof(info))), 8)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(_SYS_bpf, _BPF_OBJ_GET_INFO_BY_FD, attr, 16) != 0:
+        # attr.info: {u32 bpf_fd, u32 info_len, u64 info}
+        attr = ctypes.create_string_buffer(struct.pack(
+            "<IIQ", self.site_prog.fd, _PROG_INFO_SIZE, ctypes.addressof(info)), 16)
+        if _libc.syscall(_SYS_bpf, _BPF_OBJ_GET_INFO_BY_FD, attr, 16) != 0:
             return 0
-        return int.from_bytes(info.raw[_PROG_INFO_RECURSION_MISSES:_PROG_INFO_RECURSION_MISSES + 8],
-                              "little")
+        return struct.unpack_from("<Q", info.raw, _PROG_INFO_RECURSION_MISSES)[0]
 
     def read_globals(self) -> dict:
         table = self.bpf["globals"]
