@@ -67,6 +67,9 @@ def test_round_trip(trace_path):
     ops = t.ops
     assert len(ops.ops) == 40 and ops.complete
     assert np.array_equal(ops.values, np.arange(4000) % (512 * BS))
+    (key, g), = t.generations(PID).items()  # 4000 slots: 250 full blocks
+    assert key == (PID, 0) and len(g) == 250 and set(g.fill.tolist()) == {BS}
+    assert t.generations(PID + 1) == {}
 
 
 def _cut(path, at):

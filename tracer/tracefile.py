@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import __version__, abi, stream
+from . import __version__, abi, occupancy, stream
 from .errors import DataError
 from .files import open_private
 
@@ -173,6 +173,14 @@ class Trace:
     @property
     def complete(self) -> bool:
         return self.damage is None
+
+    def generations(self, pid: int = None) -> dict:
+        """{(pid, layer): occupancy.Generations} for every layer (of one
+        process, if given): true fill per block generation, per layer."""
+        layers = self.layers()
+        return {(p, layers[(p, c)]): g
+                for (p, c), g in occupancy.by_cache(self.ops, self.block_sizes()).items()
+                if pid is None or p == pid}
 
 
 def read(path: str) -> Trace:
