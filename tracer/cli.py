@@ -1,6 +1,7 @@
 """`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
 
 import argparse
+import os
 import sys
 
 from . import __version__, cmd_attach, cmd_export, cmd_probes, cmd_record, cmd_report
@@ -54,6 +55,9 @@ def main(argv=None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `report ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -211,14 +211,14 @@ def read(path: str) -> Trace:
                 doc = json.loads(bytes(payload))
             elif kind == KIND_BATCH:
                 n_ops, n_hdr, n_val = _BATCH.unpack_from(payload)
-                body = bytes(payload[_BATCH.size:])
-                if n_ops + n_hdr + n_val != len(body):
+                if _BATCH.size + n_ops + n_hdr + n_val != len(payload):
                     raise ValueError("batch lengths disagree")
-                batch = stream.RawBatch(body[:n_ops], body[n_ops:n_ops + n_hdr],
-                                        body[n_ops + n_hdr:])
+                a, b = _BATCH.size + n_ops, _BATCH.size + n_ops + n_hdr
+                batch = stream.RawBatch(bytes(payload[_BATCH.size:a]), bytes(payload[a:b]),
+                                        bytes(payload[b:]))
             else:
                 raise ValueError(f"unknown frame kind {kind}")
-        except ValueError as e:
+        except (ValueError, struct.error) as e:
             problem = f"bad frame at byte {pos} ({e})"
             break
         if trace is None:
