@@ -76,7 +76,7 @@ def add_parser(sub):
                    f"together (default {abi.DEFAULT_MAX_CACHES})")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64; "
-                   "1024 with -o, which streams every slot)")
+                   "with -o, which streams every slot, 1024 up to 256 MiB in all)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -91,12 +91,19 @@ def _validate(args):
     if args.max_blocks > 1 << 18:
         raise UsageError("--max-blocks must be at most 262144")
     if args.perf_pages is None:
-        args.perf_pages = 1024 if args.output else 64
+        args.perf_pages = stream_perf_pages() if args.output else 64
     if args.perf_pages & (args.perf_pages - 1):
         raise UsageError("--perf-pages must be a power of two")
     for path in (args.json, args.folded, args.output):
         if path:
             check_writable(path)
+
+
+def stream_perf_pages() -> int:
+    """Perf buffer pages per CPU with the index stream on: 1024 (4 MiB), but
+    at most 256 MiB over all CPUs (a 192-CPU host gets 256 pages each)."""
+    per_cpu = max(64, 65536 // max(1, os.cpu_count() or 1))
+    return min(1024, 1 << (per_cpu.bit_length() - 1))
 
 
 def run(args) -> int:

@@ -31,8 +31,9 @@ def add_parser(sub):
                    help="the trace file to write")
     p.add_argument("-d", "--duration", type=positive_float, metavar="S",
                    help="stop after S seconds")
-    p.add_argument("--perf-pages", type=positive_int, default=1024, metavar="N",
-                   help="perf buffer pages per CPU (default 1024: 4 MiB)")
+    p.add_argument("--perf-pages", type=positive_int, metavar="N",
+                   help="perf buffer pages per CPU (default 1024, 4 MiB, up to 256 MiB "
+                        "over all CPUs)")
     p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
                    metavar="N", help="blocks per layer counted exactly in the maps "
                    f"(default {abi.DEFAULT_MAX_BLOCKS}); the stream is not limited")
