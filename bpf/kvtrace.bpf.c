@@ -44,12 +44,15 @@ BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_writes,
 BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
 
-/* One chunk of a user index array, behind the header of its stream record
- * (emit_chunk).  Twice KVTRACE_CHUNK long so that the read size can be
- * bounded with a mask instead of a branch. */
+#define RECORD_VALUES (KVTRACE_RECORD_CHUNKS * KVTRACE_CHUNK)
+
+/* Up to KVTRACE_RECORD_CHUNKS chunks of a user index array, read one after
+ * the other behind the header of their stream record (emit_chunk).  Twice
+ * as long as that, so that read and record sizes can be bounded with a
+ * mask instead of a branch. */
 struct chunk {
 	struct kvtrace_chunk_hdr hdr;
-	s64 v[2 * KVTRACE_CHUNK];
+	s64 v[2 * RECORD_VALUES];
 };
 BPF_PERCPU_ARRAY(scratch, struct chunk, 1);
 
@@ -157,10 +160,11 @@ static __always_inline struct kvtrace_cache *cache_of(u32 pid, u64 cache_id,
 }
 
 /*
- * Read the next chunk of the op's index array into buf.  Returns how many
- * values it read (1..KVTRACE_CHUNK), 0 when the array is done, -1 on a fault.
+ * Read the next chunk of the op's index array into chunk slot k of buf.
+ * Returns how many values it read (1..KVTRACE_CHUNK), 0 when the array is
+ * done, -1 on a fault.
  */
-static __always_inline s64 next_chunk(struct work *w, struct chunk *buf)
+static __always_inline s64 next_chunk(struct work *w, struct chunk *buf, u32 k)
 {
 	u64 done = w->done, n = w->n;
 	if (done >= n)
@@ -170,7 +174,8 @@ static __always_inline s64 next_chunk(struct work *w, struct chunk *buf)
 	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
 	OPAQUE(cnt);
 	u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(s64);
-	if (bpf_probe_read_user(buf->v, size, (const s64 *)w->arr + done)) {
+	s64 *dst = buf->v + (k & (KVTRACE_RECORD_CHUNKS - 1)) * KVTRACE_CHUNK;
+	if (bpf_probe_read_user(dst, size, (const s64 *)w->arr + done)) {
 		w->err = 1;
 		return -1;
 	}
@@ -188,11 +193,11 @@ static __always_inline void start_record(struct work *w)
 }
 
 /*
- * The index stream: send the cnt values next_chunk() just read as one
- * KVTRACE_REC_CHUNK record, straight from the scratch buffer.  Once per
- * chunk, outside the per-item loop.  Returns 1 if the perf buffer refused
- * it, without a branch.  Compiled in only with the stream on, so plain
- * `attach` does not pay for it.
+ * The index stream: send the cnt values next_chunk() just read (up to
+ * KVTRACE_RECORD_CHUNKS chunks of them) as one KVTRACE_REC_CHUNK record,
+ * straight from the scratch buffer.  Outside the per-item loop.  Returns 1
+ * if the perf buffer refused it, without a branch.  Compiled in only with
+ * the stream on, so plain `attach` does not pay for it.
  */
 static __always_inline u64 emit_chunk(struct pt_regs *ctx, struct work *w,
 				      struct chunk *buf, u64 cnt)
@@ -202,7 +207,7 @@ static __always_inline u64 emit_chunk(struct pt_regs *ctx, struct work *w,
 	buf->hdr.count = cnt;
 	buf->hdr.seq = w->ev.seq;
 	buf->hdr.offset = w->done - cnt;
-	u64 size = sizeof(buf->hdr) + (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(s64);
+	u64 size = sizeof(buf->hdr) + (cnt & (2 * RECORD_VALUES - 1)) * sizeof(s64);
 	u64 failed = (u64)events.perf_submit(ctx, buf, size) >> 63;
 	w->ev.chunks += failed ^ 1;
 	return failed;
@@ -326,26 +331,36 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	u64 valid = 0, padding = 0, oor = 0, lost = 0;
 	OPAQUE(keep);
 
+	s64 cnt = KVTRACE_CHUNK;
+
+	/* records of KVTRACE_RECORD_CHUNKS chunks; each chunk counted as read */
 #pragma clang loop unroll(disable)
-	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
-		s64 cnt = next_chunk(w, buf);
-		if (cnt <= 0)
-			break;
-		lost += emit_chunk(ctx, w, buf, cnt);
+	for (u32 r = 0; r < KVTRACE_SEGMENT_CHUNKS / KVTRACE_RECORD_CHUNKS &&
+			cnt == KVTRACE_CHUNK; r++) {
+		u64 pending = 0;
 #pragma clang loop unroll(disable)
-		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
-			s64 slot = buf->v[i];
-			u64 live = lt(i, cnt);       /* within the array */
-			u64 pad = (u64)slot >> 63;   /* slot < 0: padding */
-			u64 block = pow2 ? (u64)slot >> (shift & 63)
-					 : (u64)slot / block_size;
-			u64 real = live & (pad ^ 1);
-			u64 kept = real & keep & lt(block, KVTRACE_MAX_BLOCKS);
-			valid += real;
-			padding += live & pad;
-			oor += real & (kept ^ 1);
-			__sync_fetch_and_add(&row->count[block & BLOCK_MASK], kept);
+		for (u32 k = 0; k < KVTRACE_RECORD_CHUNKS; k++) {
+			cnt = next_chunk(w, buf, k);
+			if (cnt <= 0)
+				break;
+			pending += cnt;
+#pragma clang loop unroll(disable)
+			for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
+				s64 slot = buf->v[k * KVTRACE_CHUNK + i];
+				u64 live = lt(i, cnt);     /* within the array */
+				u64 pad = (u64)slot >> 63; /* slot < 0: padding */
+				u64 block = pow2 ? (u64)slot >> (shift & 63)
+						 : (u64)slot / block_size;
+				u64 real = live & (pad ^ 1);
+				u64 kept = real & keep & lt(block, KVTRACE_MAX_BLOCKS);
+				valid += real;
+				padding += live & pad;
+				oor += real & (kept ^ 1);
+				__sync_fetch_and_add(&row->count[block & BLOCK_MASK], kept);
+			}
 		}
+		if (pending)
+			lost += emit_chunk(ctx, w, buf, pending);
 	}
 	w->ev.slots += valid;
 	w->ev.padding += padding;
@@ -385,23 +400,33 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	OPAQUE(src_on);
 	OPAQUE(dst_on);
 
+	s64 cnt = KVTRACE_CHUNK;
+
 #pragma clang loop unroll(disable)
-	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
-		s64 cnt = next_chunk(w, buf);
-		if (cnt <= 0)
-			break;
-		lost += emit_chunk(ctx, w, buf, cnt);
+	for (u32 r = 0; r < KVTRACE_SEGMENT_CHUNKS / KVTRACE_RECORD_CHUNKS &&
+			cnt == KVTRACE_CHUNK; r++) {
+		u64 pending = 0;
 #pragma clang loop unroll(disable)
-		for (u32 i = 0; i < KVTRACE_CHUNK; i += 2) {
-			u64 live = lt(i, cnt);
-			u64 src = buf->v[i], dst = buf->v[i + 1];
-			u64 src_ok = live & src_on & lt(src, KVTRACE_MAX_BLOCKS);
-			u64 dst_ok = live & dst_on & lt(dst, KVTRACE_MAX_BLOCKS);
-			oor += (live & src_on & (src_ok ^ 1)) +
-			       (live & dst_on & (dst_ok ^ 1));
-			__sync_fetch_and_add(&src_row->count[src & BLOCK_MASK], src_ok);
-			__sync_fetch_and_add(&dst_row->count[dst & BLOCK_MASK], dst_ok);
+		for (u32 k = 0; k < KVTRACE_RECORD_CHUNKS; k++) {
+			cnt = next_chunk(w, buf, k);
+			if (cnt <= 0)
+				break;
+			pending += cnt;
+#pragma clang loop unroll(disable)
+			for (u32 i = 0; i < KVTRACE_CHUNK; i += 2) {
+				u64 live = lt(i, cnt);
+				u64 src = buf->v[k * KVTRACE_CHUNK + i];
+				u64 dst = buf->v[k * KVTRACE_CHUNK + i + 1];
+				u64 src_ok = live & src_on & lt(src, KVTRACE_MAX_BLOCKS);
+				u64 dst_ok = live & dst_on & lt(dst, KVTRACE_MAX_BLOCKS);
+				oor += (live & src_on & (src_ok ^ 1)) +
+				       (live & dst_on & (dst_ok ^ 1));
+				__sync_fetch_and_add(&src_row->count[src & BLOCK_MASK], src_ok);
+				__sync_fetch_and_add(&dst_row->count[dst & BLOCK_MASK], dst_ok);
+			}
 		}
+		if (pending)
+			lost += emit_chunk(ctx, w, buf, pending);
 	}
 	w->oor += oor;
 	chunks_lost(w, lost);
@@ -419,7 +444,7 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
 
 #pragma clang loop unroll(disable)
 	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
-		s64 cnt = next_chunk(w, buf);
+		s64 cnt = next_chunk(w, buf, 0);
 		if (cnt <= 0)
 			break;
 #pragma clang loop unroll(disable)

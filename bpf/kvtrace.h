@@ -66,6 +66,9 @@ enum kvtrace_arg_kind {
 #define KVTRACE_CHUNK 64
 #define KVTRACE_SEGMENT_CHUNKS 128
 #define KVTRACE_MAX_TAIL_CALLS 33
+/* The index stream sends up to this many chunks (512 values) per record:
+ * fewer, larger records for user space to take.  Divides SEGMENT_CHUNKS. */
+#define KVTRACE_RECORD_CHUNKS 8
 
 /* Tail-call targets (prog array `stages`); program kvtrace_stage_<name>. */
 enum kvtrace_stage {
@@ -173,7 +176,8 @@ struct kvtrace_stack_key {
  * field.  Every op sends one KVTRACE_REC_OP record (struct kvtrace_event).
  * With the index stream on (-DKVTRACE_WITH_INDEX_STREAM), an op that reads
  * an index array (slots of a write op, (src, dst) pairs of copy/swap) first
- * sends the raw int64 values, KVTRACE_CHUNK per KVTRACE_REC_CHUNK record,
+ * sends the raw int64 values, up to KVTRACE_RECORD_CHUNKS * KVTRACE_CHUNK
+ * per KVTRACE_REC_CHUNK record,
  * all from the CPU that then sends the op record; padding (-1) included.  A
  * chunk names its op by seq.  The exact counters never depend on either.
  */
@@ -211,7 +215,7 @@ struct kvtrace_event {
  * `count` int64 values (the record is sent only that long). */
 struct kvtrace_chunk_hdr {
 	__u32 type;   /* KVTRACE_REC_CHUNK */
-	__u32 count;  /* int64 values after the header, 1..KVTRACE_CHUNK */
+	__u32 count;  /* int64 values after the header, 1..RECORD_CHUNKS * CHUNK */
 	__u64 seq;    /* the op's kvtrace_event.seq */
 	__u64 offset; /* index of the first value in the op's array */
 };

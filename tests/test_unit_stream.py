@@ -1,7 +1,9 @@
 """tracer/stream.py: raw perf records -> ops with their index values (pure logic).
 
 The records are built here with the layouts of bpf/kvtrace.h, as the BPF
-program sends them: chunks of up to KVTRACE_CHUNK values, then the op record.
+program sends them: chunk records of up to KVTRACE_RECORD_CHUNKS x
+KVTRACE_CHUNK values (shorter ones here by default, to make many), then the
+op record.
 """
 
 import numpy as np
@@ -13,9 +15,10 @@ from tracer import abi, stream
 class Wire:
     """Builds raw records the way the BPF program sends them."""
 
-    def __init__(self):
+    def __init__(self, per=abi.CHUNK):
         self.ops, self.hdrs, self.values = [], [], []
         self.seq = 0
+        self.per = per  # values per chunk record
 
     def op(self, name, values=(), items=None, flags=0, drop_chunks=(), pid=7, cache_id=99,
            send_op=True, ts=None):
@@ -23,8 +26,8 @@ class Wire:
         seq = self.seq
         self.seq += 1
         sent = 0
-        for n, at in enumerate(range(0, len(values), abi.CHUNK)):
-            part = values[at:at + abi.CHUNK]
+        for n, at in enumerate(range(0, len(values), self.per)):
+            part = values[at:at + self.per]
             if n in drop_chunks:
                 flags |= abi.EV_CHUNKS_LOST
                 continue
@@ -140,6 +143,25 @@ def test_collector_sorts_raw_records():
     s = stream.decode(c.take())
     assert np.array_equal(s.values_of(0), np.arange(70))
     assert c.take().empty
+
+
+def test_collector_takes_records_as_large_as_the_program_sends():
+    import ctypes
+
+    w = Wire(per=abi.RECORD_VALUES)
+    w.op("reshape_and_cache", np.arange(abi.RECORD_VALUES + 5))
+    too_big = np.zeros(1, stream.CHUNK_HDR)
+    too_big["type"], too_big["count"] = stream.REC_CHUNK, abi.RECORD_VALUES + 1
+    c = stream.Collector()
+    for rec in (w.hdrs[0] + w.values[0], w.hdrs[1] + w.values[1], w.ops[0],
+                too_big.tobytes() + b"\0" * 8 * (abi.RECORD_VALUES + 1)):
+        buf = ctypes.create_string_buffer(rec)
+        c.add(ctypes.addressof(buf), len(rec))
+    assert (c.op_records, c.chunk_records, c.unknown_records) == (1, 2, 1)
+    assert c.pending_bytes > 0
+    s = stream.decode(c.take())
+    assert s.complete and np.array_equal(s.values_of(0), np.arange(abi.RECORD_VALUES + 5))
+    assert c.pending_bytes == 0
 
 
 def test_step_numbers_count_write_ops_before():

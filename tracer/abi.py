@@ -51,6 +51,7 @@ GLOBALS = _strip("KVTRACE_G_", _enum("kvtrace_global"))
 ARG_KINDS = _strip("KVTRACE_ARG_", _enum("kvtrace_arg_kind"))
 MAX_ARGS = define("KVTRACE_MAX_ARGS")
 CHUNK = define("KVTRACE_CHUNK")
+RECORD_VALUES = CHUNK * define("KVTRACE_RECORD_CHUNKS")  # most values per stream record
 DEFAULT_MAX_BLOCKS = define("KVTRACE_MAX_BLOCKS")
 DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
 EV_TRUNCATED = define("KVTRACE_EV_TRUNCATED")

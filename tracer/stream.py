@@ -45,7 +45,7 @@ OP_TABLE = np.dtype([(name, EVENT.fields[name][0]) for name in EVENT.names
 class RawBatch:
     """Records as they came, in three flat byte strings."""
 
-    ops: bytes  # struct kvtrace_event records
+    ops: bytes  # struct kvtrace_event records (bytes or bytearray)
     chunk_hdrs: bytes  # struct kvtrace_chunk_hdr records
     values: bytes  # every chunk's int64 values, in chunk order
 
@@ -72,7 +72,7 @@ class Collector:
             self.op_records += 1
         elif rtype == REC_CHUNK and size >= CHUNK_HDR.itemsize:
             count = ctypes.c_uint32.from_address(data + 4).value
-            if 0 < count <= abi.CHUNK and size >= CHUNK_HDR.itemsize + 8 * count:
+            if 0 < count <= abi.RECORD_VALUES and size >= CHUNK_HDR.itemsize + 8 * count:
                 self._hdrs += ctypes.string_at(data, CHUNK_HDR.itemsize)
                 self._values += ctypes.string_at(data + CHUNK_HDR.itemsize, 8 * count)
                 self.chunk_records += 1
@@ -82,12 +82,14 @@ class Collector:
             self.unknown_records += 1
         return rtype
 
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._ops) + len(self._hdrs) + len(self._values)
+
     def take(self) -> RawBatch:
-        """Everything collected since the last take()."""
-        batch = RawBatch(bytes(self._ops), bytes(self._hdrs), bytes(self._values))
-        self._ops.clear()
-        self._hdrs.clear()
-        self._values.clear()
+        """Everything collected since the last take() (handed over, not copied)."""
+        batch = RawBatch(self._ops, self._hdrs, self._values)
+        self._ops, self._hdrs, self._values = bytearray(), bytearray(), bytearray()
         return batch
 
 

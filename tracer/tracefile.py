@@ -99,17 +99,23 @@ class TraceWriter:
         self._f.write(data)
         self.bytes += len(data)
 
-    def frame(self, kind: int, payload: bytes):
-        head = _FRAME.pack(_FRAME_MAGIC, kind, len(payload), zlib.crc32(payload))
-        self._write(head + struct.pack("<I", zlib.crc32(head)) + payload)
+    def frame(self, kind: int, *parts: bytes):
+        """One frame whose payload is the parts, written without joining them."""
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        head = _FRAME.pack(_FRAME_MAGIC, kind, sum(len(p) for p in parts), crc)
+        self._write(head + struct.pack("<I", zlib.crc32(head)))
+        for p in parts:
+            self._write(p)
 
     def meta(self, kind: str, doc: dict):
         self.frame(KIND_META, json.dumps({"kind": kind, **doc}).encode())
 
     def batch(self, b: stream.RawBatch):
         if not b.empty:
-            self.frame(KIND_BATCH, _BATCH.pack(len(b.ops), len(b.chunk_hdrs), len(b.values))
-                       + b.ops + b.chunk_hdrs + b.values)
+            self.frame(KIND_BATCH, _BATCH.pack(len(b.ops), len(b.chunk_hdrs), len(b.values)),
+                       b.ops, b.chunk_hdrs, b.values)
 
     def end(self, doc: dict):
         self.frame(KIND_END, json.dumps({"kind": "end", **doc}).encode())
@@ -281,12 +287,17 @@ class Recorder:
 
     tick() is called from the tracing loop: it takes what the perf callback
     collected and appends it, with any new layers or probe files first, so
-    that a reader never sees an op before the cache it writes to."""
+    that a reader never sees an op before the cache it writes to.  It writes
+    every flush_s, or as soon as flush_bytes are waiting: small, frequent
+    writes keep the loop back at the perf buffer quickly (a 10 MiB batch
+    held it long enough for the buffer to overflow under kvsim's stress
+    workload)."""
 
-    def __init__(self, path: str, tracer, target: dict, flush_s: float = 0.5):
+    def __init__(self, path: str, tracer, target: dict, flush_s: float = 0.5,
+                 flush_bytes: int = 1 << 20):
         self.tracer = tracer
         self.writer = TraceWriter(path, trace_meta(target))
-        self.flush_s = flush_s
+        self.flush_s, self.flush_bytes = flush_s, flush_bytes
         self._next = time.monotonic() + flush_s
         self._caches = {}
         self._procs = {}
@@ -312,7 +323,8 @@ class Recorder:
 
     def tick(self, force: bool = False):
         now = time.monotonic()
-        if not force and now < self._next:
+        if not force and now < self._next and \
+                self.tracer.stream.pending_bytes < self.flush_bytes:
             return
         self._next = now + self.flush_s
         batch = self.tracer.stream.take()  # taken first: its caches exist by now
