@@ -76,7 +76,7 @@ def add_parser(sub):
                    f"together (default {abi.DEFAULT_MAX_CACHES})")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64; "
-                   "with -o, which streams every slot, 1024 up to 256 MiB in all)")
+                   "with -o, which streams every slot, 4096 up to 256 MiB in all)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -100,10 +100,12 @@ def _validate(args):
 
 
 def stream_perf_pages() -> int:
-    """Perf buffer pages per CPU with the index stream on: 1024 (4 MiB), but
-    at most 256 MiB over all CPUs (a 192-CPU host gets 256 pages each)."""
+    """Perf buffer pages per CPU with the index stream on: 4096 (16 MiB), but
+    at most 256 MiB over all CPUs (a 192-CPU host gets 256 pages each).  The
+    stream comes in bursts (an 8192-token prefill is 64 KiB per layer) and
+    the reader is one Python thread: docs/trace-format.md."""
     per_cpu = max(64, 65536 // max(1, os.cpu_count() or 1))
-    return min(1024, 1 << (per_cpu.bit_length() - 1))
+    return min(4096, 1 << (per_cpu.bit_length() - 1))
 
 
 def run(args) -> int:
@@ -238,9 +240,12 @@ def _trace_loop(args, tracer, target, stop, probe_cache, on_poll=None):
                 stop["reason"] = "target exited"
             elif deadline is not None and now >= deadline:
                 stop["reason"] = "duration"
-            if now >= next_refresh:
+            if now >= next_refresh and stop["reason"] is None:
                 # libraries loaded since (dlopen) may bring probes
-                tracer.attach(target.pid, _probe_files_now(target.pid, probe_cache))
+                try:
+                    tracer.attach(target.pid, _probe_files_now(target.pid, probe_cache))
+                except TargetError:  # it exited meanwhile: noticed next time round
+                    pass
                 prev, agg = agg, _aggregate(tracer)
                 next_refresh = now + args.interval
                 if live_ctx:

@@ -32,7 +32,7 @@ def add_parser(sub):
     p.add_argument("-d", "--duration", type=positive_float, metavar="S",
                    help="stop after S seconds")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
-                   help="perf buffer pages per CPU (default 1024, 4 MiB, up to 256 MiB "
+                   help="perf buffer pages per CPU (default 4096, 16 MiB, up to 256 MiB "
                         "over all CPUs)")
     p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
                    metavar="N", help="blocks per layer counted exactly in the maps "

@@ -72,7 +72,9 @@ class Collector:
             self.op_records += 1
         elif rtype == REC_CHUNK and size >= CHUNK_HDR.itemsize:
             count = ctypes.c_uint32.from_address(data + 4).value
-            if 0 < count <= abi.RECORD_VALUES and size >= CHUNK_HDR.itemsize + 8 * count:
+            if count == 0:  # the end of an array of a multiple of 512 values
+                return rtype
+            if count <= abi.RECORD_VALUES and size >= CHUNK_HDR.itemsize + 8 * count:
                 self._hdrs += ctypes.string_at(data, CHUNK_HDR.itemsize)
                 self._values += ctypes.string_at(data + CHUNK_HDR.itemsize, 8 * count)
                 self.chunk_records += 1
