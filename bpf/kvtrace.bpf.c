@@ -44,9 +44,11 @@ BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_writes,
 BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
 
-/* One chunk of a user index array.  Twice KVTRACE_CHUNK long so that the
- * read size can be bounded with a mask instead of a branch. */
+/* One chunk of a user index array, behind the header of its stream record
+ * (emit_chunk).  Twice KVTRACE_CHUNK long so that the read size can be
+ * bounded with a mask instead of a branch. */
 struct chunk {
+	struct kvtrace_chunk_hdr hdr;
 	s64 v[2 * KVTRACE_CHUNK];
 };
 BPF_PERCPU_ARRAY(scratch, struct chunk, 1);
@@ -208,6 +210,49 @@ static __always_inline s64 next_chunk(struct work *w, struct chunk *buf)
 	return cnt;
 }
 
+/* Number the op for the stream; its chunk records carry the number. */
+static __always_inline void start_record(struct work *w)
+{
+	u32 idx = KVTRACE_G_NEXT_SEQ;
+	u64 *next = globals.lookup(&idx);
+	w->ev.type = KVTRACE_REC_OP;
+	w->ev.seq = next ? __sync_fetch_and_add(next, 1) : 0;
+}
+
+/*
+ * The index stream: send the cnt values next_chunk() just read as one
+ * KVTRACE_REC_CHUNK record, straight from the scratch buffer.  Once per
+ * chunk, outside the per-item loop.  Returns 1 if the perf buffer refused
+ * it, without a branch.  Compiled in only with the stream on, so plain
+ * `attach` does not pay for it.
+ */
+static __always_inline u64 emit_chunk(struct pt_regs *ctx, struct work *w,
+				      struct chunk *buf, u64 cnt)
+{
+#ifdef KVTRACE_WITH_INDEX_STREAM
+	buf->hdr.type = KVTRACE_REC_CHUNK;
+	buf->hdr.count = cnt;
+	buf->hdr.seq = w->ev.seq;
+	buf->hdr.offset = w->done - cnt;
+	u64 size = sizeof(buf->hdr) + (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(s64);
+	u64 failed = (u64)events.perf_submit(ctx, buf, size) >> 63;
+	w->ev.chunks += failed ^ 1;
+	return failed;
+#else
+	return 0;
+#endif
+}
+
+/* After a stage's chunk loop: losses are counted here, at the source, and
+ * mark the op so that user space never uses its values half. */
+static __always_inline void chunks_lost(struct work *w, u64 lost)
+{
+	if (lost) {
+		w->ev.flags |= KVTRACE_EV_CHUNKS_LOST;
+		global_add(KVTRACE_G_CHUNKS_LOST, lost);
+	}
+}
+
 /* Everything an op does after its index array has been read. */
 static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 {
@@ -310,7 +355,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	if (!row)
 		return 0;
 	u64 keep = w->keep, block_size = w->block_size, shift = w->block_shift;
-	u64 valid = 0, padding = 0, oor = 0;
+	u64 valid = 0, padding = 0, oor = 0, lost = 0;
 	OPAQUE(keep);
 
 #pragma clang loop unroll(disable)
@@ -318,6 +363,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 		s64 cnt = next_chunk(w, buf);
 		if (cnt <= 0)
 			break;
+		lost += emit_chunk(ctx, w, buf, cnt);
 #pragma clang loop unroll(disable)
 		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
 			s64 slot = buf->v[i];
@@ -336,6 +382,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	w->ev.slots += valid;
 	w->ev.padding += padding;
 	w->oor += oor;
+	chunks_lost(w, lost);
 	return next_segment_or_finish(
 	    ctx, w, pow2 ? KVTRACE_STAGE_SLOTS_POW2 : KVTRACE_STAGE_SLOTS);
 }
@@ -362,7 +409,11 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	struct kvtrace_block_row *dst_row = block_moves.lookup(&d);
 	if (!src_row || !dst_row)
 		return 0;
-	u64 src_on = w->src_on, dst_on = w->dst_on, oor = 0;
+	u64 src_on = w->src_on, dst_on = w->dst_on, oor = 0, lost = 0;
+	/* the stream's reader needs the direction to find the device block */
+	if (w->ev.op == KVTRACE_OP_SWAP_BLOCKS)
+		w->ev.flags |= src_on ? KVTRACE_EV_SWAP_OUT
+				      : dst_on ? KVTRACE_EV_SWAP_IN : 0;
 	OPAQUE(src_on);
 	OPAQUE(dst_on);
 
@@ -371,6 +422,7 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 		s64 cnt = next_chunk(w, buf);
 		if (cnt <= 0)
 			break;
+		lost += emit_chunk(ctx, w, buf, cnt);
 #pragma clang loop unroll(disable)
 		for (u32 i = 0; i < KVTRACE_CHUNK; i += 2) {
 			u64 live = lt(i, cnt);
@@ -384,6 +436,7 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 		}
 	}
 	w->oor += oor;
+	chunks_lost(w, lost);
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_PAIRS);
 }
 
@@ -515,6 +568,7 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		return 0;
 	}
 
+	start_record(w);
 	if (w->n)
 		stages.call(ctx, stage);
 	/* reached with nothing to read, or if the stage is missing */

@@ -38,7 +38,9 @@ enum kvtrace_global {
 	KVTRACE_G_NO_SITE = 2,      /* hits at an address with no site spec */
 	KVTRACE_G_CACHE_FULL = 3,   /* caches beyond KVTRACE_MAX_CACHES */
 	KVTRACE_G_RECORDS_LOST = 4, /* per-op records the perf buffer refused */
-	KVTRACE_NR_GLOBALS = 5,
+	KVTRACE_G_NEXT_SEQ = 5,     /* next op sequence number (struct kvtrace_event.seq) */
+	KVTRACE_G_CHUNKS_LOST = 6,  /* index chunk records the perf buffer refused */
+	KVTRACE_NR_GLOBALS = 7,
 };
 
 /* swap_blocks direction (same values as KVTRACE_SWAP_* in kvtrace_probes.h) */
@@ -184,8 +186,25 @@ struct kvtrace_stack_key {
 	__u32 cache_index;
 };
 
-/* One record per op through the perf buffer. */
+/*
+ * The perf buffer carries two kinds of record, told apart by their first
+ * field.  Every op sends one KVTRACE_REC_OP record (struct kvtrace_event).
+ * With the index stream on (-DKVTRACE_WITH_INDEX_STREAM), an op that reads
+ * an index array (slots of a write op, (src, dst) pairs of copy/swap) first
+ * sends the raw int64 values, KVTRACE_CHUNK per KVTRACE_REC_CHUNK record,
+ * all from the CPU that then sends the op record; padding (-1) included.  A
+ * chunk names its op by seq.  The exact counters never depend on either.
+ */
+enum kvtrace_rec {
+	KVTRACE_REC_OP = 1,
+	KVTRACE_REC_CHUNK = 2,
+};
+
+/* One record per op. */
 struct kvtrace_event {
+	__u32 type; /* KVTRACE_REC_OP */
+	__u32 chunks; /* chunk records this op sent (accepted by the buffer) */
+	__u64 seq;  /* op sequence number, unique per tracer (KVTRACE_G_NEXT_SEQ) */
 	__u64 ts_ns;
 	__u32 pid;
 	__u32 tid;
@@ -202,5 +221,17 @@ struct kvtrace_event {
 
 #define KVTRACE_EV_TRUNCATED 1 /* more items than the per-op read limit */
 #define KVTRACE_EV_READ_ERROR 2
+#define KVTRACE_EV_CHUNKS_LOST 4 /* some of this op's chunk records were refused */
+#define KVTRACE_EV_SWAP_OUT 8    /* swap_blocks, device -> host */
+#define KVTRACE_EV_SWAP_IN 16    /* swap_blocks, host -> device */
+
+/* One chunk of an op's index array: the record's header, followed by
+ * `count` int64 values (the record is sent only that long). */
+struct kvtrace_chunk_hdr {
+	__u32 type;   /* KVTRACE_REC_CHUNK */
+	__u32 count;  /* int64 values after the header, 1..KVTRACE_CHUNK */
+	__u64 seq;    /* the op's kvtrace_event.seq */
+	__u64 offset; /* index of the first value in the op's array */
+};
 
 #endif /* KVTRACE_H */

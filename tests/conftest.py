@@ -196,3 +196,33 @@ def no_leftovers(bpf_env):
     yield
     assert uprobe_events() == before
     assert "kvsim" not in uprobe_events()
+
+
+# -- the index stream (tracer/stream.py), in-process -----------------------
+
+def trace_stream(tmp_path, workload, *extra, perf_pages=256):
+    """Trace one paused kvsim through the Tracer API with the index stream on.
+    Returns (OpStream, the final map snapshot, kvsim's ground truth)."""
+    from tracer import discover, stream
+    from tracer.session import Tracer
+
+    sim = Kvsim(tmp_path, workload, *extra)
+    tracer = None
+    try:
+        tracer = Tracer(index_stream=True, perf_pages=perf_pages)
+        tracer.attach(sim.pid, discover.process_probe_files(sim.pid))
+        sim.go()
+        batches = []
+        while sim.proc.poll() is None:
+            tracer.poll(50)
+            batches.append(tracer.stream.take())
+        tracer.detach()
+        tracer.drain()
+        batches.append(tracer.stream.take())
+        assert sim.wait() == 0
+        raw = tracer.read_maps()
+    finally:
+        if tracer is not None:
+            tracer.close()
+        sim.kill()
+    return stream.decode(batches), raw, sim.truth()

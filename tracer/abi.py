@@ -57,3 +57,34 @@ EV_TRUNCATED = define("KVTRACE_EV_TRUNCATED")
 EV_READ_ERROR = define("KVTRACE_EV_READ_ERROR")
 
 assert set(OPS) >= WRITE_OPS and len(OPS) == NR_OPS
+
+# -- the perf stream's records (struct kvtrace_event, struct kvtrace_chunk_hdr)
+
+_CTYPES = {"__u8": "u1", "__s8": "i1", "__u16": "<u2", "__s16": "<i2", "__u32": "<u4",
+           "__s32": "<i4", "__u64": "<u8", "__s64": "<i8"}
+
+
+@lru_cache(maxsize=None)
+def struct_dtype(name: str):
+    """A numpy dtype for a struct of kvtrace.h made only of scalar fields,
+    laid out as the C compiler does (natural alignment).  Used for records
+    that user space decodes without bcc (trace files are read anywhere)."""
+    import numpy as np
+
+    text = re.sub(r"/\*.*?\*/", "", SHARED_HEADER.read_text(), flags=re.S)
+    m = re.search(r"struct\s+%s\s*\{(.*?)\};" % re.escape(name), text, re.S)
+    if not m:
+        raise RuntimeError(f"struct {name} missing from {SHARED_HEADER}")
+    fields = []
+    for decl in filter(None, (d.strip() for d in m.group(1).split(";"))):
+        ctype, field = decl.split()
+        if ctype not in _CTYPES:
+            raise RuntimeError(f"struct {name}: {decl!r} is not a scalar field")
+        fields.append((field, _CTYPES[ctype]))
+    return np.dtype(fields, align=True)
+
+
+RECORD_TYPES = _strip("KVTRACE_REC_", _enum("kvtrace_rec"))
+EV_CHUNKS_LOST = define("KVTRACE_EV_CHUNKS_LOST")
+EV_SWAP_OUT = define("KVTRACE_EV_SWAP_OUT")
+EV_SWAP_IN = define("KVTRACE_EV_SWAP_IN")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import abi, catalog, discover
+from . import abi, catalog, discover, stream
 from .errors import EnvironmentProblem, TargetError
 from .uprobe_pmu import Uprobe
 
@@ -90,7 +90,7 @@ class Tracer:
 
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
                  max_caches: int = abi.DEFAULT_MAX_CACHES, max_procs: int = 8,
-                 stacks: bool = False, perf_pages: int = 64):
+                 stacks: bool = False, perf_pages: int = 64, index_stream: bool = False):
         check_privileges()
         check_kernel_headers()
         discover.check_arch()
@@ -102,6 +102,9 @@ class Tracer:
                   f"-DKVTRACE_MAX_CACHES={max_caches}", f"-DKVTRACE_MAX_PROCS={max_procs}"]
         if stacks:
             cflags.append("-DKVTRACE_WITH_STACKS")
+        if index_stream:  # the slot/pair chunks (record, attach -o); off costs nothing
+            cflags.append("-DKVTRACE_WITH_INDEX_STREAM")
+        self.stream = stream.Collector() if index_stream else None
         self.stacks = stacks
         t0 = time.monotonic()
         try:
@@ -145,9 +148,12 @@ class Tracer:
     # -- the per-op stream -------------------------------------------------
 
     def _record(self, cpu, data, size):
-        # counted only, for now: recording and reporting the stream is the
-        # job of `record` (docs/design.md); the exact counts come from maps
-        self.records += 1
+        # Without the index stream the op records are only counted (the
+        # exact counts come from maps).  With it, the collector keeps them
+        # raw; its consumer (record, attach -o) takes them and decodes
+        # with tracer/stream.py.
+        if self.stream is None or self.stream.add(data, size) == stream.REC_OP:
+            self.records += 1
 
     def _lost(self, count):
         self.lost += count
@@ -155,12 +161,15 @@ class Tracer:
     def poll(self, timeout_ms: int):
         self.bpf.perf_buffer_poll(timeout=timeout_ms)
 
+    def _received(self) -> int:
+        return self.records + (self.stream.chunk_records if self.stream else 0)
+
     def drain(self):
         """Read every record still buffered (after detach, none can come)."""
         while True:
-            before = self.records
+            before = self._received()
             self.bpf.perf_buffer_poll(timeout=0)
-            if self.records == before:
+            if self._received() == before:
                 return
 
     # -- processes and probes ----------------------------------------------

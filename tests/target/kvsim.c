@@ -20,6 +20,7 @@
 #include "kvsim_ops.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -150,6 +151,23 @@ struct op_truth {
 	uint64_t calls, slots, padding, pairs, bytes;
 };
 
+/*
+ * One generation of a GPU block: from its first use (a token written at
+ * offset 0, or contents received by a fork copy or a swap-in) until the
+ * block's next such use.  Steps count the model steps (write_step calls)
+ * before an event, so a fork copy made after step k's writes is at k + 1.
+ */
+enum gen_kind { GEN_WRITE, GEN_COPY, GEN_SWAP_IN };
+
+struct gen_truth {
+	int64_t block;
+	int kind;
+	uint64_t start_step, last_step; /* last: last write, copy or swap-out */
+	int64_t inherited;              /* tokens received at the start */
+	int64_t fill;                   /* tokens held (1 + last position) */
+	uint64_t writes;                /* tokens written (once per step) */
+};
+
 struct truth {
 	uint64_t **writes;     /* [layer][block] valid slots written */
 	uint64_t *token_writes; /* [block] once per step, layer-independent */
@@ -158,6 +176,14 @@ struct truth {
 	uint64_t slots_written, padding_skipped;
 	uint64_t steps, requests, preemptions, forks;
 	uint64_t kv_mismatches;
+
+	/* true fill per generation, from the block manager's own view */
+	struct gen_truth *gens;
+	int64_t ngens, gens_cap;
+	int64_t *cur_gen;   /* [gpu block] its open generation, -1 none */
+	int64_t *host_fill; /* [cpu block] tokens it holds */
+	int64_t *tok_gain;  /* [step] tokens gained by generations then */
+	int64_t tok_gain_cap;
 };
 
 static const char *op_name(int op)
@@ -432,10 +458,66 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	for (int64_t l = 0; l < s->L; l++)
 		t->writes[l] = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->token_writes = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	t->cur_gen = xcalloc((size_t)s->nblocks, sizeof(*t->cur_gen));
+	for (int64_t b = 0; b < s->nblocks; b++)
+		t->cur_gen[b] = -1;
+	t->host_fill = xcalloc((size_t)cfg->cpu_blocks, sizeof(*t->host_fill));
 	t->copy_src = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->copy_dst = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->swap_out = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->swap_in = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+}
+
+/* ------------------------------------------------------------------ */
+/* Generations (true fill): the block manager's own bookkeeping         */
+
+static void tok_gain(struct sim *s, uint64_t step, int64_t n)
+{
+	struct truth *t = &s->t;
+	if ((int64_t)step >= t->tok_gain_cap) {
+		int64_t cap = t->tok_gain_cap ? t->tok_gain_cap : 1024;
+		while (cap <= (int64_t)step)
+			cap *= 2;
+		t->tok_gain = realloc(t->tok_gain, (size_t)cap * sizeof(int64_t));
+		if (!t->tok_gain)
+			fatal("out of memory");
+		memset(t->tok_gain + t->tok_gain_cap, 0,
+		       (size_t)(cap - t->tok_gain_cap) * sizeof(int64_t));
+		t->tok_gain_cap = cap;
+	}
+	t->tok_gain[step] += n;
+}
+
+static void gen_open(struct sim *s, int64_t block, int kind, uint64_t step,
+		     int64_t inherited)
+{
+	struct truth *t = &s->t;
+	if (t->ngens == t->gens_cap) {
+		t->gens_cap = t->gens_cap ? 2 * t->gens_cap : 1024;
+		t->gens = realloc(t->gens, (size_t)t->gens_cap * sizeof(*t->gens));
+		if (!t->gens)
+			fatal("out of memory");
+	}
+	t->gens[t->ngens] = (struct gen_truth){
+		.block = block, .kind = kind, .start_step = step,
+		.last_step = step, .inherited = inherited, .fill = inherited,
+	};
+	t->cur_gen[block] = t->ngens++;
+	tok_gain(s, step, inherited);
+}
+
+/* The open generation of a GPU block (it must have one). */
+static struct gen_truth *gen_of(struct sim *s, int64_t block)
+{
+	if (s->t.cur_gen[block] < 0)
+		fatal("internal error: block used before its first write");
+	return &s->t.gens[s->t.cur_gen[block]];
+}
+
+static void gen_touch(struct gen_truth *g, uint64_t step)
+{
+	if (step > g->last_step)
+		g->last_step = step;
 }
 
 /* ------------------------------------------------------------------ */
@@ -469,6 +551,15 @@ static void emit_token(struct sim *s, struct request *r, struct seq *q)
 	s->tok_pos[i] = pos;
 	s->tok_sample[i] = sample_at(r, q, pos);
 	s->t.token_writes[block]++;
+	if (pos % s->bs == 0)
+		gen_open(s, block, GEN_WRITE, s->step_no, 0);
+	struct gen_truth *g = gen_of(s, block);
+	g->writes++;
+	gen_touch(g, s->step_no);
+	if (pos % s->bs + 1 > g->fill) {
+		tok_gain(s, s->step_no, pos % s->bs + 1 - g->fill);
+		g->fill = pos % s->bs + 1;
+	}
 	q->len++;
 }
 
@@ -585,6 +676,11 @@ static void fork_request(struct sim *s, struct request *r)
 	for (int64_t i = 0; i < npairs; i++) {
 		s->t.copy_src[s->pairs[2 * i]] += (uint64_t)s->L;
 		s->t.copy_dst[s->pairs[2 * i + 1]] += (uint64_t)s->L;
+		/* after this step's writes: the next step's clock */
+		struct gen_truth *src = gen_of(s, s->pairs[2 * i]);
+		gen_touch(src, s->step_no + 1);
+		gen_open(s, s->pairs[2 * i + 1], GEN_COPY, s->step_no + 1,
+			 src->fill);
 	}
 }
 
@@ -659,10 +755,17 @@ static void record_swap(struct sim *s, int64_t npairs, int direction)
 	o->pairs += (uint64_t)(npairs * s->L);
 	o->bytes += (uint64_t)(npairs * s->L * s->bpb);
 	for (int64_t i = 0; i < npairs; i++) {
-		if (direction == KV_SWAP_OUT)
-			s->t.swap_out[s->pairs[2 * i]] += (uint64_t)s->L;
-		else
-			s->t.swap_in[s->pairs[2 * i + 1]] += (uint64_t)s->L;
+		int64_t src = s->pairs[2 * i], dst = s->pairs[2 * i + 1];
+		if (direction == KV_SWAP_OUT) {
+			s->t.swap_out[src] += (uint64_t)s->L;
+			struct gen_truth *g = gen_of(s, src);
+			gen_touch(g, s->step_no);
+			s->t.host_fill[dst] = g->fill;
+		} else {
+			s->t.swap_in[dst] += (uint64_t)s->L;
+			gen_open(s, dst, GEN_SWAP_IN, s->step_no,
+				 s->t.host_fill[src]);
+		}
 	}
 }
 
@@ -908,6 +1011,73 @@ static void print_array(FILE *f, const uint64_t *a, int64_t n)
 	fputc(']', f);
 }
 
+static void print_i64s(FILE *f, const char *name, const struct gen_truth *g,
+		       int64_t n, size_t off, int is_u64)
+{
+	fprintf(f, "    \"%s\": [", name);
+	for (int64_t i = 0; i < n; i++) {
+		const char *p = (const char *)&g[i] + off;
+		if (is_u64)
+			fprintf(f, i ? ", %" PRIu64 : "%" PRIu64, *(const uint64_t *)p);
+		else
+			fprintf(f, i ? ", %" PRId64 : "%" PRId64, *(const int64_t *)p);
+	}
+	fprintf(f, "]");
+}
+
+/*
+ * "generations": one entry per generation in the order they started
+ * (column arrays), and per step the generations active (start <= step <=
+ * last) and the tokens they hold.
+ */
+static void write_generations(FILE *f, const struct sim *s)
+{
+	const struct truth *t = &s->t;
+	int64_t n = t->ngens, steps = (int64_t)t->steps;
+	static const char *kinds[] = { "write", "copy", "swap_in" };
+
+	fprintf(f, "  \"generations\": {\n    \"kind\": [");
+	for (int64_t i = 0; i < n; i++)
+		fprintf(f, i ? ", \"%s\"" : "\"%s\"", kinds[t->gens[i].kind]);
+	fprintf(f, "],\n");
+#define GEN_FIELD(name, u) \
+	print_i64s(f, #name, t->gens, n, offsetof(struct gen_truth, name), u); \
+	fprintf(f, ",\n")
+	GEN_FIELD(block, 0);
+	GEN_FIELD(start_step, 1);
+	GEN_FIELD(last_step, 1);
+	GEN_FIELD(inherited, 0);
+	GEN_FIELD(fill, 0);
+	print_i64s(f, "writes", t->gens, n, offsetof(struct gen_truth, writes), 1);
+#undef GEN_FIELD
+	fprintf(f, "\n  },\n");
+
+	int64_t *blocks = xcalloc((size_t)steps + 2, sizeof(int64_t));
+	int64_t *tokens = xcalloc((size_t)steps + 2, sizeof(int64_t));
+	for (int64_t k = 0; k < steps && k < t->tok_gain_cap; k++)
+		tokens[k] += t->tok_gain[k];
+	for (int64_t i = 0; i < n; i++) {
+		const struct gen_truth *g = &t->gens[i];
+		int64_t start = (int64_t)g->start_step, end = (int64_t)g->last_step + 1;
+		blocks[start < steps + 1 ? start : steps + 1]++;
+		blocks[end < steps + 1 ? end : steps + 1]--;
+		tokens[end < steps + 1 ? end : steps + 1] -= g->fill;
+	}
+	const char *names[] = { "active_blocks", "active_tokens" };
+	int64_t *series[] = { blocks, tokens };
+	for (int j = 0; j < 2; j++) {
+		int64_t sum = 0;
+		fprintf(f, "  \"%s\": [", names[j]);
+		for (int64_t k = 0; k < steps; k++) {
+			sum += series[j][k];
+			fprintf(f, k ? ", %" PRId64 : "%" PRId64, sum);
+		}
+		fprintf(f, "],\n");
+	}
+	free(blocks);
+	free(tokens);
+}
+
 static void write_truth(const struct sim *s, const char *path)
 {
 	const struct config *c = s->cfg;
@@ -972,6 +1142,7 @@ static void write_truth(const struct sim *s, const char *path)
 	fprintf(f, "  \"requests\": %" PRIu64 ",\n", t->requests);
 	fprintf(f, "  \"preemptions\": %" PRIu64 ",\n", t->preemptions);
 	fprintf(f, "  \"forks\": %" PRIu64 ",\n", t->forks);
+	write_generations(f, s);
 	fprintf(f, "  \"kv_checksum_ok\": %s\n",
 		t->kv_mismatches ? "false" : "true");
 	fprintf(f, "}\n");

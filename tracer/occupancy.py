@@ -1,0 +1,253 @@
+"""True occupancy from the slot stream: block generations, fill, fragmentation.
+
+Pure numpy over tracer/stream.py's OpStream; no bcc.  Definitions (written
+down in docs/occupancy.md, and computed independently by kvsim's truth):
+
+- Ops of one cache (one layer of one process) are taken in seq order.  The
+  clock is the model step: the number of write ops of that cache before an
+  op (stream.step_numbers).
+- A block's *generation* starts with a write at block offset 0, or when the
+  block receives another block's contents: the destination of copy_blocks,
+  the device block of a host->device swap_blocks.  It lasts until the block's
+  next generation starts.  Writes to a block before any start seen (tracing
+  began mid-generation) form a generation of kind "before".
+- Tokens held: 1 + the highest offset written in the generation, or the
+  tokens it inherited (the source's tokens held at the copy or swap), if
+  more.  `writes` counts the slot writes themselves: more than block_size
+  writes in one generation means a slot was written twice.
+- Last access: the generation's last write, or the last time it was the
+  source of a copy or of a device->host swap.  Lifetime = last access -
+  start + 1 steps; reuse distance = the block's next start - last access.
+- Active at step k: start <= k <= last access.  Internal fragmentation at
+  step k = 1 - tokens held by active generations / (active x block_size).
+  The tracer sees no frees, so a block whose data is still needed but no
+  longer touched (a full prompt block of a running request) drops out after
+  its last access: this is fragmentation among the blocks being worked on.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import abi, stream
+
+KINDS = ("write", "copy", "swap_in", "before")  # how a generation started
+_K_WRITE, _K_COPY, _K_SWAP_IN, _K_BEFORE = range(4)
+_COPY, _SWAP = abi.OPS["copy_blocks"], abi.OPS["swap_blocks"]
+_WITHIN_BITS = 20  # values per op < 2**20 (one op reads at most 270336)
+
+
+@dataclass
+class Generations:
+    """One cache's generations, sorted by (block, start).  Arrays per generation."""
+
+    block_size: int
+    block: np.ndarray
+    kind: np.ndarray  # index into KINDS
+    start_step: np.ndarray
+    last_step: np.ndarray
+    start_ns: np.ndarray
+    last_ns: np.ndarray
+    inherited: np.ndarray  # tokens received from a copy or swap source
+    fill: np.ndarray  # tokens held at the generation's end
+    writes: np.ndarray  # slot writes in the generation
+    reuse_steps: np.ndarray  # next start of the block - last access; -1: none
+    steps: int  # write ops of the cache (the clock's length)
+    active_blocks: np.ndarray  # per step
+    active_tokens: np.ndarray  # per step
+    incomplete_ops: int  # ops left out because their values were lost
+
+    def __len__(self):
+        return len(self.block)
+
+    @property
+    def lifetime_steps(self) -> np.ndarray:
+        return self.last_step - self.start_step + 1
+
+    @property
+    def max_writes(self) -> int:
+        return int(self.writes.max()) if len(self.writes) else 0
+
+    @property
+    def fill_hist(self) -> np.ndarray:
+        """Generations by tokens held at their end: index 0..block_size."""
+        return np.bincount(np.minimum(self.fill, self.block_size),
+                           minlength=self.block_size + 1)
+
+    @property
+    def fragmentation(self) -> np.ndarray:
+        """Per step: 1 - tokens held / (active blocks x block_size); NaN if none."""
+        cap = self.active_blocks * self.block_size
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(cap > 0, 1.0 - self.active_tokens / np.maximum(cap, 1), np.nan)
+
+
+def _latest_start(s_block, s_key, q_block, q_key, query_first):
+    """For each query, the index of the latest start of the same block at or
+    before its key (starts sorted by (block, key)); -1 if none.  At an equal
+    key a start comes first, unless query_first."""
+    ns, nq = len(s_block), len(q_block)
+    block = np.concatenate([s_block, q_block])
+    key = np.concatenate([s_key, q_key])
+    is_q = np.concatenate([np.zeros(ns, np.int8), np.ones(nq, np.int8)])
+    prio = (1 - is_q) if query_first else is_q
+    order = np.lexsort((prio, key, block))
+    latest = np.cumsum(is_q[order] == 0) - 1
+    out = np.empty(nq, np.int64)
+    q_at = order >= ns
+    out[order[q_at] - ns] = latest[q_at]
+    ok = out >= 0
+    ok[ok] = s_block[out[ok]] == q_block[ok]
+    return np.where(ok, out, -1)
+
+
+def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
+    """The generations of one cache from its ops (write ops, and optionally
+    its copy_blocks / swap_blocks ops), in seq order."""
+    bs = int(block_size)
+    ops = cache_ops.ops
+    if len(ops) > 1 and np.any(np.diff(ops["seq"].astype(np.int64)) < 0):
+        raise ValueError("ops must be in seq order")
+    step = stream.step_numbers(ops)
+    nsteps = int(np.count_nonzero(np.isin(ops["op"], list(stream.WRITE_OP_IDS))))
+    ok = ops["complete"]
+    is_write = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ok
+    is_move = np.isin(ops["op"], [_COPY, _SWAP]) & ok
+
+    def expand(mask):
+        """(op index, index within the op, value) of every value of the ops in mask."""
+        idx = np.flatnonzero(mask)
+        start, stop = ops["start"][idx], ops["stop"][idx]
+        n = stop - start
+        op_of = np.repeat(idx, n)
+        first = np.repeat(np.cumsum(n) - n, n)
+        within = np.arange(int(n.sum())) - first
+        return op_of, within, cache_ops.values[np.repeat(start, n) + within]
+
+    # writes: valid slots only
+    w_op, w_in, slots = expand(is_write)
+    valid = slots >= 0
+    w_op, w_in, slots = w_op[valid], w_in[valid], slots[valid]
+    w_key = (w_op << _WITHIN_BITS) | w_in
+    w_block, w_off = slots // bs, slots % bs
+    # moves: (src, dst) pairs
+    m_op, m_in, mv = expand(is_move)
+    m_op, m_key = m_op[0::2], (m_op[0::2] << _WITHIN_BITS) | m_in[0::2]
+    m_src, m_dst = mv[0::2], mv[1::2]
+    m_flags = ops["flags"][m_op]
+    m_copy = ops["op"][m_op] == _COPY
+    m_swap_in = ~m_copy & ((m_flags & abi.EV_SWAP_IN) != 0)
+    m_swap_out = ~m_copy & ((m_flags & abi.EV_SWAP_OUT) != 0)
+    m_starts = m_copy | m_swap_in  # these start a generation on dst
+
+    # generation starts: offset-0 writes, copy and swap-in destinations...
+    s_block = np.concatenate([w_block[w_off == 0], m_dst[m_starts]])
+    s_key = np.concatenate([w_key[w_off == 0], m_key[m_starts]])
+    s_kind = np.concatenate([np.full(np.count_nonzero(w_off == 0), _K_WRITE),
+                             np.where(m_copy[m_starts], _K_COPY, _K_SWAP_IN)])
+    s_op = np.concatenate([w_op[w_off == 0], m_op[m_starts]])
+    s_move = np.concatenate([np.full(np.count_nonzero(w_off == 0), -1),
+                             np.flatnonzero(m_starts)])
+    # ...and, for blocks written before any start, the first such write
+    w_gen = _latest_start(*_sorted_starts(s_block, s_key)[:2], w_block, w_key, False)
+    if np.any(w_gen < 0):
+        orphan = np.flatnonzero(w_gen < 0)
+        blocks, first = np.unique(w_block[orphan], return_index=True)  # orphans are key-sorted
+        at = orphan[first]
+        s_block = np.concatenate([s_block, blocks])
+        s_key = np.concatenate([s_key, w_key[at]])
+        s_kind = np.concatenate([s_kind, np.full(len(at), _K_BEFORE)])
+        s_op = np.concatenate([s_op, w_op[at]])
+        s_move = np.concatenate([s_move, np.full(len(at), -1)])
+    s_block, s_key, order = _sorted_starts(s_block, s_key)
+    s_kind, s_op, s_move = s_kind[order], s_op[order], s_move[order]
+    G = len(s_block)
+    w_gen = _latest_start(s_block, s_key, w_block, w_key, False)
+
+    # per generation, from its writes (sorted by generation, then order)
+    worder = np.lexsort((w_key, w_gen))
+    g_sorted, key_sorted = w_gen[worder], w_key[worder]
+    writes = np.bincount(w_gen, minlength=G)
+    g_first = np.cumsum(writes) - writes
+    # running highest (offset + 1) within each generation
+    stride = bs + 1
+    run_fill = np.maximum.accumulate(g_sorted * stride + w_off[worder] + 1) - g_sorted * stride
+    has_w = writes > 0
+    written_fill = np.zeros(G, np.int64)
+    written_fill[has_w] = run_fill[g_first[has_w] + writes[has_w] - 1]
+    last_w_op = np.full(G, -1)
+    last_w_op[has_w] = w_op[worder][g_first[has_w] + writes[has_w] - 1]
+
+    # moves in order: what each destination inherits, when sources are used
+    inherited = np.zeros(G, np.int64)
+    last_op = np.maximum(s_op, last_w_op)
+    src_gen = _latest_start(s_block, s_key, m_src, m_key, True)
+    dst_gen = np.full(len(m_key), -1)
+    dst_gen[s_move[s_move >= 0]] = np.flatnonzero(s_move >= 0)
+    host_fill = {}  # host block -> tokens it holds
+    for i in np.argsort(m_key, kind="stable"):
+        if m_copy[i] or m_swap_out[i]:  # device-side source
+            g = src_gen[i]
+            fill = 0
+            if g >= 0:
+                a, b = g_first[g], g_first[g] + writes[g]
+                n_before = np.searchsorted(key_sorted[a:b], m_key[i])
+                fill = max(inherited[g], int(run_fill[a + n_before - 1]) if n_before else 0)
+                last_op[g] = max(last_op[g], m_op[i])
+            if m_copy[i]:
+                inherited[dst_gen[i]] = fill
+            else:
+                host_fill[int(m_dst[i])] = fill
+        elif m_swap_in[i]:
+            inherited[dst_gen[i]] = host_fill.get(int(m_src[i]), 0)
+
+    fill = np.maximum(inherited, written_fill)
+    start_step, last_step = step[s_op], step[last_op]
+    same_next = np.zeros(G, bool)
+    same_next[:-1] = s_block[1:] == s_block[:-1]
+    reuse = np.full(G, -1, np.int64)
+    reuse[:-1] = np.where(same_next[:-1], start_step[1:] - last_step[:-1], -1)
+
+    # the timeline: + tokens as they arrive, - everything after last access
+    blocks_d = np.zeros(nsteps + 2, np.int64)
+    tokens_d = np.zeros(nsteps + 2, np.int64)
+    np.add.at(blocks_d, start_step, 1)
+    np.add.at(blocks_d, last_step + 1, -1)
+    np.add.at(tokens_d, start_step, inherited)
+    np.add.at(tokens_d, last_step + 1, -fill)
+    before = np.where(np.arange(len(run_fill)) == g_first[g_sorted],
+                      inherited[g_sorted], np.concatenate([[0], run_fill[:-1]]))
+    gained = np.maximum(run_fill, inherited[g_sorted]) - np.maximum(before, inherited[g_sorted])
+    np.add.at(tokens_d, step[w_op[worder]], gained)
+
+    ts = ops["ts_ns"].astype(np.int64)
+    return Generations(
+        block_size=bs, block=s_block, kind=s_kind, start_step=start_step, last_step=last_step,
+        start_ns=ts[s_op], last_ns=ts[last_op], inherited=inherited, fill=fill,
+        writes=writes, reuse_steps=reuse, steps=nsteps,
+        active_blocks=np.cumsum(blocks_d)[:nsteps], active_tokens=np.cumsum(tokens_d)[:nsteps],
+        incomplete_ops=int(np.count_nonzero(~ok)))
+
+
+def _sorted_starts(block, key):
+    order = np.lexsort((key, block))
+    return block[order], key[order], order
+
+
+def by_cache(ops_stream: stream.OpStream, block_sizes: dict) -> dict:
+    """Generations of every cache: {(pid, cache_id): Generations}.
+
+    block_sizes: {(pid, cache_id): block_size}, e.g. from the trace's cache
+    table; caches without a known block size are left out."""
+    ops = ops_stream.ops
+    out = {}
+    keys = np.stack([ops["pid"].astype(np.uint64), ops["cache_id"]], axis=1) if len(ops) \
+        else np.zeros((0, 2), np.uint64)
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    for j, (pid, cache_id) in enumerate(uniq.tolist()):
+        bs = block_sizes.get((pid, cache_id))
+        if not bs:
+            continue
+        out[(pid, cache_id)] = generations(ops_stream.select(inverse == j), bs)
+    return out

@@ -1,0 +1,194 @@
+"""The per-op stream: raw perf records in, op records with their index arrays out.
+
+The BPF program sends two kinds of record through one perf buffer, told apart
+by their first field (bpf/kvtrace.h): one `struct kvtrace_event` per op, and,
+with the index stream on, the op's raw index values (slot numbers, or block
+pairs) in `struct kvtrace_chunk_hdr` records of up to KVTRACE_CHUNK int64s,
+sent before the op record from the same CPU and tied to it by `seq`.
+
+This is the one module that knows that wire format.  `Collector` is the perf
+callback's side: it sorts records into three flat byte arrays (op records,
+chunk headers, values) and nothing more, so the callback stays cheap.
+`decode()` turns such arrays into an `OpStream` with numpy only: no Python
+loop per value or per chunk.
+
+An op is `complete` when every value it should have sent arrived.  Ops whose
+chunks were refused by the kernel (counted there, KVTRACE_EV_CHUNKS_LOST),
+truncated or unreadable are marked incomplete, never used half.
+"""
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import abi
+
+EVENT = abi.struct_dtype("kvtrace_event")
+CHUNK_HDR = abi.struct_dtype("kvtrace_chunk_hdr")
+REC_OP = abi.RECORD_TYPES["op"]
+REC_CHUNK = abi.RECORD_TYPES["chunk"]
+VALUE = np.dtype("<i8")
+
+# ops whose index array is streamed, and how many int64s per item
+WRITE_OP_IDS = frozenset(abi.OPS[o] for o in abi.WRITE_OPS)
+PAIR_OP_IDS = frozenset((abi.OPS["copy_blocks"], abi.OPS["swap_blocks"]))
+_BAD_FLAGS = abi.EV_TRUNCATED | abi.EV_READ_ERROR | abi.EV_CHUNKS_LOST
+
+# the decoded op table: the op record's fields, then where its values are
+OP_TABLE = np.dtype([(name, EVENT.fields[name][0]) for name in EVENT.names
+                     if name != "type"] +
+                    [("start", "<i8"), ("stop", "<i8"), ("complete", "?")])
+
+
+@dataclass
+class RawBatch:
+    """Records as they came, in three flat byte strings."""
+
+    ops: bytes  # struct kvtrace_event records
+    chunk_hdrs: bytes  # struct kvtrace_chunk_hdr records
+    values: bytes  # every chunk's int64 values, in chunk order
+
+    @property
+    def empty(self) -> bool:
+        return not (self.ops or self.chunk_hdrs)
+
+
+class Collector:
+    """The perf-buffer callback's end: raw records into flat byte arrays."""
+
+    def __init__(self):
+        self.op_records = 0
+        self.chunk_records = 0
+        self.unknown_records = 0
+        self._ops, self._hdrs, self._values = bytearray(), bytearray(), bytearray()
+
+    def add(self, data: int, size: int) -> int:
+        """One raw record (address and size, as bcc hands them over).
+        Returns its type."""
+        rtype = ctypes.c_uint32.from_address(data).value
+        if rtype == REC_OP and size >= EVENT.itemsize:
+            self._ops += ctypes.string_at(data, EVENT.itemsize)
+            self.op_records += 1
+        elif rtype == REC_CHUNK and size >= CHUNK_HDR.itemsize:
+            count = ctypes.c_uint32.from_address(data + 4).value
+            if 0 < count <= abi.CHUNK and size >= CHUNK_HDR.itemsize + 8 * count:
+                self._hdrs += ctypes.string_at(data, CHUNK_HDR.itemsize)
+                self._values += ctypes.string_at(data + CHUNK_HDR.itemsize, 8 * count)
+                self.chunk_records += 1
+            else:
+                self.unknown_records += 1
+        else:
+            self.unknown_records += 1
+        return rtype
+
+    def take(self) -> RawBatch:
+        """Everything collected since the last take()."""
+        batch = RawBatch(bytes(self._ops), bytes(self._hdrs), bytes(self._values))
+        self._ops.clear()
+        self._hdrs.clear()
+        self._values.clear()
+        return batch
+
+
+@dataclass
+class OpStream:
+    """Decoded ops, in seq order (the order in which they started).
+
+    `ops` is a structured array (OP_TABLE); op i's index values are
+    values[ops['start'][i]:ops['stop'][i]]: slot numbers for write ops (-1
+    padding included), src, dst, src, dst... for copy and swap ops."""
+
+    ops: np.ndarray
+    values: np.ndarray
+    orphan_chunks: int = 0  # chunks whose op record never arrived
+    orphan_values: int = 0
+
+    def values_of(self, i: int) -> np.ndarray:
+        return self.values[self.ops["start"][i]:self.ops["stop"][i]]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.ops["complete"].all()) and not self.orphan_chunks
+
+    def select(self, mask) -> "OpStream":
+        """The ops where mask holds (values are shared, not copied)."""
+        return OpStream(self.ops[mask], self.values, self.orphan_chunks, self.orphan_values)
+
+
+def expected_values(ops: np.ndarray) -> np.ndarray:
+    """How many index values each op streams when nothing is lost."""
+    op = ops["op"]
+    items = ops["items"].astype(np.int64)
+    per = np.where(np.isin(op, list(WRITE_OP_IDS)), 1,
+                   np.where(np.isin(op, list(PAIR_OP_IDS)), 2, 0))
+    return items * per
+
+
+def decode(batches) -> OpStream:
+    """Pair chunk records with their op records (numpy only).
+
+    batches: RawBatch objects in arrival order (or one).  Chunk records
+    whose op record is missing are counted as orphans and dropped."""
+    if isinstance(batches, RawBatch):
+        batches = [batches]
+    ev = np.frombuffer(b"".join(b.ops for b in batches), dtype=EVENT)
+    hdr = np.frombuffer(b"".join(b.chunk_hdrs for b in batches), dtype=CHUNK_HDR)
+    vals = np.frombuffer(b"".join(b.values for b in batches), dtype=VALUE)
+    if int(hdr["count"].astype(np.int64).sum()) != len(vals):
+        raise ValueError("chunk headers and values disagree in length")
+
+    # chunks sorted by (seq, offset); their values gathered in that order
+    count = hdr["count"].astype(np.int64)
+    at = np.cumsum(count) - count  # where each chunk's values are in vals
+    order = np.lexsort((hdr["offset"], hdr["seq"]))
+    seq_s, off_s, count_s, at_s = hdr["seq"][order], hdr["offset"][order], count[order], at[order]
+    ends_s = np.cumsum(count_s)
+    starts_s = ends_s - count_s
+    gather = np.repeat(at_s - starts_s, count_s) + np.arange(int(ends_s[-1]) if len(ends_s) else 0)
+    values = vals[gather]
+
+    # one group of chunks per seq: where its values are, how many, contiguous?
+    useq, first = np.unique(seq_s, return_index=True)
+    if len(useq):
+        g_start = starts_s[first]
+        g_count = np.add.reduceat(count_s, first)
+        g_chunks = np.diff(np.append(first, len(seq_s)))
+        # each chunk's offset must be where the previous one ended
+        in_place = off_s.astype(np.int64) == starts_s - np.repeat(g_start, g_chunks)
+        g_contig = np.logical_and.reduceat(in_place, first)
+    else:
+        g_start = g_count = g_chunks = np.zeros(0, np.int64)
+        g_contig = np.zeros(0, bool)
+
+    ev = ev[np.argsort(ev["seq"], kind="stable")]
+    pos = np.searchsorted(useq, ev["seq"])
+    pos_c = np.minimum(pos, max(len(useq) - 1, 0))
+    found = (pos < len(useq)) & (useq[pos_c] == ev["seq"]) if len(useq) else \
+        np.zeros(len(ev), bool)
+
+    ops = np.zeros(len(ev), dtype=OP_TABLE)
+    for name in OP_TABLE.names[:-3]:
+        ops[name] = ev[name]
+    want = expected_values(ev)
+    got = np.where(found, g_count[pos_c] if len(useq) else 0, 0)
+    ops["start"] = np.where(found, g_start[pos_c] if len(useq) else 0, 0)
+    ops["stop"] = ops["start"] + got
+    chunks_ok = np.where(found, (g_chunks[pos_c] if len(useq) else 0) == ev["chunks"],
+                         ev["chunks"] == 0)
+    contig = np.where(found, g_contig[pos_c] if len(useq) else True, True)
+    ops["complete"] = ((ev["flags"] & _BAD_FLAGS) == 0) & (got == want) & chunks_ok & contig
+
+    matched = np.zeros(len(useq), bool)
+    matched[pos_c[found]] = True
+    orphan_chunks = int(g_chunks[~matched].sum()) if len(useq) else 0
+    orphan_values = int(g_count[~matched].sum()) if len(useq) else 0
+    return OpStream(ops, values, orphan_chunks, orphan_values)
+
+
+def step_numbers(ops: np.ndarray) -> np.ndarray:
+    """Per op of one cache (in seq order), the model step it belongs to: the
+    number of write ops of that cache before it.  Every forward step makes
+    one write call per layer, so this is a clock that the target shares."""
+    is_write = np.isin(ops["op"], list(WRITE_OP_IDS))
+    return np.cumsum(is_write) - is_write
