@@ -198,3 +198,51 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     assert op["slots"] == 0
     (worker,) = [p for p in doc["processes"] if p["calls_only"]]
     assert all(not l["writes"] for l in worker["layers"])
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
+    """The OpenAI server (scripts/vllm-serve.sh) with token-id prompts:
+    attach -p <server pid>, send requests, stop the tracer with SIGINT while
+    the server keeps running."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        server = subprocess.Popen([ROOT / "scripts" / "vllm-serve.sh", tiny_model, str(port)],
+                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        request = [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm-request.py"),
+                   "--port", str(port), "--requests", "100:8,40:3,33:5,64:1"]
+        # the first request (after the server is up) is not traced
+        subprocess.run([*request[:-2], "--requests", "5:1", "--wait", "300"], check=True,
+                       capture_output=True, timeout=330)
+        out_json = tmp_path / "kv.json"
+        tracer = Tracer("-q", "-p", server.pid, "--json", out_json)
+        tracer.wait_attached(timeout=180)
+        r = subprocess.run(request, check=True, capture_output=True, text=True, timeout=300)
+        generated = json.loads(r.stdout)
+        tracer.proc.send_signal(signal.SIGINT)
+        rc, out, err = tracer.finish(timeout=60)
+        assert server.poll() is None  # the server runs on
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    assert doc["exact"], doc["inexact_reasons"]
+    generated["block_size"] = BLOCK_SIZE
+    want = expected(generated)
+    worker = traced_layers(doc)
+    assert len(worker["layers"]) == 2  # scripts/make-tiny-model.py's default
+    for layer in worker["layers"]:
+        assert layer["slots"] == want["slots_per_layer"]
