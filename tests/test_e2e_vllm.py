@@ -55,8 +55,11 @@ class Workload:
         self.out = tmp_path / "generated.json"
         self.log = tmp_path / "vllm.log"
         with open(self.log, "w") as log:
+            # its own process group: vLLM's engine and workers outlive a
+            # killed parent, and a failed test must not leave them behind
             self.proc = subprocess.Popen(workload_argv(model, self.out, "--wait"),
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         start_new_session=True)
         self.pid = self.proc.pid
         deadline = time.monotonic() + 300
         while f"READY {self.pid}" not in self.log.read_text():
@@ -72,9 +75,11 @@ class Workload:
         return json.loads(self.out.read_text())
 
     def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def expected(generated: dict) -> dict:
@@ -215,7 +220,8 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         server = subprocess.Popen([ROOT / "scripts" / "vllm-serve.sh", tiny_model, str(port)],
-                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  start_new_session=True)
     try:
         request = [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm-request.py"),
                    "--port", str(port), "--requests", "100:8,40:3,33:5,64:1"]
@@ -235,8 +241,12 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            pass
+        try:
+            os.killpg(server.pid, signal.SIGKILL)  # whatever is left of it
+        except ProcessLookupError:
+            pass
+        server.wait()
     assert rc == 0, err
     doc = json.loads(out_json.read_text())
     assert doc["exact"], doc["inexact_reasons"]
