@@ -508,8 +508,15 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
 		/* (slots, num_tokens, block_size, cache_id, num_blocks) */
 		u64 n = (s64)a[1] > 0 ? a[1] : 0, bs = a[2];
-		if (bs == 0 || (s64)bs < 0)
-			return 0;
+		if (bs == 0 || (s64)bs < 0) {
+			/* no usable block size: a malformed probe, or a tensor
+			 * that could not be read.  Counted as a read error,
+			 * not dropped. */
+			w->ev.items = n;
+			w->err = 1;
+			start_record(w);
+			return finish(ctx, w);
+		}
 		struct kvtrace_cache *c = cache_of(pid, a[3], op);
 		if (!c)
 			return 0;
