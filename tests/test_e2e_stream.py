@@ -28,10 +28,11 @@ def truth_generations(truth):
     return out
 
 
+# every workload goes through record -> report too (test_e2e_record.py)
 @pytest.mark.parametrize("workload,extra", [
-    ("default", ()), ("beam", ()), ("swap", ()), ("mla", ()),
-    ("swap", ("--block-size", 24)),  # the dividing slot stage
-    ("beam", ("--block-size", 48, "--write-op", "cpu_attn_reshape_and_cache"))])
+    ("beam", ()),  # copies
+    ("swap", ("--block-size", 24)),  # swaps, batches, the dividing slot stage
+    ("mla", ("--block-size", 48, "--write-op", "cpu_attn_reshape_and_cache"))])
 def test_stream_reproduces_truth(tmp_path, workload, extra):
     s, raw, truth = trace_stream(tmp_path, workload, *extra)
     n, bs = truth["num_blocks"], truth["block_size"]

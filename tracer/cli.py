@@ -1,15 +1,19 @@
 """`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
 
 import argparse
+import os
 import sys
 
-from . import __version__, cmd_attach, cmd_probes
+from . import __version__, cmd_attach, cmd_export, cmd_probes, cmd_record, cmd_report
 from .errors import EXIT_USAGE, KvtraceError
 
 EPILOG = """\
 examples:
   sudo kvtrace-bpf attach -p $(pgrep -f 'vllm serve')   # live per-block histograms
   sudo kvtrace-bpf attach -- tests/target/kvsim --workload swap
+  sudo kvtrace-bpf record -o run.kvt -- tests/target/kvsim --workload swap
+  kvtrace-bpf report run.kvt                            # histograms, heatmap, true fill
+  kvtrace-bpf export --folded run.kvt --by block > run.folded
   kvtrace-bpf probes tests/target/libkvsim_ops.so
 
 exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data
@@ -32,7 +36,7 @@ def build_parser():
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
-    for module in (cmd_attach, cmd_probes):
+    for module in (cmd_attach, cmd_record, cmd_report, cmd_export, cmd_probes):
         module.add_parser(sub)
     return parser
 
@@ -41,7 +45,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
-        parser.error("give a COMMAND: attach or probes")
+        parser.error("give a COMMAND: attach, record, report, export or probes")
     try:
         return args.run(args)
     except KvtraceError as e:
@@ -51,6 +55,9 @@ def main(argv=None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `report ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ from .aggregate import Aggregate
 from .errors import TargetError, UsageError
 from .export import folded_lines
 from .files import check_writable, open_private
+from .tracefile import Recorder
 
 EXAMPLES = """\
 examples:
   sudo kvtrace-bpf attach -p 1234                  # live view until Ctrl-C
   sudo kvtrace-bpf attach -p 1234 -d 30 --json kv.json
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
+  sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   flamegraph.pl --countname=slots kv.folded > kv.svg
 """
 
@@ -66,6 +68,8 @@ def add_parser(sub):
                    "(docs/json-schema.md)")
     p.add_argument("--folded", metavar="FILE", help="write folded stacks weighted by "
                    "slots written or pairs moved (flamegraph.pl, speedscope)")
+    p.add_argument("-o", "--output", metavar="FILE", help="also record a trace file "
+                   "for `report` and `export` (docs/trace-format.md)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no live view: only the summary at the end")
     p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
@@ -80,8 +84,9 @@ def add_parser(sub):
     p.add_argument("--max-procs", type=positive_int, default=8, metavar="N",
                    help="processes traced at once, the target and its descendants "
                    "(default 8)")
-    p.add_argument("--perf-pages", type=positive_int, default=64, metavar="N",
-                   help="perf buffer pages per CPU for the per-op records (default 64)")
+    p.add_argument("--perf-pages", type=positive_int, metavar="N",
+                   help="perf buffer pages per CPU for the per-op records (default 64; "
+                   "with -o, which streams every slot, 1024 up to 256 MiB in all)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -97,11 +102,20 @@ def _validate(args):
         raise UsageError("--max-blocks must be at most 262144")
     if args.max_procs > 64:
         raise UsageError("--max-procs must be at most 64")
+    if args.perf_pages is None:
+        args.perf_pages = stream_perf_pages() if args.output else 64
     if args.perf_pages & (args.perf_pages - 1):
         raise UsageError("--perf-pages must be a power of two")
-    for path in (args.json, args.folded):
+    for path in (args.json, args.folded, args.output):
         if path:
             check_writable(path)
+
+
+def stream_perf_pages() -> int:
+    """Perf buffer pages per CPU with the index stream on: 1024 (4 MiB), but
+    at most 256 MiB over all CPUs (a 192-CPU host gets 256 pages each)."""
+    per_cpu = max(64, 65536 // max(1, os.cpu_count() or 1))
+    return min(1024, 1 << (per_cpu.bit_length() - 1))
 
 
 def run(args) -> int:
@@ -128,14 +142,16 @@ def run(args) -> int:
         stop["reason"] = signal.Signals(signum).name
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    tracer = target = None
+    tracer = target = recorder = None
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
-                        max_procs=args.max_procs, stacks=bool(args.folded),
-                        perf_pages=args.perf_pages)
+                        max_procs=args.max_procs, stacks=bool(args.folded or args.output),
+                        perf_pages=args.perf_pages, index_stream=bool(args.output))
         target, follower = _start(args, tracer, follower, probe_cache)
+        recorder = _open_recorder(args, tracer, target)
         _announce(tracer, target, follower, t_start)
-        _trace_loop(args, tracer, target, follower, stop)
+        _trace_loop(args, tracer, target, follower, stop,
+                    on_poll=recorder.tick if recorder else None)
     except BaseException:
         if tracer is not None:
             tracer.close()
@@ -151,10 +167,18 @@ def run(args) -> int:
             target.end_child()
             target.close()
     try:
-        _finish(args, tracer, target, stop["reason"] or "?")
+        _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
         tracer.close()
     return 0
+
+
+def _open_recorder(args, tracer, target):
+    """-o FILE: the trace file, fed from the tracing loop (tracefile.Recorder)."""
+    if not args.output:
+        return None
+    what = {"pid": target.pid} if args.pid else {"command": args.command, "pid": target.pid}
+    return Recorder(args.output, tracer, what)
 
 
 def _start(args, tracer, follower, probe_cache):
@@ -226,7 +250,7 @@ def _title(tracer, target) -> str:
     return f"kvtrace-bpf  pid {target.pid}  traced: {procs or 'none yet'}"
 
 
-def _trace_loop(args, tracer, target, follower, stop):
+def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
     deadline = time.monotonic() + args.duration if args.duration else None
@@ -246,6 +270,8 @@ def _trace_loop(args, tracer, target, follower, stop):
     try:
         while stop["reason"] is None:
             tracer.poll(100)
+            if on_poll:
+                on_poll()
             now = time.monotonic()
             if target.exited():
                 stop["reason"] = "target exited"
@@ -267,18 +293,21 @@ def _trace_loop(args, tracer, target, follower, stop):
             live_ctx.stop()
 
 
-def _finish(args, tracer, target, reason):
+def _finish(args, tracer, target, reason, recorder=None):
     tracer.drain()
     raw = tracer.read_maps()
     agg = _aggregate(tracer, raw)
     elapsed = time.monotonic() - tracer.started
     console = Console(highlight=False)
-    console.print(live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
-                              width=min(console.width, 120), elapsed=elapsed))
+    if getattr(args, "summary", True):
+        console.print(live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
+                                  width=min(console.width, 120), elapsed=elapsed))
+    doc = agg.to_json(duration_s=round(elapsed, 3), stop_reason=reason,
+                      target_exit_status=target.status if target.child else None,
+                      max_blocks=tracer.max_blocks, max_layers=tracer.max_caches)
+    if recorder:
+        _finish_recording(recorder, tracer, raw, doc)
     if args.json:
-        doc = agg.to_json(duration_s=round(elapsed, 3), stop_reason=reason,
-                          target_exit_status=target.status if target.child else None,
-                          max_blocks=tracer.max_blocks, max_layers=tracer.max_caches)
         with open_private(args.json) as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
@@ -290,3 +319,16 @@ def _finish(args, tracer, target, reason):
             lambda pid, idx: layer_of.get((pid, idx)))
         with open_private(args.folded) as f:
             f.write("".join(line + "\n" for line in lines))
+
+
+def _finish_recording(recorder, tracer, raw, doc):
+    """The trace file's END: the exact counters and the symbolized stacks."""
+    stacks = {f"{pid}:{sid}": tracer.stack_frames(sid, pid)
+              for pid, sid in {(pid, sid) for pid, sid, _, _, _ in raw["stacks"]}}
+    recorder.finish(doc, stacks)
+    c = tracer.stream
+    lost = raw["globals"]["records_lost"] + raw["globals"]["chunks_lost"]
+    print(f"kvtrace-bpf: recorded {c.op_records:,} ops and {c.chunk_records:,} slot chunks "
+          f"to {recorder.writer.path} ({recorder.writer.bytes / 2**20:.1f} MiB)"
+          + (f"; {lost:,} records lost (raise --perf-pages)" if lost else ""),
+          file=sys.stderr)

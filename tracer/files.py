@@ -5,15 +5,15 @@ import os
 from .errors import UsageError
 
 
-def open_private(path: str):
-    """Open path for writing text, created with mode 0600 (an existing file
-    is truncated and narrowed to 0600 too)."""
+def open_private(path: str, binary: bool = False):
+    """Open path for writing (text, or bytes unbuffered), created with mode
+    0600 (an existing file is truncated and narrowed to 0600 too)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.fchmod(fd, 0o600)
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror}") from None
-    return os.fdopen(fd, "w")
+    return os.fdopen(fd, "wb", buffering=0) if binary else os.fdopen(fd, "w")
 
 
 def check_writable(path: str):

@@ -125,15 +125,16 @@ def expected_values(ops: np.ndarray) -> np.ndarray:
     return items * per
 
 
-def decode(batches) -> OpStream:
+def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
     """Pair chunk records with their op records (numpy only).
 
     batches: RawBatch objects in arrival order (or one).  Chunk records
-    whose op record is missing are counted as orphans and dropped."""
+    whose op record is missing are counted as orphans and dropped.  The
+    dtypes are those of the records (a trace file brings its own)."""
     if isinstance(batches, RawBatch):
         batches = [batches]
-    ev = np.frombuffer(b"".join(b.ops for b in batches), dtype=EVENT)
-    hdr = np.frombuffer(b"".join(b.chunk_hdrs for b in batches), dtype=CHUNK_HDR)
+    ev = np.frombuffer(b"".join(b.ops for b in batches), dtype=event_dtype)
+    hdr = np.frombuffer(b"".join(b.chunk_hdrs for b in batches), dtype=chunk_dtype)
     vals = np.frombuffer(b"".join(b.values for b in batches), dtype=VALUE)
     if int(hdr["count"].astype(np.int64).sum()) != len(vals):
         raise ValueError("chunk headers and values disagree in length")
@@ -192,3 +193,13 @@ def step_numbers(ops: np.ndarray) -> np.ndarray:
     one write call per layer, so this is a clock that the target shares."""
     is_write = np.isin(ops["op"], list(WRITE_OP_IDS))
     return np.cumsum(is_write) - is_write
+
+
+def per_cache(o: np.ndarray, mapping: dict, default) -> np.ndarray:
+    """mapping[(pid, cache_id)] for every op, without a Python loop per op."""
+    pids, pid_inv = np.unique(o["pid"], return_inverse=True)
+    caches, cache_inv = np.unique(o["cache_id"], return_inverse=True)
+    key = pid_inv.reshape(-1) * len(caches) + cache_inv.reshape(-1)
+    table = np.array([mapping.get((int(p), int(c)), default) for p in pids for c in caches]
+                     or [default], np.int64)
+    return table[key] if len(o) else np.zeros(0, np.int64)

@@ -1,0 +1,164 @@
+"""Trace files (tracer/tracefile.py): round trip, damage, versions, the CLI's
+one-line errors.  Pure Python: files are written with TraceWriter from
+records built here in the layouts of bpf/kvtrace.h."""
+
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from conftest import run_kvtrace
+from tracer import abi, stream, tracefile
+from tracer.errors import DataError
+
+EXIT_DATA = 4
+PID, CACHE_ID, BS = 4242, 99, 16
+
+
+def synthetic_ops(nops, per_op, blocks, t0=10**9, seq0=0, op="reshape_and_cache"):
+    """nops write ops of per_op slots each, slots cycling through `blocks`
+    blocks in order, as raw records (vectorized: no loop per chunk)."""
+    ev = np.zeros(nops, stream.EVENT)
+    nch = -(-per_op // abi.CHUNK)
+    ev["type"], ev["seq"] = stream.REC_OP, seq0 + np.arange(nops)
+    ev["ts_ns"] = t0 + 1000 * np.arange(nops)
+    ev["pid"], ev["tid"], ev["op"], ev["cache_id"] = PID, PID, abi.OPS[op], CACHE_ID
+    ev["items"] = ev["slots"] = per_op
+    ev["chunks"], ev["stack_id"] = nch, -1
+    hdr = np.zeros(nops * nch, stream.CHUNK_HDR)
+    hdr["type"], hdr["seq"] = stream.REC_CHUNK, np.repeat(ev["seq"], nch)
+    off = np.tile(np.arange(nch) * abi.CHUNK, nops)
+    hdr["offset"], hdr["count"] = off, np.minimum(abi.CHUNK, per_op - off)
+    slots = (seq0 * per_op + np.arange(nops * per_op, dtype=np.int64)) % (blocks * BS)
+    return stream.RawBatch(ev.tobytes(), hdr.tobytes(), slots.tobytes())
+
+
+def write_trace(path, batches, blocks=512, end=True):
+    w = tracefile.TraceWriter(str(path), tracefile.trace_meta({"pid": PID}))
+    w.meta("process", {"pid": PID, "comm": "synthetic", "cmdline": [], "probe_files": [
+        {"path": "/x/libkvsim_ops.so", "build_id": "ab" * 20}]})
+    w.meta("caches", {"caches": [{"pid": PID, "cache_id": CACHE_ID, "index": 0,
+                                  "op": "reshape_and_cache", "block_size": BS,
+                                  "num_blocks": blocks}]})
+    for b in batches:
+        w.batch(b)
+    if end:
+        w.end({"aggregate": {"lost_records": 0, "inexact_reasons": [], "duration_s": 1.0},
+               "stacks": {}, "records": {}})
+    w.close()
+    return path
+
+
+@pytest.fixture
+def trace_path(tmp_path):
+    # 40 ops of 100 slots in four batches
+    return write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 100, 512, seq0=10 * i)
+                                            for i in range(4)])
+
+
+def test_round_trip(trace_path):
+    assert oct(os.stat(trace_path).st_mode & 0o777) == "0o600"
+    t = tracefile.read(str(trace_path))
+    assert t.complete and t.damage is None
+    assert t.meta["version"] == tracefile.VERSION and t.meta["host"]
+    assert t.processes[PID]["probe_files"][0]["build_id"] == "ab" * 20
+    assert t.block_sizes() == {(PID, CACHE_ID): BS} and t.layers() == {(PID, CACHE_ID): 0}
+    ops = t.ops
+    assert len(ops.ops) == 40 and ops.complete
+    assert np.array_equal(ops.values, np.arange(4000) % (512 * BS))
+    (key, g), = t.generations(PID).items()  # 4000 slots: 250 full blocks
+    assert key == (PID, 0) and len(g) == 250 and set(g.fill.tolist()) == {BS}
+    assert t.generations(PID + 1) == {}
+
+
+def _cut(path, at):
+    data = path.read_bytes()
+    path.write_bytes(data[:at])
+    return len(data)
+
+
+def _frame_offsets(path):
+    """Start of every frame (from the frame headers' lengths)."""
+    data, pos, out = path.read_bytes(), 16, []
+    while pos < len(data):
+        out.append(pos)
+        _, _, length, _ = struct.unpack_from("<4sIQI", data, pos)
+        pos += 24 + length
+    return out
+
+
+def test_truncated_file_keeps_its_intact_prefix(trace_path):
+    frames = _frame_offsets(trace_path)
+    # cut in the middle of the 3rd batch (frames: trace, process, caches, 4 batches, end)
+    _cut(trace_path, frames[5] + 100)
+    t = tracefile.read(str(trace_path))
+    assert "truncated" in t.damage
+    assert len(t.batches) == 2 and len(t.ops.ops) == 20 and t.ops.complete
+    with pytest.raises(DataError, match="truncated.*--partial"):
+        tracefile.load(str(trace_path))
+    warned = []
+    assert len(tracefile.load(str(trace_path), partial=True, warn=warned.append).ops.ops) == 20
+    assert warned and "truncated" in warned[0]
+
+
+def test_cut_at_a_frame_boundary_says_the_end_is_missing(trace_path):
+    frames = _frame_offsets(trace_path)
+    _cut(trace_path, frames[-1])  # drop exactly the end frame
+    t = tracefile.read(str(trace_path))
+    assert "no end record" in t.damage and len(t.ops.ops) == 40
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_flipped_bytes_are_caught(trace_path, where):
+    frames = _frame_offsets(trace_path)
+    data = bytearray(trace_path.read_bytes())
+    at = frames[4] + (200 if where == "payload" else 10)  # in the 2nd batch
+    data[at] ^= 0x40
+    trace_path.write_bytes(bytes(data))
+    t = tracefile.read(str(trace_path))
+    assert "damaged" in t.damage and str(frames[4]) in t.damage
+    assert len(t.batches) == 1 and len(t.ops.ops) == 10
+
+
+def test_wrong_version_and_not_a_trace(tmp_path, trace_path):
+    data = bytearray(trace_path.read_bytes())
+    struct.pack_into("<I", data, 8, tracefile.VERSION + 1)
+    trace_path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"version {tracefile.VERSION + 1}"):
+        tracefile.read(str(trace_path))
+    other = tmp_path / "other"
+    other.write_bytes(b"{}\n")
+    with pytest.raises(DataError, match="not a kvtrace-bpf trace file"):
+        tracefile.read(str(other))
+    short = tmp_path / "short"
+    short.write_bytes(tracefile.MAGIC[:5])
+    with pytest.raises(DataError, match="truncated trace file"):
+        tracefile.read(str(short))
+    with pytest.raises(DataError, match="cannot read"):
+        tracefile.read(str(tmp_path / "missing"))
+
+
+def assert_one_line_error(r, code, *words):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace-bpf:"), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("cmd", [("report",), ("export", "--folded")])
+def test_cli_damaged_files_one_line_error_exit_4(tmp_path, trace_path, cmd):
+    frames = _frame_offsets(trace_path)
+    _cut(trace_path, frames[5] + 100)
+    assert_one_line_error(run_kvtrace(*cmd, trace_path), EXIT_DATA, "truncated", "--partial")
+    r = run_kvtrace(*cmd, trace_path, "--partial")
+    assert r.returncode == 0, r.stderr
+    assert "truncated" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    bad = tmp_path / "v9.kvt"
+    data = bytearray(write_trace(tmp_path / "v.kvt", [synthetic_ops(2, 10, 8)]).read_bytes())
+    struct.pack_into("<I", data, 8, 9)
+    bad.write_bytes(bytes(data))
+    assert_one_line_error(run_kvtrace(*cmd, bad), EXIT_DATA, "version 9")
+    assert_one_line_error(run_kvtrace(*cmd, tmp_path / "nope"), EXIT_DATA, "cannot read")

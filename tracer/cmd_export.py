@@ -1,0 +1,151 @@
+"""`kvtrace-bpf export --folded FILE`: folded stacks from a recorded trace.
+
+Two shapes, both in flamegraph.pl's line grammar (`frame;frame;... COUNT`):
+
+  --by stack   comm;user stack...;op;layer_NN           (the target's code paths)
+  --by block   op;layer_NN;blocks_LO-HI;block_N         (where the writes land)
+
+Weights (--weight): `slots` (default) counts slots written by write ops and
+block pairs (or batch entries) moved by copies and swaps; `bytes` counts the
+bytes copies and swaps moved, and leaves write ops out (their probes carry no
+byte count).  Input to `flamegraph.pl --colors=mem --countname=bytes` (or
+`--countname=slots`) and to speedscope, unchanged.
+"""
+
+import argparse
+import sys
+
+import numpy as np
+
+from . import abi, stream, tracefile
+from .errors import UsageError
+from .export import clean_frame, folded_lines, layer_frame
+from .files import open_private
+
+EXAMPLES = """\
+examples:
+  kvtrace-bpf export --folded run.kvt > stacks.folded
+  kvtrace-bpf export --folded run.kvt --by block | flamegraph.pl --countname=slots > blocks.svg
+  kvtrace-bpf export --folded run.kvt --by block --weight bytes | \\
+      flamegraph.pl --colors=mem --countname=bytes > moves.svg
+"""
+
+_MOVE_OPS = ("copy_blocks", "swap_blocks", "swap_blocks_batch")
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "export", help="export a recorded trace as folded stacks",
+        description="Folded stacks from a trace file (`record`, `attach -o`), for\n"
+                    "flamegraph.pl and speedscope: by the target's user stacks, or by\n"
+                    "block (op;layer;block range;block).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--folded", action="store_true", required=True,
+                   help="folded-stack output (the one format so far)")
+    p.add_argument("file", help="trace file")
+    p.add_argument("--by", choices=("stack", "block"), default="stack")
+    p.add_argument("--weight", choices=("slots", "bytes"), default="slots",
+                   help="slots written and pairs moved (default), or bytes moved by "
+                        "copies and swaps")
+    p.add_argument("--group", type=int, default=64, metavar="N",
+                   help="--by block: blocks per blocks_LO-HI frame (default 64)")
+    p.add_argument("--pid", type=int, help="only this process")
+    p.add_argument("-o", "--output", metavar="OUT", help="write here (0600), not stdout")
+    p.add_argument("--partial", action="store_true",
+                   help="read a damaged or cut-short trace up to the damage")
+    p.set_defaults(run=run)
+    return p
+
+
+def _op_weights(o: np.ndarray, weight: str) -> np.ndarray:
+    """Per op record: its weight in the chosen unit (0: left out)."""
+    is_write = np.isin(o["op"], list(stream.WRITE_OP_IDS))
+    if weight == "bytes":
+        return np.where(is_write, 0, o["bytes"]).astype(np.int64)
+    return np.where(is_write, o["slots"], o["items"]).astype(np.int64)
+
+
+def by_stack(trace: tracefile.Trace, ops: stream.OpStream, weight: str) -> list:
+    o = ops.ops
+    w = _op_weights(o, weight)
+    keys = np.stack([o["pid"].astype(np.int64), o["stack_id"].astype(np.int64),
+                     o["op"].astype(np.int64), o["cache_index"].astype(np.int64)], axis=1)
+    keep = w > 0
+    uniq, inv = np.unique(keys[keep], axis=0, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=w[keep], minlength=len(uniq)).astype(np.int64)
+    stacks = [(pid, sid, abi.OP_NAMES.get(op, str(op)), idx, int(s))
+              for (pid, sid, op, idx), s in zip(uniq.tolist(), sums.tolist())]
+    frames = (trace.end or {}).get("stacks", {})
+    procs = trace.processes
+    layer_by_index = {(c["pid"], c["index"]): n for (c, n) in
+                      ((c, trace.layers()[(c["pid"], c["cache_id"])]) for c in trace.caches)}
+    return folded_lines(
+        stacks, lambda sid, pid: frames.get(f"{pid}:{sid}", []),
+        lambda pid: procs.get(pid, {}).get("comm", str(pid)),
+        lambda pid, idx: layer_by_index.get((pid, idx)))
+
+
+def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: int) -> list:
+    """One line per (op, layer, block) that was written (write ops: the
+    slot's block) or moved into (copy: destination; swap: the device block)."""
+    o = ops.ops
+    layer = stream.per_cache(o, trace.layers(), -1)
+    bsize = stream.per_cache(o, trace.block_sizes(), 0)
+    is_write = np.isin(o["op"], list(stream.WRITE_OP_IDS))
+    is_pair = np.isin(o["op"], list(stream.PAIR_OP_IDS))
+    use = o["complete"] & (layer >= 0) & ((is_write & (bsize > 0)) | is_pair)
+    if weight == "bytes":
+        use &= ~is_write
+    idx = np.flatnonzero(use)
+    n = o["stop"][idx] - o["start"][idx]
+    first = np.repeat(o["start"][idx], n)
+    pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    vals = ops.values[first + pos]
+    op_of = np.repeat(idx, n)
+    # write ops: every valid slot; pairs: the destination, or the device
+    # block of a swap (the source of a device -> host swap)
+    writes = is_write[op_of]
+    out_swap = (o["flags"][op_of] & abi.EV_SWAP_OUT) != 0
+    pick = np.where(writes, vals >= 0, (pos % 2 == np.where(out_swap, 0, 1)) & (vals >= 0))
+    op_of, vals = op_of[pick], vals[pick]
+    block = np.where(is_write[op_of], vals // np.maximum(bsize[op_of], 1), vals)
+    if weight == "bytes":
+        w = (o["bytes"][op_of] // np.maximum(o["items"][op_of], 1)).astype(np.int64)
+    else:
+        w = np.ones(len(block), np.int64)
+    # one int64 key per (op, layer, block): 4 + 12 + 47 bits
+    key = (o["op"][op_of].astype(np.int64) << 59) | (layer[op_of] << 47) | block
+    uniq, inv = np.unique(key, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=w, minlength=len(uniq)).astype(np.int64)
+    lines = []
+    for k, s in zip(uniq.tolist(), sums.tolist()):
+        op, lay, b = k >> 59, (k >> 47) & 0xFFF, k & ((1 << 47) - 1)
+        if s:
+            lo = b // group * group
+            lines.append(f"{clean_frame(abi.OP_NAMES.get(op, str(op)))};{layer_frame(lay)};"
+                         f"blocks_{lo}-{lo + group - 1};block_{b} {s}")
+    return lines
+
+
+def run(args) -> int:
+    if args.group <= 0:
+        raise UsageError("--group must be > 0")
+    trace = tracefile.load(args.file, partial=args.partial,
+                           warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
+    ops = trace.ops
+    if args.pid is not None:
+        ops = ops.select(ops.ops["pid"] == args.pid)
+    lost = ((trace.end or {}).get("aggregate") or {}).get("lost_records", 0)
+    incomplete = int(np.count_nonzero(~ops.ops["complete"]))
+    if lost or (args.by == "block" and incomplete):
+        print(f"kvtrace-bpf: {lost} op records lost, {incomplete} ops without their values: "
+              "weights fall short of the totals", file=sys.stderr)
+    lines = by_stack(trace, ops, args.weight) if args.by == "stack" else \
+        by_block(trace, ops, args.weight, args.group)
+    text = "".join(line + "\n" for line in lines)
+    if args.output:
+        with open_private(args.output) as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,501 @@
+"""`kvtrace-bpf report FILE`: what a recorded trace says, in the terminal
+(rich), as JSON or as CSV.
+
+Everything is computed from the trace's stream (the ops with their raw slot
+numbers and block pairs) with numpy over the flat arrays: per-block
+histograms, a heatmap of time x blocks, op sizes and rates, and true
+occupancy (tracer/occupancy.py).  Only complete ops are used for per-block
+figures; what was left out is said (`exact`, `inexact_reasons`).
+"""
+
+import argparse
+import csv
+import json
+import sys
+
+import numpy as np
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from . import abi, heatmap, live, occupancy, stream, tracefile
+from .aggregate import Aggregate
+from .errors import UsageError
+
+REPORT_SCHEMA = "kvtrace-bpf/report"
+REPORT_VERSION = 1
+TABLES = ("blocks", "generations", "fragmentation", "heatmap")
+
+EXAMPLES = """\
+examples:
+  kvtrace-bpf report run.kvt
+  kvtrace-bpf report run.kvt --resol 30 100 --time-range 2 5 --block-range 0 1023
+  kvtrace-bpf report run.kvt --format json > run.json
+  kvtrace-bpf report run.kvt --format csv --table generations > gens.csv
+"""
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "report", help="report a recorded trace: histograms, heatmap, true fill",
+        description="Per-block histograms (writes, copies, swaps), a heatmap of time x\n"
+                    "block range, op size and rate histograms, and true occupancy (fill\n"
+                    "at each block generation's end, internal fragmentation over time,\n"
+                    "block lifetime and reuse distance) of a trace file written by\n"
+                    "`record` or `attach -o`. Definitions: docs/occupancy.md.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", help="trace file")
+    p.add_argument("--format", choices=("text", "json", "csv"), default="text")
+    p.add_argument("--table", choices=TABLES, default="blocks",
+                   help="with --format csv: which table (default blocks)")
+    p.add_argument("--resol", nargs=2, type=int, metavar=("ROWS", "COLS"),
+                   help="heatmap resolution (default 20 rows, the terminal's width)")
+    p.add_argument("--time-range", nargs=2, type=float, metavar=("START", "END"),
+                   help="heatmap and rates: seconds from the start of the trace")
+    p.add_argument("--block-range", nargs=2, type=int, metavar=("LO", "HI"),
+                   help="heatmap: blocks LO to HI, inclusive")
+    p.add_argument("--pid", type=int, help="only this process")
+    p.add_argument("--layer", type=int, default=0,
+                   help="layer shown in the terminal's occupancy section (default 0; "
+                        "JSON and CSV have every layer)")
+    p.add_argument("--partial", action="store_true",
+                   help="read a damaged or cut-short trace up to the damage")
+    p.set_defaults(run=run)
+    return p
+
+
+# -- from the stream to figures ------------------------------------------------
+
+class Report:
+    """Everything the views need, computed once from a trace."""
+
+    def __init__(self, trace: tracefile.Trace, pid: int = None):
+        self.trace = trace
+        ops = trace.ops
+        if pid is not None:
+            if not np.any(ops.ops["pid"] == pid):
+                raise UsageError(f"no ops of pid {pid} in {trace.path}")
+            ops = ops.select(ops.ops["pid"] == pid)
+        self.ops = ops
+        self.t0 = int(trace.meta.get("created_monotonic_ns") or
+                      (ops.ops["ts_ns"].min() if len(ops.ops) else 0))
+        self.caches = [c for c in trace.caches if pid is None or c["pid"] == pid]
+        self.layers = trace.layers()
+        self.agg = stream_aggregate(ops, self.caches, trace)
+        self.gens = occupancy.by_cache(ops, trace.block_sizes())
+        self.reasons = stream_reasons(ops, trace)
+
+    def duration_ns(self) -> int:
+        end = self.trace.end or {}
+        d = end.get("aggregate", {}).get("duration_s")
+        last = int(self.ops.ops["ts_ns"].max()) - self.t0 + 1 if len(self.ops.ops) else 1
+        return max(last, int(d * 1e9) if d else 0)
+
+    def span_ns(self) -> tuple:
+        """The time the ops cover, relative to the trace's start: the default
+        range of the heatmap and the rates (not the seconds spent attaching)."""
+        t = self.ops.ops["ts_ns"]
+        if not len(t):
+            return 0, 1
+        return int(t.min()) - self.t0, int(t.max()) - self.t0 + 1
+
+    def write_events(self):
+        """(time since start ns, block) of every slot written by a complete op."""
+        ops = self.ops.ops
+        bs = stream.per_cache(ops, self.trace.block_sizes(), 0)
+        mask = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ops["complete"] & (bs > 0)
+        idx = np.flatnonzero(mask)
+        n = ops["stop"][idx] - ops["start"][idx]
+        first = np.repeat(ops["start"][idx], n)
+        within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        slots = self.ops.values[first + within]
+        t = np.repeat(ops["ts_ns"][idx].astype(np.int64) - self.t0, n)
+        b = slots // np.maximum(np.repeat(bs[idx], n), 1)
+        valid = slots >= 0
+        return t[valid], b[valid]
+
+    def heatmap(self, rows, cols, time_range=None, block_range=None) -> heatmap.Heatmap:
+        t, b = self.write_events()
+        if time_range is None:
+            time_range = self.span_ns()
+        else:
+            time_range = (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
+        if block_range is None:
+            nb = max([c["num_blocks"] for c in self.caches] + [int(b.max()) + 1 if len(b) else 1])
+            block_range = (0, nb - 1)
+        return heatmap.compute(t, b, rows, cols, time_range, block_range)
+
+    def op_rates(self, bins: int = 10, time_range=None) -> dict:
+        ops = self.ops.ops
+        t0, t1 = self.span_ns() if time_range is None else \
+            (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
+        t1 = max(t1, t0 + 1)
+        t = ops["ts_ns"].astype(np.int64) - self.t0
+        keep = (t >= t0) & (t < t1)
+        row = (t[keep] - t0) * bins // (t1 - t0)
+        out = {}
+        for op_id in np.unique(ops["op"][keep]):
+            sel = ops["op"][keep] == op_id
+            counts = np.bincount(row[sel], minlength=bins)
+            out[abi.OP_NAMES.get(int(op_id), str(op_id))] = (counts / ((t1 - t0) / bins / 1e9)).tolist()
+        return {"t0_ns": t0, "t1_ns": t1, "bin_s": (t1 - t0) / bins / 1e9, "calls_per_s": out}
+
+
+def _log2_slot(v: np.ndarray) -> np.ndarray:
+    """bcc's bpf_log2l(): floor(log2 v) + 1, and 0 for 0."""
+    v = v.astype(np.uint64)
+    out = np.zeros(len(v), np.int64)
+    nz = v > 0
+    out[nz] = np.floor(np.log2(v[nz].astype(np.float64))).astype(np.int64) + 1
+    # float log2 is exact on powers of two, but can round up just below them
+    fix = nz & (np.left_shift(np.uint64(1), (out - 1).clip(0).astype(np.uint64)) > v)
+    out[fix] -= 1
+    return out
+
+
+def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
+    """The per-block histograms of the stream, as an Aggregate (the same
+    shape as attach's, so the same views and JSON serve)."""
+    o = ops.ops
+    values = ops.values
+    raw_caches, moves = [], {}
+    names = np.array([abi.OP_NAMES.get(int(x), str(x)) for x in o["op"]]) if len(o) else \
+        np.zeros(0, str)
+
+    def values_of(mask):
+        idx = np.flatnonzero(mask)
+        n = o["stop"][idx] - o["start"][idx]
+        first = np.repeat(o["start"][idx], n)
+        return values[first + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)]
+
+    for c in caches:
+        mine = (o["pid"] == c["pid"]) & (o["cache_id"] == c["cache_id"])
+        writes_op = mine & np.isin(o["op"], list(stream.WRITE_OP_IDS))
+        slots = values_of(writes_op & o["complete"])
+        slots = slots[slots >= 0]
+        bs = max(1, int(c["block_size"]))
+        nb = max(int(c["num_blocks"]), int(slots.max()) // bs + 1 if len(slots) else 0)
+        raw_caches.append(dict(
+            pid=c["pid"], cache_id=c["cache_id"], index=c["index"], op=c["op"],
+            block_size=c["block_size"], num_blocks=c["num_blocks"],
+            calls=int(writes_op.sum()), slots=int(o["slots"][writes_op].sum()),
+            padding=int(o["padding"][writes_op].sum()), out_of_range=0,
+            writes=np.bincount(slots // bs, minlength=nb).astype(np.uint64)))
+    pids = sorted({c["pid"] for c in caches} | set(np.unique(o["pid"]).tolist()))
+    for pid in pids:
+        mine = (o["pid"] == pid) & o["complete"]
+        nb = max([c["num_blocks"] for c in caches if c["pid"] == pid] + [1])
+
+        def count(op, flag, side):
+            v = values_of(mine & (names == op) & ((o["flags"] & flag) == flag))[side::2]
+            return v
+
+        parts = [count("copy_blocks", 0, 0), count("copy_blocks", 0, 1),
+                 count("swap_blocks", abi.EV_SWAP_OUT, 0), count("swap_blocks", abi.EV_SWAP_IN, 1)]
+        nb = max([nb] + [int(p.max()) + 1 for p in parts if len(p)])
+        moves[pid] = np.stack([np.bincount(p, minlength=nb).astype(np.uint64) for p in parts])
+    op_stats, log2 = {}, {}
+    for (pid, op_id) in sorted({(int(p), int(x)) for p, x in zip(o["pid"], o["op"])}):
+        sel = (o["pid"] == pid) & (o["op"] == op_id)
+        name = abi.OP_NAMES.get(op_id, str(op_id))
+        flags = o["flags"][sel]
+        op_stats[(pid, name)] = {
+            "calls": int(sel.sum()), "items": int(o["items"][sel].sum()),
+            "slots": int(o["slots"][sel].sum()), "padding": int(o["padding"][sel].sum()),
+            "bytes": int(o["bytes"][sel].sum()),
+            "truncated": int(np.count_nonzero(flags & abi.EV_TRUNCATED)),
+            "read_errors": int(np.count_nonzero(flags & abi.EV_READ_ERROR)),
+            "out_of_range": 0}
+        slots_, counts = np.unique(_log2_slot(o["items"][sel]), return_counts=True)
+        h = log2.setdefault(name, {})
+        for s, n in zip(slots_.tolist(), counts.tolist()):
+            h[s] = h.get(s, 0) + n
+    end = trace.end or {}
+    lost = end.get("aggregate", {}).get("lost_records", 0)
+    raw = dict(time=0.0, caches=raw_caches, op_stats=op_stats, log2=log2, moves=moves,
+               stacks=[], globals={}, records=len(o), lost=lost)
+    procs = trace.processes
+    return Aggregate.from_maps(raw, comms={p: d.get("comm", "?") for p, d in procs.items()},
+                               probe_files={p: [f["path"] for f in d.get("probe_files", [])]
+                                            for p, d in procs.items()})
+
+
+def stream_reasons(ops: stream.OpStream, trace) -> list:
+    """Why figures from this stream may fall short of what the target did."""
+    reasons = []
+    incomplete = int(np.count_nonzero(~ops.ops["complete"]))
+    if incomplete:
+        reasons.append(f"{incomplete} ops whose values were lost, truncated or unreadable "
+                       "are left out")
+    if ops.orphan_chunks:
+        reasons.append(f"{ops.orphan_chunks} chunks of ops whose record was lost")
+    end = (trace.end or {}).get("aggregate")
+    if end is None:
+        reasons.append("the trace has no end record: ops after its last batch are missing")
+    else:
+        if end.get("lost_records"):
+            reasons.append(f"{end['lost_records']} records lost in the perf buffer")
+        reasons += end.get("inexact_reasons", [])
+    return reasons
+
+
+# -- views -----------------------------------------------------------------------
+
+def _value_counts(a: np.ndarray) -> list:
+    v, n = np.unique(a, return_counts=True)
+    return [[int(x), int(y)] for x, y in zip(v, n)]
+
+
+def _occupancy_json(rep: Report) -> list:
+    out = []
+    for c in rep.caches:
+        key = (c["pid"], c["cache_id"])
+        g = rep.gens.get(key)
+        if g is None:
+            continue
+        frag = g.fragmentation
+        out.append({
+            "pid": c["pid"], "layer": rep.layers[key], "cache_id": c["cache_id"],
+            "block_size": g.block_size, "generations": len(g),
+            "started_by": {k: int(np.count_nonzero(g.kind == i))
+                           for i, k in enumerate(occupancy.KINDS)},
+            "fill_hist": g.fill_hist.tolist(),  # generations by tokens held at their end
+            "fill_level_mean": float(g.fill.mean() / g.block_size) if len(g) else None,
+            "max_writes": g.max_writes,
+            "lifetime_steps": _value_counts(g.lifetime_steps),
+            "reuse_steps": _value_counts(g.reuse_steps[g.reuse_steps >= 0]),
+            "steps": g.steps,
+            "active_blocks": g.active_blocks.tolist(),
+            "active_tokens": g.active_tokens.tolist(),
+            "fragmentation_mean": float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else None,
+            "incomplete_ops": g.incomplete_ops,
+        })
+    return out
+
+
+def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
+    t = rep.trace
+    blocks = rep.agg.to_json()
+    blocks["inexact_reasons"] = rep.reasons
+    blocks["exact"] = not rep.reasons
+    return {
+        "schema": REPORT_SCHEMA, "version": REPORT_VERSION,
+        "trace": {"path": t.path, "format_version": t.meta["version"],
+                  "host": t.meta["host"], "kernel": t.meta["kernel"],
+                  "created_utc": t.meta["created_utc"], "target": t.meta["target"],
+                  "processes": list(t.processes.values()), "complete": t.complete,
+                  "damage": t.damage, "duration_s": rep.duration_ns() / 1e9},
+        "stream": {"ops": len(rep.ops.ops), "values": int(len(rep.ops.values)),
+                   "incomplete_ops": int(np.count_nonzero(~rep.ops.ops["complete"])),
+                   "orphan_chunks": rep.ops.orphan_chunks},
+        "blocks": blocks,
+        "op_rates": rates,
+        "heatmap": hm.to_json(),
+        "occupancy": _occupancy_json(rep),
+    }
+
+
+def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
+    w = csv.writer(out, lineterminator="\n")
+    if table == "blocks":
+        w.writerow(["pid", "block", "tokens", "all_layer_writes", "copy_src", "copy_dst",
+                    "swap_out", "swap_in"])
+        for p in sorted(rep.agg.processes.values(), key=lambda p: p.pid):
+            n = p.num_blocks
+            cols = [p.tokens, p.all_layer_writes] + [p.moves.get(k, np.zeros(0)) for k in
+                                                     ("copy_src", "copy_dst", "swap_out", "swap_in")]
+            cols = [np.pad(c.astype(np.int64), (0, n - len(c))) for c in cols]
+            m = np.stack(cols, axis=1)
+            nz = np.flatnonzero(m.any(axis=1))
+            w.writerows([[p.pid, int(b), *m[b].tolist()] for b in nz])
+    elif table == "generations":
+        w.writerow(["pid", "layer", "block", "kind", "start_step", "last_step", "start_ns",
+                    "last_ns", "inherited", "fill", "writes", "reuse_steps"])
+        for key, g in sorted(rep.gens.items()):
+            cols = np.stack([g.block, g.start_step, g.last_step, g.start_ns - rep.t0,
+                             g.last_ns - rep.t0, g.inherited, g.fill, g.writes,
+                             g.reuse_steps], axis=1).tolist()
+            kinds = [occupancy.KINDS[k] for k in g.kind]
+            w.writerows([[key[0], rep.layers[key], r[0], k, *r[1:]]
+                         for r, k in zip(cols, kinds)])
+    elif table == "fragmentation":
+        w.writerow(["pid", "layer", "step", "active_blocks", "active_tokens", "fragmentation"])
+        for key, g in sorted(rep.gens.items()):
+            frag = g.fragmentation
+            w.writerows([[key[0], rep.layers[key], k, int(b), int(t),
+                          "" if np.isnan(f) else f"{f:.6f}"]
+                         for k, (b, t, f) in enumerate(zip(g.active_blocks, g.active_tokens, frag))])
+    elif table == "heatmap":
+        w.writerow(["row", "col", "t_start_s", "t_end_s", "block_lo", "block_hi", "writes"])
+        for r in range(hm.rows):
+            ts = (hm.t0_ns + r * hm.ns_per_row) / 1e9
+            for c in range(hm.cols):
+                lo = hm.b0 + c * hm.blocks_per_col
+                w.writerow([r, c, f"{ts:.6f}", f"{ts + hm.ns_per_row / 1e9:.6f}", lo,
+                            min(lo + hm.blocks_per_col, hm.b1) - 1, int(hm.cells[r, c])])
+
+
+def _header(rep: Report) -> Text:
+    t, m = rep.trace, rep.trace.meta
+    text = Text()
+    text.append(f"{t.path}\n", style="bold")
+    text.append(f"recorded {m['created_utc']} on {m['host']} ({m['kernel'].split()[1]})\n")
+    text.append(f"{rep.duration_ns() / 1e9:.1f} s, {len(rep.ops.ops):,} ops, "
+                f"{len(rep.ops.values):,} index values\n")
+    for pid, p in sorted(t.processes.items()):
+        ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f['build_id'] or '?')[:12]}"
+                        for f in p.get("probe_files", []))
+        text.append(f"pid {pid} ({p.get('comm', '?')}): {ids}\n")
+    text.append("stream: ")
+    text.append("complete" if not rep.reasons else "NOT complete: " + "; ".join(rep.reasons),
+                style="green" if not rep.reasons else "bold red")
+    return text
+
+
+def _bar(v, top, width=16):
+    return "*" * max(1 if v else 0, round(width * v / top)) if top else ""
+
+
+def _moves_histograms(rep: Report, width: int) -> list:
+    parts = []
+    for p in sorted(rep.agg.processes.values(), key=lambda p: p.pid):
+        for kind, arr in p.moves.items():
+            if arr.any():
+                parts += [Text(f"pid {p.pid}: {kind} per block", style="bold"),
+                          live.histogram(arr, width, rows=4)]
+    return parts
+
+
+def _rates_table(rates: dict) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"calls/s per {rates['bin_s']:.3g} s",
+              title_justify="left", title_style="bold")
+    t.add_column("from s", justify="right")
+    ops = list(rates["calls_per_s"])
+    for op in ops:
+        t.add_column(op, justify="right")
+    nbins = len(next(iter(rates["calls_per_s"].values()), []))
+    digits = max(0, 1 - int(np.floor(np.log10(rates["bin_s"])))) if rates["bin_s"] > 0 else 0
+    for i in range(nbins):
+        t.add_row(f"{(rates['t0_ns'] / 1e9 + i * rates['bin_s']):.{digits}f}",
+                  *(live._rate(rates["calls_per_s"][op][i]) for op in ops))
+    return t
+
+
+def _distribution(title: str, pairs: list, unit: str) -> Table:
+    """Value counts bucketed in log2 ranges (exact counts)."""
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left",
+              title_style="bold")
+    for col in (unit, "generations", ""):
+        t.add_column(col, justify="right" if col != "" else "left")
+    if not pairs:
+        return t
+    v = np.array([p[0] for p in pairs])
+    n = np.array([p[1] for p in pairs])
+    slot = _log2_slot(v)
+    agg = np.bincount(slot, weights=n).astype(np.int64)
+    top = agg.max()
+    for s in np.flatnonzero(agg):
+        lo, hi = (0, 0) if s == 0 else (1 << (s - 1), (1 << s) - 1)
+        t.add_row(f"{lo}-{hi}", f"{agg[s]:,}", _bar(agg[s], top))
+    return t
+
+
+def _occupancy_view(rep: Report, layer: int, width: int) -> list:
+    parts = []
+    by_pid = {}
+    for (pid, cache_id), g in rep.gens.items():
+        by_pid.setdefault(pid, []).append((rep.layers[(pid, cache_id)], g))
+    for pid, layers in sorted(by_pid.items()):
+        layers.sort(key=lambda x: x[0])
+        chosen = [g for n, g in layers if n == layer]
+        if not chosen:
+            parts.append(Text(f"pid {pid}: no layer {layer}", style="yellow"))
+            continue
+        g = chosen[0]
+        same = sum(1 for _, o in layers if np.array_equal(o.fill, g.fill)
+                   and np.array_equal(o.block, g.block))
+        fill = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="fill at generation end",
+                     title_justify="left", title_style="bold")
+        for col in ("tokens", "fill", "generations", ""):
+            fill.add_column(col, justify="right" if col != "" else "left")
+        hist = g.fill_hist
+        top = hist.max() if len(hist) else 0
+        for tok in np.flatnonzero(hist):
+            fill.add_row(str(tok), f"{tok / g.block_size:.0%}", f"{hist[tok]:,}",
+                         _bar(hist[tok], top))
+        frag = g.fragmentation
+        spark = Text()
+        if g.steps:
+            bins = min(g.steps, max(10, width - 20))
+            edges = np.linspace(0, g.steps, bins + 1).astype(int)
+            for a, b in zip(edges[:-1], edges[1:]):
+                seg = frag[a:max(b, a + 1)]
+                seg = seg[~np.isnan(seg)]
+                spark.append(live._BARS[int(round(seg.mean() * 8))] if len(seg) else " ",
+                             style="magenta")
+        mean = float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else float("nan")
+        body = [Text(f"{len(g):,} generations (" + ", ".join(
+                    f"{int(np.count_nonzero(g.kind == i)):,} by {k}"
+                    for i, k in enumerate(occupancy.KINDS) if np.any(g.kind == i)) +
+                    f"); mean fill {g.fill.mean() / g.block_size:.1%} of {g.block_size}; "
+                    f"most writes in one generation: {g.max_writes}"
+                    + (" (more than block_size!)" if g.max_writes > g.block_size else "")),
+                Text(f"{same} of {len(layers)} layers have the same generations"),
+                fill,
+                Text(f"internal fragmentation over {g.steps:,} steps (mean {mean:.1%}; "
+                     "bar height 0-100%)", style="bold"), spark]
+        grid = Table.grid(padding=(0, 4))
+        grid.add_row(_distribution("lifetime", _value_counts(g.lifetime_steps), "steps"),
+                     _distribution("reuse distance", _value_counts(
+                         g.reuse_steps[g.reuse_steps >= 0]), "steps"))
+        body.append(grid)
+        if g.incomplete_ops:
+            body.append(Text(f"{g.incomplete_ops} ops left out (values lost)", style="red"))
+        parts.append(Panel(Group(*body), title=f"true occupancy: pid {pid}, layer {layer}",
+                           title_align="left", width=width))
+    return parts
+
+
+def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int) -> Group:
+    parts = [_header(rep),
+             live.render(rep.agg, None, title="per-block histograms (from the stream)",
+                         elapsed=rep.duration_ns() / 1e9, width=width)]
+    parts += _moves_histograms(rep, max(10, width - 12))
+    if rates["calls_per_s"]:
+        parts.append(_rates_table(rates))
+    parts += [Text("slot writes: time (rows) x blocks (columns)", style="bold"),
+              heatmap.render(hm)]
+    parts += _occupancy_view(rep, layer, width)
+    return Group(*parts)
+
+
+def run(args) -> int:
+    trace = tracefile.load(args.file, partial=args.partial,
+                           warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
+    rep = Report(trace, args.pid)
+    console = Console(highlight=False)
+    width = min(console.width, 120)
+    if args.resol:
+        rows, cols = args.resol
+        if rows <= 0 or cols <= 0:
+            raise UsageError("--resol needs two positive numbers")
+    else:
+        rows, cols = 20, width - heatmap.LABEL_WIDTH
+    if args.format == "text":
+        cols = min(cols, console.width - heatmap.LABEL_WIDTH)  # never wrap
+    if args.time_range and not args.time_range[0] < args.time_range[1]:
+        raise UsageError("--time-range START END needs START < END")
+    if args.block_range and not 0 <= args.block_range[0] <= args.block_range[1]:
+        raise UsageError("--block-range LO HI needs 0 <= LO <= HI")
+    hm = rep.heatmap(rows, cols, args.time_range, args.block_range)
+    rates = rep.op_rates(time_range=args.time_range)
+    if args.format == "json":
+        # compact: the C encoder, one write (indenting is Python-speed)
+        sys.stdout.write(json.dumps(to_json(rep, hm, rates), separators=(",", ":")) + "\n")
+    elif args.format == "csv":
+        write_csv(rep, args.table, hm, sys.stdout)
+    else:
+        console.print(render(rep, hm, rates, width, args.layer))
+    return 0

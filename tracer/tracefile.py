@@ -1,0 +1,337 @@
+"""Trace files: written while tracing (record, attach -o), read by report/export.
+
+Format (docs/trace-format.md): a 16-byte file header, then frames appended
+as tracing goes.  Each frame has its own header with a checksum of itself
+and one of its payload, so a reader keeps every frame up to the first one
+that is cut short or damaged, and says where and why it stopped.
+
+    file header   b"KVTRACE\\0", u32 version, u32 0
+    frame         b"KVTF", u32 kind, u64 length, u32 crc32(payload),
+                  u32 crc32(the 20 header bytes before it), payload
+    kinds         META (JSON), BATCH (raw stream records), END (JSON)
+
+The first frame is the trace's META "trace" document (host, kernel, record
+layouts...).  BATCH payloads are three u64 lengths followed by the raw op
+records, chunk headers and int64 values exactly as tracer/stream.py's
+Collector gathered them: slot chunks stay raw int64 arrays, never text.
+"""
+
+import json
+import os
+import platform
+import socket
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import __version__, abi, occupancy, stream
+from .errors import DataError
+from .files import open_private
+
+MAGIC = b"KVTRACE\0"
+VERSION = 1
+_FILE_HDR = struct.Struct("<8sII")
+_FRAME_MAGIC = b"KVTF"
+_FRAME = struct.Struct("<4sIQI")  # then u32 crc32 of these 20 bytes
+_FRAME_SIZE = _FRAME.size + 4
+_BATCH = struct.Struct("<QQQ")
+KIND_META, KIND_BATCH, KIND_END = 1, 2, 3
+_MAX_FRAME = 1 << 40
+
+
+def dtype_doc(dt: np.dtype) -> dict:
+    """A record layout as JSON, so that a file decodes by its own layout."""
+    return {"names": list(dt.names), "formats": [dt.fields[n][0].str for n in dt.names],
+            "offsets": [dt.fields[n][1] for n in dt.names], "itemsize": dt.itemsize}
+
+
+def dtype_of(doc: dict) -> np.dtype:
+    return np.dtype({k: doc[k] for k in ("names", "formats", "offsets", "itemsize")})
+
+
+def build_id(path: str):
+    """The GNU build-id of an ELF file, as hex; None if it has none."""
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        with open(path, "rb") as f:
+            for sec in ELFFile(f).iter_sections():
+                if sec.header.sh_type == "SHT_NOTE":
+                    for note in sec.iter_notes():
+                        if note["n_type"] == "NT_GNU_BUILD_ID":
+                            return note["n_desc"]
+    except Exception:  # not our file to judge: no build-id is an answer
+        return None
+    return None
+
+
+def trace_meta(target: dict) -> dict:
+    u = os.uname()
+    return {
+        "format": "kvtrace-bpf trace", "version": VERSION, "tracer_version": __version__,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created_monotonic_ns": time.monotonic_ns(),  # the clock of ts_ns
+        "host": socket.gethostname(), "kernel": f"{u.sysname} {u.release} {u.version}",
+        "machine": platform.machine(), "target": target,
+        "layouts": {"event": dtype_doc(stream.EVENT), "chunk_hdr": dtype_doc(stream.CHUNK_HDR)},
+        "chunk_values": abi.CHUNK, "ops": {str(v): k for k, v in abi.OPS.items()},
+        "event_flags": {"truncated": abi.EV_TRUNCATED, "read_error": abi.EV_READ_ERROR,
+                        "chunks_lost": abi.EV_CHUNKS_LOST, "swap_out": abi.EV_SWAP_OUT,
+                        "swap_in": abi.EV_SWAP_IN},
+    }
+
+
+class TraceWriter:
+    """Appends frames to a new trace file (mode 0600), unbuffered: what was
+    written survives the writer being killed."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path = path
+        self._f = open_private(path, binary=True)
+        self.bytes = 0
+        self._write(_FILE_HDR.pack(MAGIC, VERSION, 0))
+        self.frame(KIND_META, json.dumps({"kind": "trace", **meta}).encode())
+
+    def _write(self, data: bytes):
+        self._f.write(data)
+        self.bytes += len(data)
+
+    def frame(self, kind: int, payload: bytes):
+        head = _FRAME.pack(_FRAME_MAGIC, kind, len(payload), zlib.crc32(payload))
+        self._write(head + struct.pack("<I", zlib.crc32(head)) + payload)
+
+    def meta(self, kind: str, doc: dict):
+        self.frame(KIND_META, json.dumps({"kind": kind, **doc}).encode())
+
+    def batch(self, b: stream.RawBatch):
+        if not b.empty:
+            self.frame(KIND_BATCH, _BATCH.pack(len(b.ops), len(b.chunk_hdrs), len(b.values))
+                       + b.ops + b.chunk_hdrs + b.values)
+
+    def end(self, doc: dict):
+        self.frame(KIND_END, json.dumps({"kind": "end", **doc}).encode())
+
+    def close(self):
+        self._f.close()
+
+
+@dataclass
+class Trace:
+    """What a reader found in a trace file, up to its first damage."""
+
+    path: str
+    meta: dict
+    metas: list = field(default_factory=list)  # META documents after the first
+    batches: list = field(default_factory=list)  # stream.RawBatch
+    end: dict = None  # the END document, if the writer got that far
+    damage: str = None  # why reading stopped early, if it did
+    intact_bytes: int = 0
+    _ops: stream.OpStream = None
+
+    @property
+    def ops(self) -> stream.OpStream:
+        if self._ops is None:
+            layouts = self.meta["layouts"]
+            self._ops = stream.decode(self.batches, dtype_of(layouts["event"]),
+                                      dtype_of(layouts["chunk_hdr"]))
+        return self._ops
+
+    def latest(self, kind: str) -> list:
+        return [m for m in self.metas if m["kind"] == kind]
+
+    @property
+    def caches(self) -> list:
+        """Every cache (layer) seen: pid, cache_id, index, op, block_size, num_blocks."""
+        seen = {}
+        for m in self.latest("caches"):
+            for c in m["caches"]:
+                seen[(c["pid"], c["cache_id"])] = c
+        return sorted(seen.values(), key=lambda c: (c["pid"], c["index"]))
+
+    @property
+    def processes(self) -> dict:
+        """pid -> the latest "process" document (comm, cmdline, probe files)."""
+        return {m["pid"]: m for m in self.latest("process")}
+
+    def layers(self) -> dict:
+        """(pid, cache_id) -> layer number: order of first appearance in the
+        process, as in the live view and attach --json."""
+        out, per_pid = {}, {}
+        for c in self.caches:
+            n = per_pid.get(c["pid"], 0)
+            out[(c["pid"], c["cache_id"])] = n
+            per_pid[c["pid"]] = n + 1
+        return out
+
+    def block_sizes(self) -> dict:
+        return {(c["pid"], c["cache_id"]): c["block_size"] for c in self.caches
+                if c["block_size"]}
+
+    @property
+    def complete(self) -> bool:
+        return self.damage is None
+
+    def generations(self, pid: int = None) -> dict:
+        """{(pid, layer): occupancy.Generations} for every layer (of one
+        process, if given): true fill per block generation, per layer."""
+        layers = self.layers()
+        return {(p, layers[(p, c)]): g
+                for (p, c), g in occupancy.by_cache(self.ops, self.block_sizes()).items()
+                if pid is None or p == pid}
+
+
+def read(path: str) -> Trace:
+    """Read a trace file.  A file that is not a trace, or of another version,
+    raises DataError; a damaged or cut-short one is read up to the damage,
+    which is described in Trace.damage."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    if len(data) < _FILE_HDR.size or data[:8] != MAGIC:
+        if len(data) < _FILE_HDR.size and MAGIC.startswith(data[:8]):
+            raise DataError(f"{path}: truncated trace file ({len(data)} bytes, no header)")
+        raise DataError(f"{path}: not a kvtrace-bpf trace file")
+    _, version, _ = _FILE_HDR.unpack_from(data)
+    if version != VERSION:
+        raise DataError(f"{path}: trace format version {version}; this kvtrace-bpf "
+                        f"reads version {VERSION}")
+    pos, trace = _FILE_HDR.size, None
+    view = memoryview(data)
+    while pos < len(data):
+        problem, kind, payload, nxt = _frame_at(data, view, pos)
+        if problem:
+            break
+        try:
+            if kind in (KIND_META, KIND_END):
+                doc = json.loads(bytes(payload))
+            elif kind == KIND_BATCH:
+                n_ops, n_hdr, n_val = _BATCH.unpack_from(payload)
+                if _BATCH.size + n_ops + n_hdr + n_val != len(payload):
+                    raise ValueError("batch lengths disagree")
+                a, b = _BATCH.size + n_ops, _BATCH.size + n_ops + n_hdr
+                batch = stream.RawBatch(bytes(payload[_BATCH.size:a]), bytes(payload[a:b]),
+                                        bytes(payload[b:]))
+            else:
+                raise ValueError(f"unknown frame kind {kind}")
+        except (ValueError, struct.error) as e:
+            problem = f"bad frame at byte {pos} ({e})"
+            break
+        if trace is None:
+            if kind != KIND_META or doc.get("kind") != "trace":
+                problem = f"first frame at byte {pos} is not the trace header"
+                break
+            trace = Trace(path, doc)
+        elif kind == KIND_META:
+            trace.metas.append(doc)
+        elif kind == KIND_BATCH:
+            trace.batches.append(batch)
+        elif kind == KIND_END:
+            trace.end = doc
+        pos = nxt
+    else:
+        problem = None if trace is not None and trace.end is not None else \
+            f"no end record after byte {pos}: the writer stopped early (killed?)"
+    if trace is None:
+        raise DataError(f"{path}: {problem or 'empty trace file'}")
+    trace.damage, trace.intact_bytes = problem, pos
+    if trace.end is not None and pos < len(data) and not problem:
+        trace.damage = f"unexpected data after the end record at byte {pos}"
+    return trace
+
+
+def _frame_at(data, view, pos):
+    """(problem, kind, payload, next position) of the frame at pos."""
+    if len(data) - pos < _FRAME_SIZE:
+        return f"truncated at byte {pos} (a frame header cut short)", 0, None, pos
+    magic, kind, length, crc = _FRAME.unpack_from(data, pos)
+    (head_crc,) = struct.unpack_from("<I", data, pos + _FRAME.size)
+    if magic != _FRAME_MAGIC or zlib.crc32(data[pos:pos + _FRAME.size]) != head_crc:
+        return f"damaged frame header at byte {pos}", 0, None, pos
+    start = pos + _FRAME_SIZE
+    if length > _MAX_FRAME or start + length > len(data):
+        return (f"truncated at byte {len(data)} (a frame of {length} bytes at byte {pos} "
+                "is cut short)"), 0, None, pos
+    payload = view[start:start + length]
+    if zlib.crc32(payload) != crc:
+        return f"damaged frame at byte {pos} (checksum mismatch)", 0, None, pos
+    return None, kind, payload, start + length
+
+
+def load(path: str, partial: bool = False, warn=None) -> Trace:
+    """read(), for the CLI: damage is a DataError unless partial, in which
+    case the intact prefix is used and warn(message) is told."""
+    trace = read(path)
+    if trace.damage:
+        what = (f"{path}: {trace.damage}; {len(trace.batches)} intact batches "
+                f"({trace.intact_bytes} bytes) before it")
+        if not partial:
+            raise DataError(f"{what} (--partial reads them)")
+        if warn:
+            warn(f"{what}: using those")
+    return trace
+
+
+class Recorder:
+    """The tracer's stream consumer that writes a trace file.
+
+    tick() is called from the tracing loop: it takes what the perf callback
+    collected and appends it, with any new layers or probe files first, so
+    that a reader never sees an op before the cache it writes to."""
+
+    def __init__(self, path: str, tracer, target: dict, flush_s: float = 0.5):
+        self.tracer = tracer
+        self.writer = TraceWriter(path, trace_meta(target))
+        self.flush_s = flush_s
+        self._next = time.monotonic() + flush_s
+        self._caches = {}
+        self._procs = {}
+
+    def _describe(self):
+        for pid, p in self.tracer.procs.items():
+            files = sorted(p.probe_files)
+            if self._procs.get(pid) != (p.comm, files):
+                self._procs[pid] = (p.comm, files)
+                self.writer.meta("process", {
+                    "pid": pid, "comm": p.comm, "cmdline": _cmdline(pid),
+                    "probe_files": [{"path": f, "build_id": build_id(f)} for f in files]})
+        new = []
+        for k, v in self.tracer.bpf["caches"].items():
+            c = {"pid": k.pid, "cache_id": k.cache_id, "index": v.index,
+                 "op": abi.OP_NAMES.get(v.op, str(v.op)), "block_size": v.block_size,
+                 "num_blocks": v.num_blocks}
+            if self._caches.get((k.pid, k.cache_id)) != c:
+                self._caches[(k.pid, k.cache_id)] = c
+                new.append(c)
+        if new:
+            self.writer.meta("caches", {"caches": new})
+
+    def tick(self, force: bool = False):
+        now = time.monotonic()
+        if not force and now < self._next:
+            return
+        self._next = now + self.flush_s
+        batch = self.tracer.stream.take()  # taken first: its caches exist by now
+        self._describe()
+        self.writer.batch(batch)
+
+    def finish(self, aggregate_doc: dict, stacks: dict):
+        """After detach and drain: the rest, then the END document."""
+        self.tick(force=True)
+        c = self.tracer.stream
+        self.writer.end({"aggregate": aggregate_doc, "stacks": stacks,
+                         "records": {"op": c.op_records, "chunk": c.chunk_records,
+                                     "unknown": c.unknown_records}})
+        self.writer.close()
+
+
+def _cmdline(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
