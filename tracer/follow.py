@@ -99,9 +99,11 @@ class Follower:
             if pid in self.refused:
                 continue
             layout = None
+            # new to the user: launch() tracks a command before it has probes
+            new = pid not in tracer.procs or not tracer.procs[pid].uprobes
             stock = any(p.stock for ps in files.values() for p in ps)
             if stock and self.calls_only:
-                if pid not in tracer.procs:
+                if new:
                     self.notices.append(f"pid {pid}: --calls-only: counting calls only, "
                                         "no per-block counts")
             elif stock:
@@ -109,12 +111,11 @@ class Follower:
                 if disc is not None and not wait and not disc.done():
                     continue
                 layout = disc.result() if disc is not None else None
-                if layout is None and pid not in tracer.procs:
+                if layout is None and new:
                     why = disc.error if disc is not None else "no torch mapped"
                     self.notices.append(
                         f"pid {pid}: tensor layout unknown ({why}): counting calls "
                         "only, no per-block counts")
-            new = pid not in tracer.procs
             try:
                 added = tracer.attach(pid, files, tensor_layout=layout)
             except TargetError as e:
