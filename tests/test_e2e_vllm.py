@@ -18,9 +18,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from conftest import ROOT, Tracer, kvtrace_cmd
+from conftest import ROOT, Tracer, kvtrace_cmd, read_line
+from tracer import abi, tracefile
 
 pytestmark = pytest.mark.vllm
 
@@ -256,3 +258,66 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
     assert len(worker["layers"]) == 2  # scripts/make-tiny-model.py's default
     for layer in worker["layers"]:
         assert layer["slots"] == want["slots_per_layer"]
+
+
+def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
+    """record -p, then the raw slot stream of the trace file: the blocks
+    vLLM allocated, and what each block held, follow from what it generated.
+    With prefix caching off, a request of n tokens (prompt_len + generated -
+    1 written) owns ceil(n / block_size) blocks: n // block_size full ones and,
+    if n % block_size, one holding n % block_size tokens."""
+    wl = Workload(tmp_path, tiny_model)
+    trace = tmp_path / "vllm.kvt"
+    try:
+        rec = subprocess.Popen(kvtrace_cmd("record", "-p", wl.pid, "-o", trace), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        read_line(rec.stderr, "ready after", 180)
+        wl.go()
+        generated = wl.result()
+        _, err = rec.communicate(timeout=120)  # ends with vLLM
+    finally:
+        wl.kill()
+    assert rec.returncode == 0, err
+    bs = generated["block_size"]
+    tokens = [r["prompt_len"] + len(r["generated"]) - 1 for r in generated["requests"]]
+    want_fills = sorted([bs] * sum(t // bs for t in tokens) + [t % bs for t in tokens if t % bs])
+    assert len(want_fills) == expected(generated)["blocks_allocated"]
+
+    t = tracefile.read(str(trace))
+    assert t.complete and t.ops.complete
+    ops = t.ops.ops
+    layer_of = t.layers()
+    seen_layers = set()
+    for (pid, cache_id), layer in layer_of.items():
+        mine = np.flatnonzero((ops["pid"] == pid) & (ops["cache_id"] == cache_id)
+                              & (ops["op"] == abi.OPS["cpu_attn_reshape_and_cache"]))
+        if not len(mine):
+            continue
+        seen_layers.add(layer)
+        # straight from the raw slots, in op order: allocations are writes
+        # at block offset 0; no block takes more than block_size writes
+        # between two of them
+        slots = np.concatenate([t.ops.values_of(i) for i in mine[np.argsort(ops["seq"][mine])]])
+        slots = slots[slots >= 0]
+        assert len(slots) == sum(tokens)
+        assert np.count_nonzero(slots % bs == 0) == len(want_fills)
+        run = {}
+        for s in slots.tolist():
+            b = s // bs
+            run[b] = 1 if s % bs == 0 else run.get(b, 0) + 1
+            assert run[b] <= bs, (b, run[b])
+    assert seen_layers == set(range(generated["num_layers"]))
+
+    # the true fill of every block generation (tracer/occupancy.py via the
+    # trace file), per layer, equals the formula's
+    gens = t.generations()
+    assert sorted(layer for _, layer in gens) == list(range(generated["num_layers"]))
+    for key, g in gens.items():
+        assert sorted(g.fill.tolist()) == want_fills, key
+        assert g.max_writes <= bs
+
+    # and `report` shows it
+    r = subprocess.run(kvtrace_cmd("report", trace, "--format", "json"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)
