@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -4,11 +4,9 @@ Symbol offsets are checked against binutils' nm, not against pyelftools;
 the tensor layout against a real torch."""
 
 import json
-import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
