@@ -58,7 +58,7 @@ demo: setup
 demo-vllm: setup
 	@$(VENV)/bin/python scripts/make-tiny-model.py $(TINY_MODEL) >/dev/null
 	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
-		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 30
+		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200
 
 clean:
 	@$(MAKE) -s -C tests/target clean

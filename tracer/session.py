@@ -306,7 +306,10 @@ class Tracer:
         log2 = {}
         for k, v in self.bpf["op_log2"].items():
             log2.setdefault(abi.OP_NAMES.get(k.op, str(k.op)), {})[k.slot] = v.value
-        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()}
+        # processes without probe sites (a launched command that only
+        # starts vLLM) can have no counts: they are not shown
+        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()
+                 if p.probe_files}
         stacks = []
         if self.stacks:
             for k, v in self.bpf["stack_weights"].items():
