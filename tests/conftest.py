@@ -31,19 +31,32 @@ def run_kvtrace(*args, timeout=120, **kw):
                           timeout=timeout, **kw)
 
 
+_pending = {}  # stream -> bytes read past the last line returned
+
+
 def read_line(stream, needle, timeout):
-    """Read lines from a text pipe until one contains needle; all lines read."""
+    """Read lines from a pipe until one contains needle; all lines read.
+
+    Reads the file descriptor itself: a buffered reader may hold several
+    lines that select() no longer reports."""
+    fd = stream.fileno()
     seen = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([stream], [], [], 0.2)
-        if ready:
-            line = stream.readline()
-            if not line:
-                break
-            seen.append(line)
-            if needle in line:
+        buf = _pending.pop(stream, b"")
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            seen.append(line.decode(errors="replace") + "\n")
+            if needle in seen[-1]:
+                _pending[stream] = buf
                 return seen
+        _pending[stream] = buf
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            _pending[stream] = _pending.pop(stream, b"") + data
     raise AssertionError(f"no line with {needle!r} within {timeout}s; got {seen!r}")
 
 
@@ -83,18 +96,21 @@ class Tracer:
     def __init__(self, *args):
         self.proc = subprocess.Popen(kvtrace_cmd("attach", *args), cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.early_err = ""
 
     def wait_attached(self, timeout=60):
         try:
-            read_line(self.proc.stderr, "tracing pid", timeout)
-        except AssertionError:
+            self.early_err = "".join(read_line(self.proc.stderr, "ready after", timeout))
+        except AssertionError as e:
             self.proc.kill()
             out, err = self.proc.communicate()
-            raise AssertionError(f"tracer did not attach: {out}{err}") from None
+            raise AssertionError(f"tracer did not attach: {e}\n{out}{err}") from None
 
     def finish(self, timeout=60):
+        """(exit code, stdout, all of stderr)."""
         out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
+        fd_rest = _pending.pop(self.proc.stderr, b"").decode(errors="replace")
+        return self.proc.returncode, out, self.early_err + fd_rest + err
 
 
 def semaphore_values(pid, lib=KVSIM_LIB):

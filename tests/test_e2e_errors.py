@@ -40,7 +40,7 @@ def test_pid_that_is_not_vllm():
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         r = run_kvtrace("attach", "-p", sleeper.pid)
-        assert_one_line_error(r, EXIT_TARGET, str(sleeper.pid), "sleep", "no file with vllm")
+        assert_one_line_error(r, EXIT_TARGET, str(sleeper.pid), "sleep", "is not vLLM")
         assert sleeper.poll() is None  # untouched
     finally:
         sleeper.kill()

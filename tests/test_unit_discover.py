@@ -32,14 +32,15 @@ PT_REGS_FIELDS = ["r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r
 PT_REGS = {name: 8 * i for i, name in enumerate(PT_REGS_FIELDS)}
 
 U64 = 2**64
-CONST, REG, DEREF = 0, 1, 2  # enum kvtrace_arg_kind in bpf/kvtrace.h
+CONST, REG, DEREF, TENSOR_DATA, TENSOR_SIZE = 0, 1, 2, 3, 4  # enum kvtrace_arg_kind
 
 
 # -- parse_sdt_arg -----------------------------------------------------------
 
 def test_arg_kind_values_match_header():
     # the numbers below are the ones in bpf/kvtrace.h, written by hand
-    assert abi.ARG_KINDS == {"const": CONST, "reg": REG, "reg_deref": DEREF}
+    assert abi.ARG_KINDS == {"const": CONST, "reg": REG, "reg_deref": DEREF,
+                             "tensor_data": TENSOR_DATA, "tensor_size": TENSOR_SIZE}
 
 
 @pytest.mark.parametrize("reg,field", [

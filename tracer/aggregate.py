@@ -45,6 +45,9 @@ class Process:
     ops: dict = field(default_factory=dict)  # op -> {counter: n}
     moves: dict = field(default_factory=dict)  # move kind -> uint64 per block
     probe_files: list = field(default_factory=list)
+    tier: str = ""  # 'usdt', 'uprobe' (stock vLLM) or 'none'
+    parent: int = 0  # the traced process's parent pid (0: the root)
+    calls_only: bool = False  # stock uprobes without a tensor layout
 
     @property
     def num_blocks(self) -> int:
@@ -90,14 +93,17 @@ class Aggregate:
     lost: int
 
     @classmethod
-    def from_maps(cls, raw: dict, comms: dict = None, probe_files: dict = None):
-        comms, probe_files = comms or {}, probe_files or {}
+    def from_maps(cls, raw: dict, comms: dict = None, probe_files: dict = None,
+                  proc_info: dict = None):
+        """proc_info: {pid: {"tier", "parent", "calls_only"}} (Process fields)."""
+        comms, probe_files, proc_info = comms or {}, probe_files or {}, proc_info or {}
         procs = {}
 
         def proc(pid):
             if pid not in procs:
                 procs[pid] = Process(pid, comms.get(pid, "?"),
-                                     probe_files=list(probe_files.get(pid, [])))
+                                     probe_files=list(probe_files.get(pid, [])),
+                                     **proc_info.get(pid, {}))
             return procs[pid]
 
         for pid in raw.get("moves", {}):
@@ -141,6 +147,10 @@ class Aggregate:
         Lost perf records are not a reason: the counts never come from them.
         """
         reasons = []
+        for p in self.processes.values():
+            if p.calls_only:
+                reasons.append(f"pid {p.pid}: torch's tensor layout is unknown, so its ops "
+                               "are counted as calls only")
         totals = self.op_totals()
         for key, what in (("truncated", "items beyond the per-op read limit"),
                           ("read_errors", "index arrays that could not be read"),
@@ -168,7 +178,8 @@ class Aggregate:
         procs = []
         for p in sorted(self.processes.values(), key=lambda p: p.pid):
             procs.append({
-                "pid": p.pid, "comm": p.comm, "probe_files": p.probe_files,
+                "pid": p.pid, "comm": p.comm, "parent": p.parent, "tier": p.tier,
+                "calls_only": p.calls_only, "probe_files": p.probe_files,
                 "ops": p.ops,
                 "layers": [{
                     "layer": l.layer, "cache_id": l.cache_id, "op": l.op,

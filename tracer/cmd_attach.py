@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 from rich.live import Live
 
-from . import abi, discover, live, target as target_mod
+from . import abi, discover, follow, live, target as target_mod
 from .aggregate import Aggregate
 from .errors import TargetError, UsageError
 from .export import folded_lines
@@ -25,6 +25,10 @@ examples:
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   flamegraph.pl --countname=slots kv.folded > kv.svg
 """
+
+
+# How often the process tree is scanned for new processes and libraries.
+FOLLOW_INTERVAL = 0.25
 
 
 def positive_float(text):
@@ -74,6 +78,12 @@ def add_parser(sub):
     p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
                    metavar="N", help="layers (caches) counted per block, all processes "
                    f"together (default {abi.DEFAULT_MAX_CACHES})")
+    p.add_argument("--calls-only", action="store_true",
+                   help="stock vLLM: count ops without reading their tensors (no "
+                   "per-block counts; the cheapest mode)")
+    p.add_argument("--max-procs", type=positive_int, default=8, metavar="N",
+                   help="processes traced at once, the target and its descendants "
+                   "(default 8)")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64; "
                    "with -o, which streams every slot, 4096 up to 256 MiB in all)")
@@ -90,6 +100,8 @@ def _validate(args):
         raise UsageError("give exactly one of -p PID or -- CMD [ARG...]")
     if args.max_blocks > 1 << 18:
         raise UsageError("--max-blocks must be at most 262144")
+    if args.max_procs > 64:
+        raise UsageError("--max-procs must be at most 64")
     if args.perf_pages is None:
         args.perf_pages = stream_perf_pages() if args.output else 64
     if args.perf_pages & (args.perf_pages - 1):
@@ -116,9 +128,13 @@ def run(args) -> int:
 
     check_privileges()
     probe_cache = {}  # each mapped file is parsed once per run
+    follower = None
     if args.pid:
         target_mod.check_pid(args.pid)
-        _require_probes(args.pid, probe_cache)  # fail fast, before seconds of compiling
+        follower = follow.Follower(args.pid, probe_cache, args.calls_only)
+        # fail fast, before seconds of compiling; this also starts finding
+        # the tensor layout of a stock vLLM, in parallel with the compile
+        _require_probes(follower)
     else:
         target_mod.resolve_command(args.command)
 
@@ -131,12 +147,12 @@ def run(args) -> int:
     tracer = target = recorder = None
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
-                        stacks=bool(args.folded or args.output), perf_pages=args.perf_pages,
-                        index_stream=bool(args.output))
-        target = _start(args, tracer, probe_cache)
+                        max_procs=args.max_procs, stacks=bool(args.folded or args.output),
+                        perf_pages=args.perf_pages, index_stream=bool(args.output))
+        target, follower = _start(args, tracer, follower, probe_cache)
         recorder = _open_recorder(args, tracer, target)
-        _announce(tracer, target, t_start)
-        _trace_loop(args, tracer, target, stop, probe_cache,
+        _announce(tracer, target, follower, t_start)
+        _trace_loop(args, tracer, target, follower, stop,
                     on_poll=recorder.tick if recorder else None)
     except BaseException:
         if tracer is not None:
@@ -147,6 +163,8 @@ def run(args) -> int:
             signal.signal(s, h)
         if tracer is not None:
             tracer.detach()  # first thing: the semaphores drop now
+        if follower is not None:
+            follower.close()
         if target is not None:
             target.end_child()
             target.close()
@@ -165,65 +183,86 @@ def _open_recorder(args, tracer, target):
     return Recorder(args.output, tracer, what)
 
 
-def _start(args, tracer, probe_cache):
-    """The target, with the tracer attached to its probes."""
+def _start(args, tracer, follower, probe_cache):
+    """The target, with the tracer attached to the probes of its tree."""
     if args.pid:
         target = target_mod.Target(args.pid, child=False)
-        tracer.attach(args.pid, discover.process_probe_files(args.pid, cache=probe_cache))
+        follower.step(tracer, wait=True)
     else:
         target = target_mod.launch(args.command, tracer)
+        follower = follow.Follower(target.pid, probe_cache, args.calls_only)
         try:
-            tracer.attach(target.pid, discover.process_probe_files(target.pid, cache=probe_cache))
+            follower.step(tracer, wait=True)
         except BaseException:
             target.end_child()  # we started it: do not leave it behind
             raise
         os.kill(target.pid, signal.SIGCONT)  # it waits at its entry point
-    return target
+    return target, follower
 
 
-def _announce(tracer, target, t_start):
-    proc = tracer.procs[target.pid]
-    files = ", ".join(os.path.basename(f) for f in proc.probe_files) or "no file yet"
-    print(f"kvtrace-bpf: tracing pid {target.pid} ({proc.comm}): {len(proc.uprobes)} probes "
-          f"in {files}; ready after {time.monotonic() - t_start:.1f}s (BPF compile "
-          f"{tracer.compile_seconds:.1f}s). Ctrl-C to stop.", file=sys.stderr)
-    for probe, why in proc.skipped:
-        print(f"kvtrace-bpf: skipped {probe.qualified} in {probe.path}: {why}", file=sys.stderr)
-    sys.stderr.flush()
+def _say(line):
+    print(f"kvtrace-bpf: {line}", file=sys.stderr, flush=True)
 
 
-def _require_probes(pid, probe_cache):
-    files = discover.process_probe_files(pid, cache=probe_cache)
-    if not files:
-        raise TargetError(
-            f"process {pid} ({discover.comm(pid)}) maps no file with {abi.PROVIDER}:* "
-            f"probes (is it vLLM built with kvtrace probes? `kvtrace-bpf probes -p {pid}`)")
+def _announce(tracer, target, follower, t_start):
+    notices = follower.take_notices()
+    root = tracer.procs.get(target.pid)
+    if root is None or not root.uprobes:
+        notices.insert(0, f"following pid {target.pid} ({discover.comm(target.pid)}) and "
+                          "its descendants")
+    for line in notices:
+        _say(line)
+    for proc in tracer.procs.values():
+        for probe, why in proc.skipped:
+            _say(f"skipped {probe.qualified} in {probe.path}: {why}")
+    probes = sum(len(p.uprobes) for p in tracer.procs.values())
+    _say(f"{probes} probes in {sum(1 for p in tracer.procs.values() if p.uprobes)} "
+         f"processes; ready after {time.monotonic() - t_start:.1f}s (BPF compile "
+         f"{tracer.compile_seconds:.1f}s). Ctrl-C to stop.")
 
 
-def _probe_files_now(pid, probe_cache) -> dict:
-    try:
-        return discover.process_probe_files(pid, cache=probe_cache)
-    except TargetError:  # exited meanwhile: the loop notices next time
-        return {}
+def _require_probes(follower):
+    """-p PID must be vLLM: a process of its tree maps probe sites, or (a
+    vLLM still starting its workers) its command line names vllm."""
+    if follower.scan():
+        return
+    pid = follower.root
+    if "vllm" in follow.cmdline(pid).lower():
+        follower.notices.append(
+            f"pid {pid} ({discover.comm(pid)}) looks like vLLM but no process of its tree "
+            "maps vLLM's library yet: waiting for its workers")
+        return
+    raise TargetError(
+        f"process {pid} ({discover.comm(pid)}) is not vLLM: neither it nor its descendants "
+        f"map vLLM's library or a file with {abi.PROVIDER}:* probes "
+        f"(`kvtrace-bpf probes -p {pid}` lists what it has)")
 
 
 def _aggregate(tracer, raw=None) -> Aggregate:
     return Aggregate.from_maps(
         raw if raw is not None else tracer.read_maps(),
         comms={pid: p.comm for pid, p in tracer.procs.items()},
-        probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()})
+        probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()},
+        proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only}
+                   for pid, p in tracer.procs.items()})
 
 
-def _trace_loop(args, tracer, target, stop, probe_cache, on_poll=None):
+def _title(tracer, target) -> str:
+    procs = ", ".join(f"{pid} {p.comm}" for pid, p in tracer.procs.items() if p.uprobes)
+    return f"kvtrace-bpf  pid {target.pid}  traced: {procs or 'none yet'}"
+
+
+def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
     deadline = time.monotonic() + args.duration if args.duration else None
     prev = agg = _aggregate(tracer)
-    title = f"kvtrace-bpf  pid {target.pid} ({tracer.procs[target.pid].comm})"
     next_refresh = time.monotonic() + args.interval
+    next_scan = time.monotonic() + FOLLOW_INTERVAL
 
     def view():
-        return live.render(agg, prev, title=title, width=min(console.width, 120),
+        return live.render(agg, prev, title=_title(tracer, target),
+                           width=min(console.width, 120),
                            elapsed=time.monotonic() - tracer.started)
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
@@ -240,12 +279,13 @@ def _trace_loop(args, tracer, target, stop, probe_cache, on_poll=None):
                 stop["reason"] = "target exited"
             elif deadline is not None and now >= deadline:
                 stop["reason"] = "duration"
-            if now >= next_refresh and stop["reason"] is None:
-                # libraries loaded since (dlopen) may bring probes
-                try:
-                    tracer.attach(target.pid, _probe_files_now(target.pid, probe_cache))
-                except TargetError:  # it exited meanwhile: noticed next time round
-                    pass
+            if now >= next_scan:
+                # new descendants, or libraries loaded since (dlopen)
+                follower.step(tracer)
+                for line in follower.take_notices():
+                    _say(line)
+                next_scan = now + FOLLOW_INTERVAL
+            if now >= next_refresh:
                 prev, agg = agg, _aggregate(tracer)
                 next_refresh = now + args.interval
                 if live_ctx:

@@ -2,8 +2,9 @@
 like bcc's tplist -v."""
 
 import argparse
+import os
 
-from . import abi, discover
+from . import abi, catalog, discover
 from .errors import TargetError, UsageError
 
 EXAMPLES = """\
@@ -30,6 +31,8 @@ def _print_file(path, probes, pid=None, maps=None):
     width = max(len(p.qualified) for p in probes)
     for p in probes:
         sem = f"sem {p.sem_offset:#x}" if p.sem_vaddr else "no semaphore"
+        if p.stock:
+            sem = f"stock uprobe on {p.symbol[:40]}{'...' if len(p.symbol) > 40 else ''}"
         if pid is not None and p.sem_vaddr:
             value = discover.read_semaphore(pid, maps, p)
             sem += f" = {value if value is not None else '?'}"
@@ -41,9 +44,12 @@ def run(args) -> int:
     if bool(args.pid) == bool(args.path):
         raise UsageError("give exactly one of PATH or -p PID")
     if args.path:
-        probes = discover.read_probes(args.path)
+        # a kvtrace build's USDT probes, or else stock vLLM's known functions
+        probes = discover.read_probes(args.path) or catalog.stock_sites(
+            os.path.realpath(args.path))
         if not probes:
-            raise TargetError(f"no {abi.PROVIDER}:* probes in {args.path}")
+            raise TargetError(f"no {abi.PROVIDER}:* probes and no known vLLM cache op "
+                              f"in {args.path}")
         _print_file(args.path, probes)
         return 0
     files = discover.process_probe_files(args.pid)

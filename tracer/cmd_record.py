@@ -42,7 +42,8 @@ def add_parser(sub):
                    f"{abi.DEFAULT_MAX_CACHES})")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and record it")
-    p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0)
+    p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0,
+                   calls_only=False, max_procs=8)
     return p
 
 

@@ -87,13 +87,20 @@ class Probe:
     args: str  # the raw argument spec, e.g. '8@%rax -8@$4'
     arg_specs: list = field(default_factory=list)
     arg_error: str = ""  # why arg_specs could not be decoded, if so
+    symbol: str = ""  # stock uprobes: the function's (mangled) name
+    recipe: tuple = ()  # stock uprobes: catalog recipe (tensor arguments)
+
+    @property
+    def stock(self) -> bool:
+        """A uprobe on a stock vLLM function (catalog.py), not a USDT probe."""
+        return bool(self.symbol)
 
     @property
     def qualified(self) -> str:
         return f"{self.provider}:{self.name}"
 
 
-def _vaddr_to_offset(elf: ELFFile, vaddr: int) -> int:
+def vaddr_to_offset(elf: ELFFile, vaddr: int) -> int:
     for seg in elf.iter_segments():
         if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
             return vaddr - seg["p_vaddr"] + seg["p_offset"]
@@ -127,8 +134,8 @@ def read_probes(path: str, provider: str = abi.PROVIDER) -> list:
                     # link-time .stapsdt.base so that the pc can be adjusted
                     pc += base_sec["sh_addr"] - base
                 probe = Probe(path, prov.decode(), name.decode(), pc,
-                              _vaddr_to_offset(elf, pc), sem,
-                              _vaddr_to_offset(elf, sem) if sem else 0,
+                              vaddr_to_offset(elf, pc), sem,
+                              vaddr_to_offset(elf, sem) if sem else 0,
                               args.decode())
                 try:
                     probe.arg_specs = [parse_sdt_arg(a) for a in probe.args.split()]
@@ -186,12 +193,18 @@ def runtime_address(maps: list, path: str, file_offset: int):
     return None
 
 
-def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = None) -> dict:
-    """{path: [Probe]} for every file mapped by `pid` that has `provider` probes.
+def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = None,
+                        stock: bool = True) -> dict:
+    """{path: [Probe]} for every file mapped by `pid` that has probe sites:
+    `provider` USDT probes, or else (stock=True) the stock vLLM functions of
+    catalog.py.  A file with USDT probes (a kvtrace build of vLLM) is never
+    also given stock uprobes: the same op would count twice.
 
     With `cache` (a dict the caller keeps), each file is parsed once per
     (path, inode, mtime): re-reading a process that maps hundreds of
     libraries, as vLLM does, then costs a stat per file."""
+    from .catalog import stock_sites  # catalog builds on this module
+
     cache = {} if cache is None else cache
     found = {}
     for path in sorted({m.path for m in read_maps(pid)}):
@@ -199,12 +212,15 @@ def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = No
             st = os.stat(path)
         except OSError:
             continue  # "(deleted)", or gone since
-        key = (path, st.st_ino, st.st_mtime_ns)
+        key = (path, st.st_ino, st.st_mtime_ns, provider, stock)
         if key not in cache:
             try:
-                cache[key] = read_probes(path, provider) if os.path.isfile(path) else []
+                sites = read_probes(path, provider) if os.path.isfile(path) else []
             except TargetError:
-                cache[key] = []  # a mapped non-ELF (fonts, locale archives...)
+                sites = []  # a mapped non-ELF (fonts, locale archives...)
+            if not sites and stock:
+                sites = stock_sites(path)
+            cache[key] = sites
         if cache[key]:
             found[path] = cache[key]
     return found
@@ -245,6 +261,6 @@ def entry_offset(path: str):
     try:
         with open(path, "rb") as f:
             elf = ELFFile(f)
-            return _vaddr_to_offset(elf, elf.header["e_entry"])
+            return vaddr_to_offset(elf, elf.header["e_entry"])
     except (ELFError, ValueError, struct.error):
         return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import abi, discover, stream
+from . import abi, catalog, discover, stream
 from .errors import EnvironmentProblem, TargetError
 from .uprobe_pmu import Uprobe
 
@@ -72,6 +72,17 @@ class TracedProcess:
     uprobes: list = field(default_factory=list)
     probe_files: dict = field(default_factory=dict)  # path -> [Probe]
     skipped: list = field(default_factory=list)  # (probe, reason)
+    calls_only: bool = False  # stock uprobes without a tensor layout
+    parent: int = 0  # the traced process it descends from (0: the root)
+
+    @property
+    def tier(self) -> str:
+        """Which probe source serves this process: 'usdt' (a kvtrace build
+        of vLLM, or kvsim), 'uprobe' (stock vLLM), or 'none' yet."""
+        probes = [p for ps in self.probe_files.values() for p in ps]
+        if not probes:
+            return "none"
+        return "uprobe" if all(p.stock for p in probes) else "usdt"
 
 
 class Tracer:
@@ -177,9 +188,11 @@ class Tracer:
         self.procs[pid] = proc
         return proc
 
-    def attach(self, pid: int, files: dict) -> int:
+    def attach(self, pid: int, files: dict, tensor_layout=None) -> int:
         """Attach to every known probe in `files` not yet attached in pid.
-        Returns the number of new uprobes."""
+        Stock uprobes read tensors with `tensor_layout` (torch_layout.py);
+        without one they count calls only.  Returns the number of new
+        uprobes."""
         proc = self.track(pid)
         proc.comm = discover.comm(pid)  # it may have exec'd since track()
         maps = discover.read_maps(pid)
@@ -200,12 +213,19 @@ class Tracer:
                 if ip is None:
                     proc.skipped.append((probe, "not mapped"))
                     continue
+                specs = probe.arg_specs
+                if probe.stock and tensor_layout is None:
+                    specs = catalog.arg_specs(probe.recipe, calls_only=True)
+                    proc.calls_only = True
                 key = sites.Key()
                 key.pid, key.ip = pid, ip
                 site = sites.Leaf()
                 site.op = abi.OPS[probe.name]
-                site.nargs = len(probe.arg_specs)
-                for i, spec in enumerate(probe.arg_specs):
+                site.nargs = len(specs)
+                if tensor_layout is not None:
+                    for name, _ in site.tensor._fields_:
+                        setattr(site.tensor, name, getattr(tensor_layout, name))
+                for i, spec in enumerate(specs):
                     site.args[i].kind = spec.kind
                     site.args[i].reg_off = spec.reg_off
                     site.args[i].val_off = spec.val_off
@@ -286,7 +306,10 @@ class Tracer:
         log2 = {}
         for k, v in self.bpf["op_log2"].items():
             log2.setdefault(abi.OP_NAMES.get(k.op, str(k.op)), {})[k.slot] = v.value
-        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()}
+        # processes without probe sites (a launched command that only
+        # starts vLLM) can have no counts: they are not shown
+        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()
+                 if p.probe_files}
         stacks = []
         if self.stacks:
             for k, v in self.bpf["stack_weights"].items():

