@@ -6,9 +6,9 @@ VENV := .venv
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv target test demo clean
+.PHONY: setup packages kernel-headers tracefs venv target vllm-fork test demo clean
 
-setup: packages kernel-headers tracefs venv target
+setup: packages kernel-headers tracefs venv target vllm-fork
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -33,6 +33,17 @@ $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 target: packages
 	@$(MAKE) -s -C tests/target
 
+# The vLLM fork's tests (docs/fork.md): the pinned vLLM sdist, patched, and
+# the torch/cuBLAS headers and torch CPU libraries its sources are compiled
+# against (pip takes the wheels from the machine's disk; about 1 GiB unpacked).
+FORK_BUILD := build/vllm-fork
+vllm-fork: $(STAMPS)/vllm-fork
+$(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env \
+		scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv
+	scripts/build-vllm-fork.sh source $(FORK_BUILD) >/dev/null
+	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python
+	@touch $@
+
 test: setup
 	$(VENV)/bin/python -m pytest tests
 
@@ -43,4 +54,4 @@ demo: setup
 
 clean:
 	@$(MAKE) -s -C tests/target clean
-	rm -rf $(VENV) $(STAMPS) *.egg-info
+	rm -rf $(VENV) $(STAMPS) *.egg-info $(FORK_BUILD)
