@@ -75,6 +75,21 @@ def semaphore_file_offsets(path):
         return out
 
 
+def containing_function(path, offset):
+    """The demangled name of the function whose code holds file offset."""
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        seg = next(s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"
+                   and s["p_offset"] <= offset < s["p_offset"] + s["p_filesz"])
+        vaddr = offset - seg["p_offset"] + seg["p_vaddr"]
+        names = [s.name for s in elf.get_section_by_name(".symtab").iter_symbols()
+                 if s["st_info"]["type"] == "STT_FUNC"
+                 and s["st_value"] <= vaddr < s["st_value"] + s["st_size"]]
+    assert len(names) == 1, (offset, names)
+    return subprocess.run(["c++filt"], input=names[0], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def check_probes(path, want_ops):
     probes = listed_probes(path)
     assert {name for name, *_ in probes} == want_ops
@@ -106,14 +121,25 @@ def test_bare_nvcc_needs_the_cmake_defines(built):
 def test_cache_kernels_probes(built):
     """The whole cache_kernels.cu, compiled by nvcc: the six CUDA-side probes,
     each with its own semaphore and the ABI's argument sizes."""
-    probes = check_probes(built / "libvllm_cache_kernels.so", CUDA_OPS)
+    lib = built / "libvllm_cache_kernels.so"
+    probes = check_probes(lib, CUDA_OPS)
     # one site per probe: the slot ops' sites are shared by their launch paths
     assert sorted(name for name, *_ in probes) == sorted(CUDA_OPS)
+    # each site lies in the patch's site function (kvtrace_cuda_sites.h), the
+    # code the driver runs, or, inlined, in the op's own host function
+    for name, offset, *_ in probes:
+        helper = "swap_blocks" if name == "copy_blocks" else name
+        func = containing_function(lib, offset)
+        assert (func.startswith(f"void kvtrace::{helper}<torch::stable::Tensor>(")
+                or func.startswith(f"kvtrace::{helper}(")  # not a template: no return type
+                or func.startswith(f"{helper}(torch::stable::Tensor")), (name, func)
 
 
 def test_cpu_attn_probe(built):
     """The whole cpu_attn.cpp, compiled by g++ as vLLM's CPU build does."""
-    check_probes(built / "libvllm_cpu_attn.so", {"cpu_attn_reshape_and_cache"})
+    lib = built / "libvllm_cpu_attn.so"
+    [(_, offset, *_)] = check_probes(lib, {"cpu_attn_reshape_and_cache"})
+    assert containing_function(lib, offset).startswith("cpu_attn_reshape_and_cache(at::Tensor")
 
 
 def test_cuda_sites_probes(built):
