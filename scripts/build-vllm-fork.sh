@@ -96,12 +96,10 @@ patched_tree() {
 	echo "$want" >"$stamp"
 }
 
+# Asks the compiler, which knows the multiarch include paths.
 check_sdt() {
-	local inc
-	for inc in /usr/include /usr/local/include; do
-		[ -f "$inc/sys/sdt.h" ] && return
-	done
-	die "sys/sdt.h not found: install systemtap-sdt-dev (Debian, Ubuntu)"
+	echo '#include <sys/sdt.h>' | "${CXX:-c++}" -E -x c++ - >/dev/null 2>&1 ||
+		die "sys/sdt.h not found: install systemtap-sdt-dev (Debian, Ubuntu)"
 }
 
 fetch_sdist
@@ -112,6 +110,8 @@ if [ "$mode" = source ]; then
 fi
 
 check_sdt
+python3 -c 'import torch' 2>/dev/null ||
+	die "no torch in $(command -v python3): pip install -r $tree/requirements/build/$mode.txt first"
 cd "$tree"
 mkdir -p "$work/dist"
 if [ "$mode" = cpu ]; then
