@@ -9,9 +9,9 @@ TINY_MODEL := build/tiny-llama
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv target vllm-env test test-fast demo demo-vllm clean distclean
+.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-fork test test-fast demo demo-vllm clean distclean
 
-setup: packages kernel-headers tracefs venv target vllm-env
+setup: packages kernel-headers tracefs venv target vllm-env vllm-fork
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -42,12 +42,23 @@ $(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
 	scripts/setup-vllm-env.sh $(VLLM_VENV)
 	@mkdir -p $(STAMPS) && touch $@
 
+# The vLLM fork's tests (docs/fork.md): the pinned vLLM sdist, patched, and
+# the torch/cuBLAS headers and torch CPU libraries its sources are compiled
+# against (pip takes the wheels from the machine's disk; about 1 GiB unpacked).
+FORK_BUILD := build/vllm-fork
+vllm-fork: $(STAMPS)/vllm-fork
+$(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env \
+		scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv
+	scripts/build-vllm-fork.sh source $(FORK_BUILD) >/dev/null
+	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python
+	@touch $@
+
 test: setup
 	$(VENV)/bin/python -m pytest tests
 
-# Everything but the real-vLLM tests (a minute each)
+# Everything but the real-vLLM tests (a minute each) and the fork builds (minutes)
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not vllm" tests
+	$(VENV)/bin/python -m pytest -m "not vllm and not slow" tests
 
 # The main job on the embedded default: kvsim traced live for a few seconds.
 demo: setup

@@ -13,6 +13,7 @@ engine): `pytest -m "not vllm"` runs the rest alone.  CI runs them all.
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, Tracer, kvtrace_cmd, read_line
-from tracer import abi, tracefile
+from tracer import abi, catalog, tracefile
 
 pytestmark = pytest.mark.vllm
 
@@ -206,6 +207,21 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     assert all(not l["writes"] for l in worker["layers"])
 
 
+def code_byte(pid, path, offset):
+    """The byte at file offset `offset` of `path` as mapped in pid (read only)."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                off = int(parts[2], 16)
+                if off <= offset < off + hi - lo:
+                    with open(f"/proc/{pid}/mem", "rb") as mem:
+                        mem.seek(lo + offset - off)
+                        return mem.read(1)[0]
+    raise AssertionError(f"{path}+{offset:#x} not mapped in {pid}")
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -232,11 +248,23 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         out_json = tmp_path / "kv.json"
         tracer = Tracer("-q", "-p", server.pid, "--json", out_json)
         tracer.wait_attached(timeout=180)
+        # the uprobe is a breakpoint (int3) at the op's entry in the worker
+        worker_pid = int(re.search(r"tracing pid (\d+) \(VLLM::Worker\)",
+                                   tracer.early_err)[1])
+        lib = next(p for p in open(f"/proc/{worker_pid}/maps").read().split()
+                   if "/vllm/_C" in p and p.endswith(".abi3.so"))
+        (site,) = [s for s in catalog.stock_sites(lib) if s.name == "cpu_attn_reshape_and_cache"]
+        with open(lib, "rb") as f:
+            f.seek(site.offset)
+            original = f.read(1)[0]
+        assert original != 0xCC and code_byte(worker_pid, lib, site.offset) == 0xCC
         r = subprocess.run(request, check=True, capture_output=True, text=True, timeout=300)
         generated = json.loads(r.stdout)
         tracer.proc.send_signal(signal.SIGINT)
         rc, out, err = tracer.finish(timeout=60)
         assert server.poll() is None  # the server runs on
+        # nothing left behind in the running worker: the original code is back
+        assert code_byte(worker_pid, lib, site.offset) == original
     finally:
         server.send_signal(signal.SIGINT)
         try:

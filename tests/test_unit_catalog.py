@@ -176,3 +176,11 @@ def test_process_probe_files_finds_stock_sites():
     finally:
         p.kill()
         p.wait()
+
+
+def test_cuda_graph_warning_only_for_cuda_without_eager():
+    from tracer.follow import cuda_graph_warning
+    cuda = ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/x/vllm/_C.abi3.so"]
+    assert "CUDA graphs" in cuda_graph_warning(cuda, ["vllm serve m"])
+    assert cuda_graph_warning(cuda, ["python", "vllm serve m --enforce-eager"]) == ""
+    assert cuda_graph_warning(["/x/vllm/_C_AVX2.abi3.so"], ["vllm serve m"]) == ""

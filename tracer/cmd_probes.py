@@ -10,6 +10,7 @@ from .errors import TargetError, UsageError
 EXAMPLES = """\
 examples:
   kvtrace-bpf probes tests/target/libkvsim_ops.so
+  kvtrace-bpf probes .../site-packages/vllm/_C_stable_libtorch.abi3.so   # the fork
   kvtrace-bpf probes -p 1234        # every mapped file, with semaphore values
 """
 

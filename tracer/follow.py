@@ -44,6 +44,20 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def cuda_graph_warning(mapped_paths, cmdlines) -> str:
+    """A warning if the process runs CUDA and may replay CUDA graphs: graph
+    replay runs no host code, so no probe fires for the cache writes in it.
+    vLLM captures graphs unless told --enforce-eager (piecewise graphs keep
+    the KV-cache write outside the graph: docs/fork.md)."""
+    if not any(os.path.basename(p).startswith("libcuda.so") for p in mapped_paths):
+        return ""
+    if any("--enforce-eager" in c or "enforce_eager" in c for c in cmdlines):
+        return ""
+    return ("it uses CUDA: cache writes replayed from full CUDA graphs run no host code "
+            "and are not seen; run vLLM with --enforce-eager (or piecewise graphs) for "
+            "full coverage")
+
+
 class Follower:
     """Attach a Tracer to every process of the tree under `root` that has
     probe sites, as they appear."""
@@ -126,6 +140,7 @@ class Follower:
             proc = tracer.procs[pid]
             if new:
                 proc.parent = self.parent_of.get(pid, 0)
+                self._warn_cuda_graphs(pid)
             if added:
                 attached.append(pid)
                 names = ", ".join(os.path.basename(f) for f in files)
@@ -137,6 +152,19 @@ class Follower:
                     f"{'tracing' if new else 'more probes in'} pid {pid} ({proc.comm}): "
                     f"{added} {how} in {names}{extra}")
         return attached
+
+    def _warn_cuda_graphs(self, pid: int):
+        try:
+            paths = {m.path for m in discover.read_maps(pid)}
+        except TargetError:
+            return
+        chain, p = [], pid
+        while p and len(chain) < 16:  # the process and its ancestors up to the root
+            chain.append(cmdline(p))
+            p = self.parent_of.get(p, 0) if p != self.root else 0
+        warning = cuda_graph_warning(paths, chain)
+        if warning:
+            self.notices.append(f"pid {pid}: {warning}")
 
     def take_notices(self) -> list:
         out, self.notices = self.notices, []
