@@ -82,6 +82,9 @@ def add_parser(sub):
                    "(default 8)")
     p.add_argument("--perf-pages", type=positive_int, default=64, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64)")
+    p.add_argument("--transport", choices=("perf", "ring"), default="perf",
+                   help="per-op records through the per-CPU perf buffer or one BPF "
+                   "ring buffer of the same total size (default perf; docs/bench.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -132,7 +135,7 @@ def run(args) -> int:
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         max_procs=args.max_procs, stacks=bool(args.folded),
-                        perf_pages=args.perf_pages)
+                        perf_pages=args.perf_pages, transport=args.transport)
         target, follower = _start(args, tracer, follower, probe_cache)
         _announce(tracer, target, follower, t_start)
         _trace_loop(args, tracer, target, follower, stop)
