@@ -20,6 +20,7 @@ import os
 import platform
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,14 @@ def read_until(proc_stream, needle, timeout):
     raise RuntimeError(f"no {needle!r} within {timeout}s: {''.join(seen)[-500:]}")
 
 
+def cpu_times():
+    """(busy, steal) jiffies of all CPUs: steal is time the hypervisor gave
+    this VM's CPUs to someone else."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:3]) + sum(v[5:7]), v[7]
+
+
 def proc_sample(pid):
     """(cpu seconds, VmRSS MB, VmHWM MB, RssAnon MB) of a live process."""
     with open(f"/proc/{pid}/stat") as f:
@@ -138,6 +147,65 @@ def traced_loop(tracer_obj, argv):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+class BpfRunTime:
+    """The kernel's own run-time accounting of BPF programs (BPF_ENABLE_STATS,
+    on only while this object lives): run_time_ns and run_cnt from
+    bpf_prog_info.  A uprobe program's run time includes its tail calls."""
+
+    _ENABLE_STATS, _GET_INFO, _SYS_BPF = 32, 15, 321
+    _INFO_SIZE, _RUN_TIME, _RUN_CNT = 232, 192, 200  # uapi struct bpf_prog_info
+
+    def __init__(self):
+        import ctypes
+        self._ct = ctypes
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        attr = ctypes.create_string_buffer(struct.pack("<I", 0), 16)  # BPF_STATS_RUN_TIME
+        self.fd = self._libc.syscall(self._SYS_BPF, self._ENABLE_STATS, attr, 16)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "BPF_ENABLE_STATS")
+
+    def read(self, prog_fd):
+        """(run_time_ns, run_cnt) of a program so far."""
+        ct = self._ct
+        info = ct.create_string_buffer(self._INFO_SIZE)
+        attr = ct.create_string_buffer(struct.pack("<IIQ", prog_fd, self._INFO_SIZE,
+                                                   ct.addressof(info)), 16)
+        if self._libc.syscall(self._SYS_BPF, self._GET_INFO, attr, 16) != 0:
+            raise OSError(ct.get_errno(), "BPF_OBJ_GET_INFO_BY_FD")
+        return struct.unpack_from("<QQ", info.raw, self._RUN_TIME)
+
+    def close(self):
+        os.close(self.fd)
+
+
+def uprobe_floor(argv):
+    """kvbench's lines with an empty BPF program on its probe site, attached
+    as the tracer attaches (uprobe PMU, semaphore on): what the trap into
+    the kernel and back costs here, whatever the program does."""
+    from bcc import BPF
+    from tracer.uprobe_pmu import Uprobe
+    bpf = BPF(text="int kvbench_empty(void *ctx) { return 0; }")
+    fn = bpf.load_func(b"kvbench_empty", BPF.KPROBE)
+    probe = discover.read_probes(str(KVBENCH))[0]
+    p = subprocess.Popen(argv + ["--pause"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    up = None
+    try:
+        read_until(p.stderr, "READY", 10)
+        up = Uprobe(str(KVBENCH), probe.offset, p.pid, fn.fd,
+                    ref_ctr_offset=probe.sem_offset)
+        os.kill(p.pid, signal.SIGUSR1)
+        out = p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        if up is not None:
+            up.close()
+        bpf.cleanup()
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def row_site(q, res):
     from tracer.session import Tracer
     big = 4096  # per slot: (t(4096) - t(1)) / 4095, well above the noise per op
@@ -162,6 +230,26 @@ def row_site(q, res):
     finally:
         tr.close()
     calls = sum(s["calls"] for s in raw["op_stats"].values())
+    # the program's own time per op, by the kernel's accounting: separate
+    # short runs per size, with the statistics on only there
+    prog = {1: [], big: []}
+    tr = Tracer(max_procs=64)  # one process per run: 2 * reps
+    rt = BpfRunTime()
+    try:
+        for _ in range(reps):
+            for n in (1, big):
+                t0, c0 = rt.read(tr.site_prog.fd)
+                traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", "1",
+                                 "--slots", str(n)])
+                t1, c1 = rt.read(tr.site_prog.fd)
+                prog[n].append((t1 - t0) / max(c1 - c0, 1))
+    finally:
+        rt.close()
+        tr.close()
+    d = {1: [], big: []}
+    for m in uprobe_floor([str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", str(reps),
+                           "--slots", sizes]):
+        d[m["slots"]].append(m["ns"] / m["ops"])
 
     def per_slot(d):
         return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
@@ -177,6 +265,13 @@ def row_site(q, res):
         "a_ns_per_op": stats(a[1]), "b_ns_per_op": stats(b[1]), "c_ns_per_op": stats(c[1]),
         "a_ns_per_op_big": stats(a[big]), "b_ns_per_op_big": stats(b[big]),
         "c_ns_per_op_big": stats(c[big]),
+        "d_empty_program_ns_per_op": stats(d[1]),
+        "bpf_run_time_ns_per_op": stats(prog[1]),
+        "bpf_run_time_ns_per_op_big": stats(prog[big]),
+        "bpf_run_time_ns_per_slot": stats([(x - y) / (big - 1)
+                                          for x, y in zip(prog[big], prog[1])]),
+        # (c) less (d), rep by rep: what kvtrace's program and transport add
+        "program_ns_per_op": stats([x - y for x, y in zip(c[1], d[1])]),
         "a_ns_per_slot": stats(per_slot(a)), "b_ns_per_slot": stats(per_slot(b)),
         "c_ns_per_slot": stats(per_slot(c)),
         "b_over_a": stats(b_over_a), "b_over_a_big": stats(b_over_a_big),
@@ -278,11 +373,14 @@ def row_vllm(q, res):
                    check=True, stdout=subprocess.DEVNULL)
     cycles = 2 if q else 5
     v = subprocess.Popen([VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL,
-                          "--repeat", "2"], cwd=ROOT, stdin=subprocess.PIPE,
+                          "--repeat", "6"], cwd=ROOT, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     modes = {"untraced": None, "full": [], "calls_only": ["--calls-only"]}
     rates = {m: [] for m in modes}
+    counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
+    tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
+    agg = Path(tempfile.mkdtemp()) / "agg.json"
     try:
         read_until(v.stderr, "READY", 300)
         drain = _Drain(v.stderr)  # vLLM logs a lot: keep its pipe empty
@@ -290,17 +388,26 @@ def row_vllm(q, res):
             for mode, flags in modes.items():
                 tp = None
                 if flags is not None:
-                    tp = subprocess.Popen(kvtrace("attach", "-p", v.pid, "-q", *flags),
+                    agg.unlink(missing_ok=True)
+                    tp = subprocess.Popen(kvtrace("attach", "-p", v.pid, "-q", "--json", agg,
+                                                  *flags),
                                           cwd=ROOT, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True)
                     # ready once every worker has its probes (it follows the tree)
                     read_until(tp.stderr, "ready after", 120)
+                    cpu0, t0 = proc_sample(tp.pid)[0], time.monotonic()
                 v.stdin.write("go\n")
                 v.stdin.flush()
                 doc = json.loads(read_until(v.stdout, '"generate_s"', 600)[-1])
+                if tp is not None:
+                    tracer_cpu[mode].append((proc_sample(tp.pid)[0] - cpu0)
+                                            / (time.monotonic() - t0))
                 rates[mode].append(doc["generated_tokens"] / doc["generate_s"])
                 if tp is not None:
                     stop_tracer(tp)
+                    ops = json.loads(agg.read_text())["ops"].values()
+                    counted[mode].append((sum(o["calls"] for o in ops),
+                                          sum(o["slots"] for o in ops)))
         drain.stop()
     finally:
         v.stdin.close()
@@ -311,13 +418,17 @@ def row_vllm(q, res):
             v.wait()
     base = rates["untraced"]
     res["vllm"] = {
-        "batch": "8 requests x 64-token prompts, 32 tokens each, twice per measurement",
+        "batch": "8 requests x 64-token prompts, 32 tokens each, 6 times per measurement",
+        # what each traced measurement counted (calls, slots): proof it traced
+        "traced_counts": counted,
         "untraced_tokens_per_s": stats(base),
         "full_tokens_per_s": stats(rates["full"]),
         "calls_only_tokens_per_s": stats(rates["calls_only"]),
         # each traced batch against the untraced batch of its own cycle
         "full_ratio": stats([t / u for t, u in zip(rates["full"], base)]),
         "calls_only_ratio": stats([t / u for t, u in zip(rates["calls_only"], base)]),
+        "full_tracer_cpu_s_per_s": stats(tracer_cpu["full"]),
+        "calls_only_tracer_cpu_s_per_s": stats(tracer_cpu["calls_only"]),
     }
 
 
@@ -375,7 +486,7 @@ def row_capacity(q, res):
     from tracer.session import Tracer
     # (slots per op, slots/s asked; 0: as fast as it goes).  Small ops load
     # the per-op record path, large ones the per-slot counting.
-    steps = [(32, 1_000_000), (32, 10_000_000), (32, 0), (512, 10_000_000)] if q else \
+    steps = [(32, 1_000_000), (32, 0), (512, 10_000_000)] if q else \
         [(32, 300_000), (32, 1_000_000), (32, 3_000_000), (32, 10_000_000), (32, 0),
          (512, 10_000_000), (512, 30_000_000), (512, 0)]
     ms, reps = (300, 1) if q else (1000, 3)
@@ -391,7 +502,7 @@ def row_capacity(q, res):
                 for _ in range(reps):
                     for t, tr in tracers.items():  # side by side, same step
                         runs[t].append(rate_step(tr, rate, slots_per_op, ms, tmp))
-                key = f"{slots_per_op}x{rate if rate else 'max'}"
+                key = f"{slots_per_op}@{rate if rate else 'max'}"
                 out["steps"][key] = {t: {
                     "offered_slots_per_s": stats([r["offered_slots_per_s"] for r in rs]),
                     "exact": all(r["exact"] for r in rs),
@@ -459,7 +570,7 @@ def row_offline(q, res):
         trace = Path(tmp) / "stress.kvt"
         truth = Path(tmp) / "truth.json"
         r = subprocess.run(kvtrace("record", "-o", trace, "--", KVSIM, "--workload", "stress",
-                                   "--repeat", 1 if q else 3, "--quiet", "--truth", truth),
+                                   "--repeat", 2 if q else 15, "--quiet", "--truth", truth),
                            cwd=ROOT, capture_output=True, text=True)
         if r.returncode != 0:
             res["offline"] = {"skipped": f"record failed: {r.stderr.strip()[-300:]}"}
@@ -524,6 +635,10 @@ def table_rows(res):
         add("1 site (a) compiled out, 1 slot", s["a_ns_per_op"], "ns/op")
         add("1 site (b) detached, 1 slot", s["b_ns_per_op"], "ns/op")
         add("1 site (c) attached, 1 slot", s["c_ns_per_op"], "ns/op")
+        add("1 site (d) empty BPF program, 1 slot", s["d_empty_program_ns_per_op"], "ns/op")
+        add("1 (c)-(d): kvtrace's program, 1 slot", s["program_ns_per_op"], "ns/op")
+        add("1 BPF run time (bpf_stats), 1 slot", s["bpf_run_time_ns_per_op"], "ns/op")
+        add("1 BPF run time (bpf_stats), per slot", s["bpf_run_time_ns_per_slot"], "ns/slot")
         add("1 site (a) compiled out, per slot", s["a_ns_per_slot"], "ns/slot")
         add("1 site (b) detached, per slot", s["b_ns_per_slot"], "ns/slot")
         add("1 site (c) attached, per slot", s["c_ns_per_slot"], "ns/slot")
@@ -550,11 +665,13 @@ def table_rows(res):
         add("3 vLLM traced (calls-only)", s["calls_only_tokens_per_s"], "tok/s")
         add("3 vLLM full/untraced", s["full_ratio"], "x", "vllm.full_ratio")
         add("3 vLLM calls-only/untraced", s["calls_only_ratio"], "x", "vllm.calls_only_ratio")
+        add("3 tracer CPU while vLLM runs (full)", s["full_tracer_cpu_s_per_s"], "s/s")
+        add("3 tracer CPU while vLLM runs (calls)", s["calls_only_tracer_cpu_s_per_s"], "s/s")
     s = res.get("capacity")
     if s:
         for key, step in s["steps"].items():
             for t, r in step.items():
-                size, asked = key.split("x")
+                size, asked = key.split("@")
                 req = f"{size} slots/op, asked {asked if asked == 'max' else fmt(float(asked))}"
                 add(f"4 {t} {req}: offered", r["offered_slots_per_s"], "slots/s")
                 add(f"4 {t} {req}: records", r["records_per_s"], "rec/s")
@@ -650,6 +767,7 @@ def main():
            "machine": {"kernel": platform.release(), "cpus": os.cpu_count(),
                        "cpu": _cpu_model(), "load_avg_at_start": os.getloadavg()}}
     t_all = time.monotonic()
+    busy0, steal0 = cpu_times()
     for n in rows:
         if n == 3 and quick:
             res["vllm"] = {"skipped": "skipped with --quick (vLLM starts in 30-50 s)"}
@@ -659,18 +777,32 @@ def main():
         say(f"row {n}: {name}...")
         fn(quick, res)
         res.setdefault("row_seconds", {})[str(n)] = round(time.monotonic() - t0, 1)
+        write_json(args.out, res)  # what is measured so far survives a later failure
     res["seconds"] = round(time.monotonic() - t_all, 1)
     res["load_avg_at_end"] = os.getloadavg()
+    busy1, steal1 = cpu_times()
+    wall = (time.monotonic() - t_all) * TICK * (os.cpu_count() or 1)
+    # how busy the machine was (everyone, not just us), and stolen by the host
+    res["machine"]["busy_fraction"] = round((busy1 - busy0) / wall, 3)
+    res["machine"]["steal_fraction"] = round((steal1 - steal0) / wall, 3)
     rows_out = table_rows(res)
     res["table"] = [dict(zip(("figure", "min", "median", "max", "unit", "goal", "met"), r))
                     for r in rows_out]
     print_table(rows_out)
-    fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    write_json(args.out, res)
+    say(f"{args.out} written in {res['seconds']:.0f}s (load average "
+        f"{res['machine']['load_avg_at_start'][0]:.1f} -> {res['load_avg_at_end'][0]:.1f}; "
+        f"CPUs {100 * res['machine']['busy_fraction']:.0f}% busy, "
+        f"{100 * res['machine']['steal_fraction']:.1f}% stolen)")
+
+
+def write_json(path, res):
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     with os.fdopen(fd, "w") as f:
         json.dump(res, f, indent=1)
         f.write("\n")
-    say(f"{args.out} written in {res['seconds']:.0f}s (load average "
-        f"{res['machine']['load_avg_at_start'][0]:.1f} -> {res['load_avg_at_end'][0]:.1f})")
+    os.replace(tmp, path)
 
 
 def _cpu_model():
