@@ -9,7 +9,8 @@ TINY_MODEL := build/tiny-llama
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-fork test test-fast demo demo-vllm clean distclean
+.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-fork test test-fast demo \
+	demo-vllm bench clean distclean
 
 setup: packages kernel-headers tracefs venv target vllm-env vllm-fork
 	@echo "setup: done"
@@ -71,8 +72,17 @@ demo-vllm: setup
 	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
 		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200
 
+# What tracing costs the target and how much it carries, measured side by
+# side: one table, and bench/results.json (docs/bench.md).  About 10-15
+# minutes; BENCH_QUICK=1 for the short run without vLLM (under 2 minutes).
+BENCH_QUICK ?= 0
+bench: setup
+	@$(MAKE) -s -C bench
+	$(VENV)/bin/python bench/run.py $(if $(filter 1,$(BENCH_QUICK)),--quick)
+
 clean:
 	@$(MAKE) -s -C tests/target clean
+	@$(MAKE) -s -C bench clean
 	rm -rf $(VENV) $(STAMPS) *.egg-info build
 
 distclean: clean

@@ -76,7 +76,45 @@ struct work {
 };
 BPF_PERCPU_ARRAY(work, struct work, 1);
 
+/*
+ * The per-op stream's transport, chosen at compile time (docs/bench.md has
+ * the measurement behind the default): the per-CPU perf buffer, or with
+ * -DKVTRACE_RINGBUF=PAGES one BPF ring buffer of PAGES pages shared by all
+ * CPUs.  submit_record() returns < 0 when the record was dropped, for both,
+ * so losses are counted in-kernel the same way.
+ */
+#ifdef KVTRACE_RINGBUF
+BPF_RINGBUF_OUTPUT(events, KVTRACE_RINGBUF);
+#else
 BPF_PERF_OUTPUT(events);
+#endif
+
+/*
+ * Wake-ups are batched: waking the reader costs an irq_work and an IPI per
+ * record, which in a VM costs more than everything else the program does
+ * (docs/bench.md).  With KVTRACE_WAKEUP_EVERY = N > 1 only every N-th op
+ * record wakes the reader; it also reads, unwoken, at every poll timeout.
+ * The perf buffer batches by itself (wakeup_events, set by the front end).
+ */
+#ifndef KVTRACE_WAKEUP_EVERY
+#define KVTRACE_WAKEUP_EVERY 1
+#endif
+#define RB_NO_WAKEUP 1    /* BPF_RB_NO_WAKEUP */
+#define RB_FORCE_WAKEUP 2 /* BPF_RB_FORCE_WAKEUP */
+
+static __always_inline int submit_record(struct pt_regs *ctx, void *data, u64 size,
+					 u64 seq, int is_op)
+{
+#ifdef KVTRACE_RINGBUF
+	u64 flags = 0; /* the kernel's choice: wake if the reader caught up */
+	if (KVTRACE_WAKEUP_EVERY > 1)
+		flags = is_op && seq % KVTRACE_WAKEUP_EVERY == 0 ? RB_FORCE_WAKEUP
+								 : RB_NO_WAKEUP;
+	return events.ringbuf_output(data, size, flags);
+#else
+	return events.perf_submit(ctx, data, size);
+#endif
+}
 
 #ifdef KVTRACE_WITH_STACKS
 BPF_STACK_TRACE(stacks, 16384);
@@ -229,7 +267,7 @@ static __always_inline void start_record(struct work *w)
  * The index stream: send the values read since w->rec_start (up to
  * KVTRACE_RECORD_CHUNKS chunks of them) as one KVTRACE_REC_CHUNK record,
  * straight from the scratch buffer, and start the next record.  Outside the
- * per-item loop.  Returns 1 if the perf buffer refused it.  Compiled in only
+ * per-item loop.  Returns 1 if the transport refused it.  Compiled in only
  * with the stream on, so plain `attach` does not pay for it.
  *
  * No branch: it is called on every exit path of a stage's loop, where a
@@ -249,7 +287,7 @@ static __always_inline u64 emit_chunk(struct pt_regs *ctx, struct work *w,
 	buf->hdr.seq = w->ev.seq;
 	buf->hdr.offset = w->done - cnt;
 	u64 size = sizeof(buf->hdr) + (cnt & (2 * RECORD_VALUES - 1)) * sizeof(s64);
-	u64 failed = ((u64)events.perf_submit(ctx, buf, size) >> 63) & some;
+	u64 failed = ((u64)(s64)submit_record(ctx, buf, size, w->ev.seq, 0) >> 63) & some;
 	w->ev.chunks += (failed ^ 1) & some;
 	w->rec_start = w->done;
 	return failed;
@@ -329,7 +367,7 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 #endif
 	/* counted here, at the source: the user-space lost callback only
 	 * hears of losses once the buffer has room again */
-	if (events.perf_submit(ctx, ev, sizeof(*ev)) < 0)
+	if (submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
 		global_add(KVTRACE_G_RECORDS_LOST, 1);
 	return 0;
 }

@@ -15,6 +15,7 @@ from .aggregate import Aggregate
 from .errors import TargetError, UsageError
 from .export import folded_lines
 from .files import check_writable, open_private
+from .session import DEFAULT_TRANSPORT, TRANSPORTS  # no bcc import: --help works without
 from .tracefile import Recorder
 
 EXAMPLES = """\
@@ -87,6 +88,10 @@ def add_parser(sub):
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64; "
                    "with -o, which streams every slot, 4096 up to 256 MiB in all)")
+    p.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
+                   help="per-op records through the per-CPU perf buffer or one BPF "
+                   f"ring buffer of the same total size (default {DEFAULT_TRANSPORT}; "
+                   "docs/bench.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -148,7 +153,8 @@ def run(args) -> int:
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         max_procs=args.max_procs, stacks=bool(args.folded or args.output),
-                        perf_pages=args.perf_pages, index_stream=bool(args.output))
+                        perf_pages=args.perf_pages, index_stream=bool(args.output),
+                        transport=args.transport)
         target, follower = _start(args, tracer, follower, probe_cache)
         recorder = _open_recorder(args, tracer, target)
         _announce(tracer, target, follower, t_start)

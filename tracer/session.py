@@ -64,6 +64,22 @@ def _import_bcc():
     return bcc
 
 
+# The per-op stream's transport (bpf/kvtrace.bpf.c submit_record): "perf",
+# the per-CPU perf buffer, or "ring", one BPF ring buffer for all CPUs.  The
+# default is the measured better one: docs/bench.md.
+TRANSPORTS = ("perf", "ring")
+DEFAULT_TRANSPORT = "perf"
+# op records per wake-up of the reader (batching: docs/bench.md)
+DEFAULT_WAKEUP_EVERY = 64
+
+
+def ring_pages(perf_pages: int) -> int:
+    """The ring buffer gets the memory the perf buffer would have had in
+    all (perf_pages on every CPU), rounded up to a power of two pages."""
+    pages = perf_pages * (os.cpu_count() or 1)
+    return 1 << (pages - 1).bit_length()
+
+
 @dataclass
 class TracedProcess:
     pid: int
@@ -90,7 +106,8 @@ class Tracer:
 
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
                  max_caches: int = abi.DEFAULT_MAX_CACHES, max_procs: int = 8,
-                 stacks: bool = False, perf_pages: int = 64, index_stream: bool = False):
+                 stacks: bool = False, perf_pages: int = 64, index_stream: bool = False,
+                 transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY):
         check_privileges()
         check_kernel_headers()
         discover.check_arch()
@@ -104,6 +121,13 @@ class Tracer:
             cflags.append("-DKVTRACE_WITH_STACKS")
         if index_stream:  # the slot/pair chunks (record, attach -o); off costs nothing
             cflags.append("-DKVTRACE_WITH_INDEX_STREAM")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}")
+        self.transport = transport
+        if transport == "ring":
+            cflags.append(f"-DKVTRACE_RINGBUF={ring_pages(perf_pages)}")
+            cflags.append(f"-DKVTRACE_WAKEUP_EVERY={wakeup_every}")
+        self.wakeup_every = wakeup_every
         self.stream = stream.Collector() if index_stream else None
         self.stacks = stacks
         t0 = time.monotonic()
@@ -136,7 +160,15 @@ class Tracer:
         self.records = 0
         self.lost = 0
         events = self.bpf["events"]
-        events.open_perf_buffer(self._record, page_cnt=perf_pages, lost_cb=self._lost)
+        # Records that did not wake the reader (wakeup_every > 1) are read
+        # by the consume after each poll
+        if transport == "ring":  # losses: only the in-kernel count (globals)
+            events.open_ring_buffer(lambda ctx, data, size: self._record(0, data, size))
+            self._poll_fns = (self.bpf.ring_buffer_poll, self.bpf.ring_buffer_consume)
+        else:
+            events.open_perf_buffer(self._record, page_cnt=perf_pages, lost_cb=self._lost,
+                                    wakeup_events=wakeup_every)
+            self._poll_fns = (self.bpf.perf_buffer_poll, self.bpf.perf_buffer_consume)
         self._events = events
         self.procs = {}  # pid -> TracedProcess
         self.started = time.monotonic()
@@ -159,7 +191,10 @@ class Tracer:
         self.lost += count
 
     def poll(self, timeout_ms: int):
-        self.bpf.perf_buffer_poll(timeout=timeout_ms)
+        poll, consume = self._poll_fns
+        poll(timeout_ms)
+        if self.wakeup_every > 1:
+            consume()
 
     def _received(self) -> int:
         return self.records + (self.stream.chunk_records if self.stream else 0)
@@ -168,7 +203,7 @@ class Tracer:
         """Read every record still buffered (after detach, none can come)."""
         while True:
             before = self._received()
-            self.bpf.perf_buffer_poll(timeout=0)
+            self.poll(0)
             if self._received() == before:
                 return
 

@@ -1,0 +1,283 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kvbench - the benchmark driver of `make bench`: one reshape_and_cache-like
+ * op behind one kvtrace probe site, driven three ways.
+ *
+ *   kvbench loop --ops N --reps R --slots S1,S2,...
+ *       Tight loop: N / (1 + S / 64) ops of S slots each (about the same
+ *       time for every S), timed per (rep, S); one JSON line
+ *       per measurement on stdout.  Built twice (bench/Makefile): with the
+ *       probe compiled in (kvbench) and compiled out (kvbench-noprobes,
+ *       -DKVTRACE_DISABLE_PROBES), so that the site's own cost shows.
+ *
+ *   kvbench rate --slots S --rate SLOTS_PER_S --duration-ms MS --truth FILE
+ *       Offers slots at a paced rate (0: as fast as it can) for SEC seconds
+ *       and writes its own ground truth (slots written per block) to FILE.
+ *
+ *   kvbench live
+ *       Watches its own probe's semaphore (it is this process's memory) and
+ *       prints "LIVE <ns>" when a tracer turns it on and "DEAD <ns>" when it
+ *       drops back to 0, as CLOCK_MONOTONIC times: when probes are really
+ *       live, measured in the target, not by the tracer's own account.
+ *
+ * --pause (loop, rate): set everything up, print "READY <pid>" to stderr,
+ * then wait for SIGUSR1, so a tracer can attach first.
+ *
+ * The op writes KV_BYTES bytes per slot into a KV buffer, as a CPU
+ * reshape_and_cache does; the probe fires before the work, gated by its
+ * semaphore, exactly as in kvsim and the vLLM fork.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "kvtrace_probes.h"
+
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define KV_BYTES 16     /* bytes per slot, per layer (as kvsim) */
+#define BLOCK_SIZE 16
+#define NUM_BLOCKS 4096 /* slots cycle through all of them */
+#define MAX_SLOTS 65536
+#define MAX_SIZES 16
+
+static uint8_t kv[(size_t)NUM_BLOCKS * BLOCK_SIZE * KV_BYTES];
+static int64_t slot_buf[MAX_SLOTS];
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void die(const char *msg)
+{
+	fprintf(stderr, "kvbench: %s\n", msg);
+	exit(2);
+}
+
+/* The op: probe site first (semaphore-gated), then the KV write.  noipa (no
+ * inlining, no cloning) so that every build runs the same call with the same
+ * arguments, with or without a site. */
+__attribute__((noipa)) static void reshape_and_cache(const int64_t *slots,
+							 int64_t n,
+							 uint64_t value)
+{
+	if (KVTRACE_ENABLED(reshape_and_cache))
+		KVTRACE_RESHAPE_AND_CACHE(slots, n, BLOCK_SIZE, (uintptr_t)kv,
+					  NUM_BLOCKS);
+	for (int64_t i = 0; i < n; i++) {
+		uint8_t *dst = kv + slots[i] * KV_BYTES;
+		memcpy(dst, &value, 8);
+		memcpy(dst + 8, &value, 8);
+	}
+}
+
+/* Slots of op k: the next n slots, cycling through every block. */
+static void fill_slots(int64_t *slots, int64_t n, uint64_t k)
+{
+	const int64_t total = (int64_t)NUM_BLOCKS * BLOCK_SIZE;
+	int64_t base = (int64_t)((k * (uint64_t)n) % (uint64_t)total);
+	for (int64_t i = 0; i < n; i++)
+		slots[i] = (base + i) % total;
+}
+
+static void wait_for_usr1(void)
+{
+	sigset_t set;
+	int sig;
+	sigemptyset(&set);
+	sigaddset(&set, SIGUSR1);
+	fprintf(stderr, "READY %ld\n", (long)getpid());
+	fflush(stderr);
+	sigwait(&set, &sig);
+}
+
+static uint64_t parse_u64(const char *flag, const char *v)
+{
+	char *end;
+	if (!v)
+		die("a flag needs a value");
+	uint64_t x = strtoull(v, &end, 10);
+	if (*end || end == v) {
+		fprintf(stderr, "kvbench: bad number for %s: %s\n", flag, v);
+		exit(2);
+	}
+	return x;
+}
+
+static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
+		    int nsizes, int pause)
+{
+	if (pause)
+		wait_for_usr1();
+	fill_slots(slot_buf, MAX_SLOTS, 0);
+	/* warm up: page in the KV buffer, settle the frequency */
+	for (int s = 0; s < nsizes; s++)
+		for (uint64_t k = 0; k < ops / 10 + 1; k++)
+			reshape_and_cache(slot_buf, sizes[s], k);
+	for (uint64_t r = 0; r < reps; r++) {
+		for (int s = 0; s < nsizes; s++) {
+			/* about the same time per size: fewer ops when large */
+			int64_t n = sizes[s];
+			uint64_t nops = ops / (1 + (uint64_t)n / 64);
+			nops = nops ? nops : 1;
+			uint64_t t0 = now_ns();
+			for (uint64_t k = 0; k < nops; k++)
+				reshape_and_cache(slot_buf, n, k);
+			uint64_t dt = now_ns() - t0;
+			printf("{\"rep\": %" PRIu64 ", \"slots\": %" PRId64
+			       ", \"ops\": %" PRIu64 ", \"ns\": %" PRIu64
+			       ", \"probes\": %s}\n",
+			       r, n, nops, dt,
+#ifdef KVTRACE_DISABLE_PROBES
+			       "false"
+#else
+			       "true"
+#endif
+			);
+			fflush(stdout);
+		}
+	}
+	return 0;
+}
+
+static int run_rate(int64_t n, uint64_t rate, double duration,
+		    const char *truth, int pause)
+{
+	static uint64_t writes[NUM_BLOCKS];
+	uint64_t ops = 0;
+	if (n <= 0 || n > MAX_SLOTS)
+		die("--slots must be 1..65536");
+	if (pause)
+		wait_for_usr1();
+	uint64_t t0 = now_ns(), end = t0 + (uint64_t)(duration * 1e9), t;
+	/* pace in whole ops: at time t, ops due = (t - t0) * rate / n */
+	while ((t = now_ns()) < end) {
+		uint64_t due = rate ? (uint64_t)((double)(t - t0) * 1e-9 * (double)rate / (double)n)
+				    : ops + 64;
+		if (ops >= due) {
+			struct timespec ts = {0, 50000}; /* 50 us */
+			nanosleep(&ts, NULL);
+			continue;
+		}
+		while (ops < due) {
+			fill_slots(slot_buf, n, ops);
+			reshape_and_cache(slot_buf, n, ops);
+			/* the ground truth, in this program's own terms */
+			for (int64_t i = 0; i < n; i++)
+				writes[slot_buf[i] / BLOCK_SIZE]++;
+			ops++;
+		}
+	}
+	double elapsed = (double)(now_ns() - t0) * 1e-9;
+	FILE *f = fopen(truth, "w");
+	if (!f)
+		die("cannot write the truth file");
+	fprintf(f, "{\"ops\": %" PRIu64 ", \"slots\": %" PRIu64
+		   ", \"slots_per_op\": %" PRId64 ", \"requested_slots_per_s\": %"
+		   PRIu64 ", \"elapsed_s\": %.6f, \"block_size\": %d"
+		   ", \"num_blocks\": %d, \"cache_id\": %" PRIuPTR ", \"writes\": [",
+		ops, ops * (uint64_t)n, n, rate, elapsed, BLOCK_SIZE, NUM_BLOCKS,
+		(uintptr_t)kv);
+	for (int b = 0; b < NUM_BLOCKS; b++)
+		fprintf(f, "%s%" PRIu64, b ? ", " : "", writes[b]);
+	fprintf(f, "]}\n");
+	if (fclose(f))
+		die("cannot write the truth file");
+	return 0;
+}
+
+static int run_live(void)
+{
+#ifdef KVTRACE_DISABLE_PROBES
+	die("live needs the probes compiled in");
+	return 2;
+#else
+	const struct timespec poll = {0, 100000}; /* 100 us */
+	fprintf(stderr, "READY %ld\n", (long)getpid());
+	fflush(stderr);
+	while (!KVTRACE_ENABLED(reshape_and_cache))
+		nanosleep(&poll, NULL);
+	printf("LIVE %" PRIu64 "\n", now_ns());
+	fflush(stdout);
+	while (KVTRACE_ENABLED(reshape_and_cache))
+		nanosleep(&poll, NULL);
+	printf("DEAD %" PRIu64 "\n", now_ns());
+	fflush(stdout);
+	return 0;
+#endif
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2 || !strcmp(argv[1], "--help")) {
+		printf("usage: kvbench loop --ops N --reps R --slots S1,S2,... [--pause]\n"
+		       "       kvbench rate --slots S --rate SLOTS_PER_S "
+		       "--duration-ms MS --truth FILE [--pause]\n"
+		       "       kvbench live\n");
+		return argc < 2 ? 2 : 0;
+	}
+	/* SIGUSR1 is taken with sigwait: block it before anything else */
+	sigset_t set;
+	sigemptyset(&set);
+	sigaddset(&set, SIGUSR1);
+	sigprocmask(SIG_BLOCK, &set, NULL);
+
+	const char *mode = argv[1], *truth = NULL;
+	uint64_t ops = 1000000, reps = 5, rate = 0;
+	double duration = 1.0;
+	int64_t sizes[MAX_SIZES] = {1};
+	int nsizes = 1, pause = 0;
+	for (int i = 2; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--pause")) {
+			pause = 1;
+			continue;
+		}
+		i++;
+		if (!strcmp(a, "--ops")) {
+			ops = parse_u64(a, v);
+		} else if (!strcmp(a, "--reps")) {
+			reps = parse_u64(a, v);
+		} else if (!strcmp(a, "--rate")) {
+			rate = parse_u64(a, v);
+		} else if (!strcmp(a, "--duration-ms")) {
+			duration = (double)parse_u64(a, v) / 1000.0;
+		} else if (!strcmp(a, "--truth")) {
+			truth = v;
+		} else if (!strcmp(a, "--slots")) {
+			char *copy = strdup(v ? v : ""), *save = NULL;
+			nsizes = 0;
+			for (char *tok = strtok_r(copy, ",", &save); tok;
+			     tok = strtok_r(NULL, ",", &save)) {
+				if (nsizes == MAX_SIZES)
+					die("too many --slots sizes");
+				sizes[nsizes] = (int64_t)parse_u64(a, tok);
+				if (sizes[nsizes] < 1 || sizes[nsizes] > MAX_SLOTS)
+					die("--slots must be 1..65536");
+				nsizes++;
+			}
+			free(copy);
+		} else {
+			fprintf(stderr, "kvbench: unknown option %s\n", a);
+			return 2;
+		}
+	}
+	if (!strcmp(mode, "loop"))
+		return run_loop(ops, reps, sizes, nsizes, pause);
+	if (!strcmp(mode, "rate")) {
+		if (!truth)
+			die("rate needs --truth FILE");
+		return run_rate(sizes[0], rate, duration, truth, pause);
+	}
+	if (!strcmp(mode, "live"))
+		return run_live();
+	die("unknown mode (loop, rate, live)");
+	return 2;
+}

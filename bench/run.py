@@ -1,0 +1,820 @@
+#!/usr/bin/env python3
+"""`make bench`: what tracing costs the target and how much it can carry.
+
+Every figure is measured side by side in this one run, repeated, and
+reported as min / median / max; the table is printed and the same data is
+written as JSON (default bench/results.json).  Method and goals:
+docs/bench.md.  Needs root (it loads BPF programs) and `make setup`.
+
+    .venv/bin/python bench/run.py [--quick] [--rows 1,2,...] [--out FILE]
+
+Rows: 1 probe-site cost (bench/kvbench, three builds and states),
+2 kvsim stress end to end, 3 real vLLM on the CPU, 4 carrying capacity
+(perf buffer vs BPF ring buffer), 5 attach / detach latency, 6 offline
+speed (record/report/export), 7 the tracer's own footprint (from row 2).
+"""
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tracer import discover  # noqa: E402
+
+BENCH = ROOT / "bench"
+KVBENCH = BENCH / "kvbench"
+KVBENCH_NOPROBES = BENCH / "kvbench-noprobes"
+KVSIM = ROOT / "tests" / "target" / "kvsim"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+TINY_MODEL = ROOT / "build" / "tiny-llama"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+
+GOALS = {  # figure key -> (goal text, test on the median)
+    "site.b_over_a": ("<= 1.01", lambda v: v <= 1.01),
+    "site.attached_ns_per_op": ("<= 1500 ns", lambda v: v <= 1500),
+    "site.attached_ns_per_slot": ("<= 3 ns", lambda v: v <= 3),
+    "vllm.full_ratio": (">= 0.99", lambda v: v >= 0.99),
+    "vllm.calls_only_ratio": (">= 0.99", lambda v: v >= 0.99),
+    "capacity.exact_at_10M": ("exact at >= 10M slots/s", None),
+    "attach.ready_s": ("<= 2 s", lambda v: v <= 2),
+    "offline.report": (">= 5M slot writes/s", lambda v: v >= 5e6),
+    "offline.export": (">= 5M slot writes/s", lambda v: v >= 5e6),
+    "footprint.peak_rss_mb": ("<= 200 MB", lambda v: v <= 200),
+}
+
+
+def say(msg):
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def stats(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "n": len(values), "values": values}
+
+
+def kvtrace(*args):
+    return [sys.executable, "-m", "tracer.cli", *map(str, args)]
+
+
+def read_until(proc_stream, needle, timeout):
+    """Lines of a text pipe up to the first containing needle."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc_stream.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise RuntimeError(f"no {needle!r} within {timeout}s: {''.join(seen)[-500:]}")
+
+
+def cpu_times():
+    """(busy, steal) jiffies of all CPUs: steal is time the hypervisor gave
+    this VM's CPUs to someone else."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:3]) + sum(v[5:7]), v[7]
+
+
+def proc_sample(pid):
+    """(cpu seconds, VmRSS MB, VmHWM MB, RssAnon MB) of a live process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    mem = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "VmHWM", "RssAnon"):
+                mem[key] = int(line.split()[1]) / 1024
+    return cpu, mem["VmRSS"], mem["VmHWM"], mem["RssAnon"]
+
+
+def stop_tracer(tracer_proc, timeout=60):
+    if tracer_proc.poll() is None:
+        tracer_proc.send_signal(signal.SIGINT)
+    try:
+        tracer_proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        tracer_proc.kill()
+        tracer_proc.wait()
+
+
+# -- 1. probe-site cost ---------------------------------------------------
+
+def loop_run(argv):
+    out = subprocess.run(list(map(str, argv)), capture_output=True, text=True,
+                         check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def traced_loop(tracer_obj, argv):
+    """Run a kvbench that waits (--pause) with the tracer attached; its lines."""
+    p = subprocess.Popen(argv + ["--pause"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        read_until(p.stderr, "READY", 10)
+        files = discover.process_probe_files(p.pid, stock=False)
+        if not tracer_obj.attach(p.pid, files):
+            raise RuntimeError("kvbench has no probe the tracer attached to")
+        os.kill(p.pid, signal.SIGUSR1)
+        while p.poll() is None:
+            tracer_obj.poll(50)
+        tracer_obj.drain()
+        out = p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        tracer_obj.detach()
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+class BpfRunTime:
+    """The kernel's own run-time accounting of BPF programs (BPF_ENABLE_STATS,
+    on only while this object lives): run_time_ns and run_cnt from
+    bpf_prog_info.  A uprobe program's run time includes its tail calls."""
+
+    _ENABLE_STATS, _GET_INFO, _SYS_BPF = 32, 15, 321
+    _INFO_SIZE, _RUN_TIME, _RUN_CNT = 232, 192, 200  # uapi struct bpf_prog_info
+
+    def __init__(self):
+        import ctypes
+        self._ct = ctypes
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        attr = ctypes.create_string_buffer(struct.pack("<I", 0), 16)  # BPF_STATS_RUN_TIME
+        self.fd = self._libc.syscall(self._SYS_BPF, self._ENABLE_STATS, attr, 16)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "BPF_ENABLE_STATS")
+
+    def read(self, prog_fd):
+        """(run_time_ns, run_cnt) of a program so far."""
+        ct = self._ct
+        info = ct.create_string_buffer(self._INFO_SIZE)
+        attr = ct.create_string_buffer(struct.pack("<IIQ", prog_fd, self._INFO_SIZE,
+                                                   ct.addressof(info)), 16)
+        if self._libc.syscall(self._SYS_BPF, self._GET_INFO, attr, 16) != 0:
+            raise OSError(ct.get_errno(), "BPF_OBJ_GET_INFO_BY_FD")
+        return struct.unpack_from("<QQ", info.raw, self._RUN_TIME)
+
+    def close(self):
+        os.close(self.fd)
+
+
+def uprobe_floor(argv):
+    """kvbench's lines with an empty BPF program on its probe site, attached
+    as the tracer attaches (uprobe PMU, semaphore on): what the trap into
+    the kernel and back costs here, whatever the program does."""
+    from bcc import BPF
+    from tracer.uprobe_pmu import Uprobe
+    bpf = BPF(text="int kvbench_empty(void *ctx) { return 0; }")
+    fn = bpf.load_func(b"kvbench_empty", BPF.KPROBE)
+    probe = discover.read_probes(str(KVBENCH))[0]
+    p = subprocess.Popen(argv + ["--pause"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    up = None
+    try:
+        read_until(p.stderr, "READY", 10)
+        up = Uprobe(str(KVBENCH), probe.offset, p.pid, fn.fd,
+                    ref_ctr_offset=probe.sem_offset)
+        os.kill(p.pid, signal.SIGUSR1)
+        out = p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        if up is not None:
+            up.close()
+        bpf.cleanup()
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def row_site(q, res):
+    from tracer.session import Tracer
+    big = 4096  # per slot: (t(4096) - t(1)) / 4095, well above the noise per op
+    ops, reps = (300_000, 3) if q else (2_000_000, 9)
+    sizes = f"1,{big}"
+    a = {1: [], big: []}
+    b = {1: [], big: []}
+    # a and b alternate process by process, one rep each: drift and
+    # neighbours' load hit both builds alike
+    for _ in range(reps):
+        for build, dst in ((KVBENCH_NOPROBES, a), (KVBENCH, b)):
+            for m in loop_run([build, "loop", "--ops", ops, "--reps", 1, "--slots", sizes]):
+                dst[m["slots"]].append(m["ns"] / m["ops"])
+    c = {1: [], big: []}
+    tr = Tracer(max_procs=4)
+    try:
+        cops = ops // 10
+        for m in traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(cops), "--reps",
+                                  str(reps), "--slots", sizes]):
+            c[m["slots"]].append(m["ns"] / m["ops"])
+        raw = tr.read_maps()
+    finally:
+        tr.close()
+    calls = sum(s["calls"] for s in raw["op_stats"].values())
+    # the program's own time per op, by the kernel's accounting: separate
+    # short runs per size, with the statistics on only there
+    prog = {1: [], big: []}
+    tr = Tracer(max_procs=64)  # one process per run: 2 * reps
+    rt = BpfRunTime()
+    try:
+        for _ in range(reps):
+            for n in (1, big):
+                t0, c0 = rt.read(tr.site_prog.fd)
+                traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", "1",
+                                 "--slots", str(n)])
+                t1, c1 = rt.read(tr.site_prog.fd)
+                prog[n].append((t1 - t0) / max(c1 - c0, 1))
+    finally:
+        rt.close()
+        tr.close()
+    d = {1: [], big: []}
+    for m in uprobe_floor([str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", str(reps),
+                           "--slots", sizes]):
+        d[m["slots"]].append(m["ns"] / m["ops"])
+
+    def per_slot(d):
+        return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
+
+    b_over_a = [y / x for x, y in zip(a[1], b[1])]
+    b_over_a_big = [y / x for x, y in zip(a[big], b[big])]
+    a_med = statistics.median(a[1])
+    a_slot_med = statistics.median(per_slot(a))
+    res["site"] = {
+        "ops_per_measurement_1_slot": ops, "attached_ops_per_measurement_1_slot": ops // 10,
+        "big_slots": big, "traced_calls_counted": calls,
+        "transport": tr.transport, "wakeup_every": tr.wakeup_every,
+        "a_ns_per_op": stats(a[1]), "b_ns_per_op": stats(b[1]), "c_ns_per_op": stats(c[1]),
+        "a_ns_per_op_big": stats(a[big]), "b_ns_per_op_big": stats(b[big]),
+        "c_ns_per_op_big": stats(c[big]),
+        "d_empty_program_ns_per_op": stats(d[1]),
+        "bpf_run_time_ns_per_op": stats(prog[1]),
+        "bpf_run_time_ns_per_op_big": stats(prog[big]),
+        "bpf_run_time_ns_per_slot": stats([(x - y) / (big - 1)
+                                          for x, y in zip(prog[big], prog[1])]),
+        # (c) less (d), rep by rep: what kvtrace's program and transport add
+        "program_ns_per_op": stats([x - y for x, y in zip(c[1], d[1])]),
+        "a_ns_per_slot": stats(per_slot(a)), "b_ns_per_slot": stats(per_slot(b)),
+        "c_ns_per_slot": stats(per_slot(c)),
+        "b_over_a": stats(b_over_a), "b_over_a_big": stats(b_over_a_big),
+        "c_over_a": stats([x / a_med for x in c[1]]),
+        # what attaching adds to one op and to one slot, over compiled-out
+        "attached_ns_per_op": stats([x - a_med for x in c[1]]),
+        "attached_ns_per_slot": stats([x - a_slot_med for x in per_slot(c)]),
+    }
+
+
+# -- 2 and 7. kvsim stress, and the tracer's footprint ----------------------
+
+def kvsim_run(repeat, tmp, traced):
+    """One kvsim stress run: slots/s from its own truth and its own run
+    time (from SIGUSR1 to exit), with or without `attach -p` on it."""
+    truth = Path(tmp) / "truth.json"
+    agg = Path(tmp) / "agg.json"
+    for f in (truth, agg):
+        f.unlink(missing_ok=True)
+    k = subprocess.Popen([KVSIM, "--workload", "stress", "--repeat", str(repeat), "--quiet",
+                          "--pause", "--truth", truth], stderr=subprocess.PIPE, text=True)
+    tp = None
+    out = {}
+    try:
+        read_until(k.stderr, "paused", 10)
+        if traced:
+            tp = subprocess.Popen(kvtrace("attach", "-p", k.pid, "-q", "--json", agg),
+                                  cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+            read_until(tp.stderr, "ready after", 120)
+            cpu0 = proc_sample(tp.pid)[0]
+        t0 = time.monotonic()
+        os.kill(k.pid, signal.SIGUSR1)
+        rss_run = anon_run = 0.0  # the most seen while the target runs
+        while k.poll() is None:
+            time.sleep(0.05)
+            if tp is not None:
+                try:
+                    _, rss, _, anon = proc_sample(tp.pid)
+                except OSError:
+                    continue
+                rss_run, anon_run = max(rss_run, rss), max(anon_run, anon)
+        t1 = time.monotonic()
+        if tp is not None:
+            cpu1, _, hwm, _ = proc_sample(tp.pid)
+            out.update(cpu_s_per_s=(cpu1 - cpu0) / (t1 - t0), rss_mb_during=rss_run,
+                       anon_mb_during=anon_run, peak_rss_mb=hwm)
+            tp.wait(60)  # ends on its own when the target exits
+            doc = json.loads(agg.read_text())
+            out.update(records=doc["records"], lost=doc["lost_records"], exact=doc["exact"],
+                       traced_slots=sum(o["slots"] for o in doc["ops"].values()))
+        if k.returncode != 0:
+            raise RuntimeError(f"kvsim failed ({k.returncode})")
+    finally:
+        for p in (k, tp):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    t = json.loads(truth.read_text())
+    slots = sum(o["slots"] for o in t["ops"].values())  # every layer's writes
+    out.update(seconds=t1 - t0, slots=slots, slots_per_s=slots / (t1 - t0))
+    if traced:
+        out["counts_equal_truth"] = out["traced_slots"] == slots and out["exact"]
+    return out
+
+
+def row_stress(q, res):
+    repeat, reps = (10, 1) if q else (40, 3)  # about 0.1 s per repeat here
+    untraced, traced = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(reps):
+            untraced.append(kvsim_run(repeat, tmp, False))
+            traced.append(kvsim_run(repeat, tmp, True))
+    ratio = [t["slots_per_s"] / u["slots_per_s"] for u, t in zip(untraced, traced)]
+    res["stress"] = {
+        "kvsim_repeat": repeat,
+        "untraced_slots_per_s": stats([u["slots_per_s"] for u in untraced]),
+        "traced_slots_per_s": stats([t["slots_per_s"] for t in traced]),
+        "ratio": stats(ratio),
+        "records": stats([t["records"] for t in traced]),
+        "lost": stats([t["lost"] for t in traced]),
+        "counts_equal_truth": all(t["counts_equal_truth"] for t in traced),
+    }
+    res["footprint"] = {
+        "cpu_s_per_s": stats([t["cpu_s_per_s"] for t in traced]),
+        "rss_mb_during": stats([t["rss_mb_during"] for t in traced]),
+        "anon_mb_during": stats([t["anon_mb_during"] for t in traced]),
+        "peak_rss_mb": stats([t["peak_rss_mb"] for t in traced]),
+    }
+
+
+# -- 3. real vLLM ---------------------------------------------------------------
+
+def row_vllm(q, res):
+    if not VLLM_PYTHON.exists():
+        res["vllm"] = {"skipped": "no .venv-vllm (run make setup)"}
+        return
+    subprocess.run([sys.executable, ROOT / "scripts" / "make-tiny-model.py", TINY_MODEL],
+                   check=True, stdout=subprocess.DEVNULL)
+    cycles = 2 if q else 5
+    v = subprocess.Popen([VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL,
+                          "--repeat", "6"], cwd=ROOT, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    modes = {"untraced": None, "full": [], "calls_only": ["--calls-only"]}
+    rates = {m: [] for m in modes}
+    counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
+    tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
+    agg = Path(tempfile.mkdtemp()) / "agg.json"
+    try:
+        read_until(v.stderr, "READY", 300)
+        drain = _Drain(v.stderr)  # vLLM logs a lot: keep its pipe empty
+        for _ in range(cycles):
+            for mode, flags in modes.items():
+                tp = None
+                if flags is not None:
+                    agg.unlink(missing_ok=True)
+                    tp = subprocess.Popen(kvtrace("attach", "-p", v.pid, "-q", "--json", agg,
+                                                  *flags),
+                                          cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True)
+                    # ready once every worker has its probes (it follows the tree)
+                    read_until(tp.stderr, "ready after", 120)
+                    cpu0, t0 = proc_sample(tp.pid)[0], time.monotonic()
+                v.stdin.write("go\n")
+                v.stdin.flush()
+                doc = json.loads(read_until(v.stdout, '"generate_s"', 600)[-1])
+                if tp is not None:
+                    tracer_cpu[mode].append((proc_sample(tp.pid)[0] - cpu0)
+                                            / (time.monotonic() - t0))
+                rates[mode].append(doc["generated_tokens"] / doc["generate_s"])
+                if tp is not None:
+                    stop_tracer(tp)
+                    ops = json.loads(agg.read_text())["ops"].values()
+                    counted[mode].append((sum(o["calls"] for o in ops),
+                                          sum(o["slots"] for o in ops)))
+        drain.stop()
+    finally:
+        v.stdin.close()
+        try:
+            v.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(v.pid, signal.SIGKILL)
+            v.wait()
+    base = rates["untraced"]
+    res["vllm"] = {
+        "batch": "8 requests x 64-token prompts, 32 tokens each, 6 times per measurement",
+        # what each traced measurement counted (calls, slots): proof it traced
+        "traced_counts": counted,
+        "untraced_tokens_per_s": stats(base),
+        "full_tokens_per_s": stats(rates["full"]),
+        "calls_only_tokens_per_s": stats(rates["calls_only"]),
+        # each traced batch against the untraced batch of its own cycle
+        "full_ratio": stats([t / u for t, u in zip(rates["full"], base)]),
+        "calls_only_ratio": stats([t / u for t, u in zip(rates["calls_only"], base)]),
+        "full_tracer_cpu_s_per_s": stats(tracer_cpu["full"]),
+        "calls_only_tracer_cpu_s_per_s": stats(tracer_cpu["calls_only"]),
+    }
+
+
+class _Drain:
+    """Read a pipe in a thread so that a chatty child never blocks on it."""
+
+    def __init__(self, stream):
+        import threading
+        self._t = threading.Thread(target=lambda: [None for _ in stream], daemon=True)
+        self._t.start()
+
+    def stop(self):
+        pass  # daemon thread: ends with the pipe
+
+
+# -- 4. carrying capacity -------------------------------------------------------
+
+TRANSPORT_CONFIGS = {"perf/1": ("perf", 1), "perf/64": ("perf", 64),
+                     "ring/adaptive": ("ring", 1), "ring/64": ("ring", 64)}
+
+def rate_step(tr, rate, slots_per_op, ms, tmp):
+    truth = Path(tmp) / f"rate-{tr.transport}-{tr.wakeup_every}.json"
+    p = subprocess.Popen([KVBENCH, "rate", "--slots", str(slots_per_op), "--rate", str(rate),
+                          "--duration-ms", str(ms), "--truth", truth, "--pause"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    before = tr.read_maps()
+    try:
+        read_until(p.stderr, "READY", 10)
+        tr.attach(p.pid, discover.process_probe_files(p.pid, stock=False))
+        os.kill(p.pid, signal.SIGUSR1)
+        while p.poll() is None:
+            tr.poll(50)
+        tr.drain()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        tr.detach()
+    after = tr.read_maps()
+    t = json.loads(truth.read_text())
+    cache = [c for c in after["caches"] if c["pid"] == p.pid]
+    exact = (len(cache) == 1 and cache[0]["writes"][:t["num_blocks"]].tolist() == t["writes"]
+             and int(cache[0]["writes"][t["num_blocks"]:].sum()) == 0
+             and after["globals"]["missed_hits"] == before["globals"]["missed_hits"])
+    records = after["records"] - before["records"]
+    lost = after["globals"]["records_lost"] - before["globals"]["records_lost"]
+    el = t["elapsed_s"]
+    return {"requested_slots_per_s": rate, "offered_slots_per_s": t["slots"] / el,
+            "ops": t["ops"], "exact": bool(exact), "records_per_s": records / el,
+            "lost_per_s": lost / el, "records": records, "lost": lost,
+            "records_plus_lost_equal_ops": records + lost == t["ops"]}
+
+
+def row_capacity(q, res):
+    from tracer.session import Tracer
+    # (slots per op, slots/s asked; 0: as fast as it goes).  Small ops load
+    # the per-op record path, large ones the per-slot counting.
+    steps = [(32, 1_000_000), (32, 0), (512, 10_000_000)] if q else \
+        [(32, 300_000), (32, 1_000_000), (32, 3_000_000), (32, 10_000_000), (32, 0),
+         (512, 10_000_000), (512, 30_000_000), (512, 0)]
+    ms, reps = (300, 1) if q else (1000, 3)
+    out = {"step_ms": ms, "perf_pages_per_cpu": 64, "steps": {}}
+    # the design card's transport as it was (a wake-up per record), and both
+    # transports with wake-ups batched (the default since this measurement)
+    tracers = {name: Tracer(max_procs=64, transport=t, wakeup_every=n)
+               for name, (t, n) in TRANSPORT_CONFIGS.items()}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for slots_per_op, rate in steps:
+                runs = {t: [] for t in tracers}
+                for _ in range(reps):
+                    for t, tr in tracers.items():  # side by side, same step
+                        runs[t].append(rate_step(tr, rate, slots_per_op, ms, tmp))
+                key = f"{slots_per_op}@{rate if rate else 'max'}"
+                out["steps"][key] = {t: {
+                    "offered_slots_per_s": stats([r["offered_slots_per_s"] for r in rs]),
+                    "exact": all(r["exact"] for r in rs),
+                    "records_per_s": stats([r["records_per_s"] for r in rs]),
+                    "lost_per_s": stats([r["lost_per_s"] for r in rs]),
+                    "lost_fraction": stats([r["lost"] / r["ops"] if r["ops"] else 0
+                                            for r in rs]),
+                    "records_plus_lost_equal_ops": all(r["records_plus_lost_equal_ops"]
+                                                       for r in rs)}
+                    for t, rs in runs.items()}
+    finally:
+        for tr in tracers.values():
+            tr.close()
+    res["capacity"] = out
+
+
+# -- 5. attach / detach latency -------------------------------------------------
+
+def row_attach(q, res):
+    reps = 1 if q else 5
+    ready, compile_s, live, detach = [], [], [], []
+    for _ in range(reps):
+        k = subprocess.Popen([KVBENCH, "live"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        tp = None
+        try:
+            read_until(k.stderr, "READY", 10)
+            t0 = time.monotonic_ns()  # the command's start
+            tp = subprocess.Popen(kvtrace("attach", "-p", k.pid, "-q"), cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
+            t_live = int(read_until(k.stdout, "LIVE", 120)[-1].split()[1])
+            line = read_until(tp.stderr, "ready after", 120)[-1]
+            # "... ready after 3.1s (BPF compile 2.5s)."
+            ready.append(float(line.split("ready after ")[1].split("s")[0]))
+            compile_s.append(float(line.split("BPF compile ")[1].split("s")[0]))
+            live.append((t_live - t0) / 1e9)
+            t1 = time.monotonic_ns()
+            tp.send_signal(signal.SIGINT)
+            t_dead = int(read_until(k.stdout, "DEAD", 60)[-1].split()[1])
+            detach.append((t_dead - t1) / 1e9)
+            tp.wait(60)
+        finally:
+            for p in (k, tp):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
+    res["attach"] = {"live_s": stats(live), "ready_s": stats(ready),
+                     "compile_s": stats(compile_s), "detach_s": stats(detach)}
+
+
+# -- 6. offline speed ---------------------------------------------------------------
+
+def _has_subcommand(name):
+    r = subprocess.run(kvtrace(name, "--help"), cwd=ROOT, capture_output=True)
+    return r.returncode == 0
+
+
+def row_offline(q, res):
+    if not all(_has_subcommand(c) for c in ("record", "report", "export")):
+        res["offline"] = {"skipped": "n/a: record not available"}
+        return
+    reps = 1 if q else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "stress.kvt"
+        truth = Path(tmp) / "truth.json"
+        r = subprocess.run(kvtrace("record", "-o", trace, "--", KVSIM, "--workload", "stress",
+                                   "--repeat", 2 if q else 15, "--quiet", "--truth", truth),
+                           cwd=ROOT, capture_output=True, text=True)
+        if r.returncode != 0:
+            res["offline"] = {"skipped": f"record failed: {r.stderr.strip()[-300:]}"}
+            return
+        slots = sum(o["slots"] for o in json.loads(truth.read_text())["ops"].values())
+        out = {"slot_writes": slots, "trace_bytes": trace.stat().st_size}
+        for name, argv in (("report", ("report", trace, "--format", "json")),
+                           ("export", ("export", "--folded", trace, "-o",
+                                       Path(tmp) / "out.folded"))):
+            rates = []
+            for _ in range(reps):
+                t0 = time.monotonic()
+                r = subprocess.run(kvtrace(*argv), cwd=ROOT, capture_output=True, text=True)
+                dt = time.monotonic() - t0
+                if r.returncode != 0:
+                    raise RuntimeError(f"{name} failed: {r.stderr.strip()[-300:]}")
+                rates.append(slots / dt)
+            out[name] = stats(rates)
+        res["offline"] = out
+
+
+# -- the table --------------------------------------------------------------------
+
+def fmt(v, unit=""):
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    a = abs(v)
+    if unit == "x":
+        return f"{v:.3f}" if a < 10 else f"{v:.0f}"
+    if a >= 1e6:
+        return f"{v / 1e6:.2f}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.1f}k"
+    if a >= 100:
+        return f"{v:.0f}"
+    return f"{v:.2f}"
+
+
+def table_rows(res):
+    rows = []
+
+    def add(label, s, unit, goal_key=None):
+        goal, met = "", ""
+        if goal_key and goal_key in GOALS:
+            goal = GOALS[goal_key][0]
+            test = GOALS[goal_key][1]
+            if s is not None and test is not None:
+                met = "met" if test(s["median"]) else "MISSED"
+        if s is None:
+            rows.append((label, "-", "-", "-", unit, goal, met))
+        else:
+            rows.append((label, fmt(s["min"], unit), fmt(s["median"], unit),
+                         fmt(s["max"], unit), unit, goal, met))
+
+    def note(label, text, goal="", met=""):
+        rows.append((label, "", text, "", "", goal, met))
+
+    s = res.get("site")
+    if s:
+        add("1 site (a) compiled out, 1 slot", s["a_ns_per_op"], "ns/op")
+        add("1 site (b) detached, 1 slot", s["b_ns_per_op"], "ns/op")
+        add("1 site (c) attached, 1 slot", s["c_ns_per_op"], "ns/op")
+        add("1 site (d) empty BPF program, 1 slot", s["d_empty_program_ns_per_op"], "ns/op")
+        add("1 (c)-(d): kvtrace's program, 1 slot", s["program_ns_per_op"], "ns/op")
+        add("1 BPF run time (bpf_stats), 1 slot", s["bpf_run_time_ns_per_op"], "ns/op")
+        add("1 BPF run time (bpf_stats), per slot", s["bpf_run_time_ns_per_slot"], "ns/slot")
+        add("1 site (a) compiled out, per slot", s["a_ns_per_slot"], "ns/slot")
+        add("1 site (b) detached, per slot", s["b_ns_per_slot"], "ns/slot")
+        add("1 site (c) attached, per slot", s["c_ns_per_slot"], "ns/slot")
+        add("1 site b/a (1 slot)", s["b_over_a"], "x", "site.b_over_a")
+        add(f"1 site b/a ({s['big_slots']} slots)", s["b_over_a_big"], "x", "site.b_over_a")
+        add("1 site c/a (1 slot)", s["c_over_a"], "x")
+        add("1 attached adds, per op", s["attached_ns_per_op"], "ns/op",
+            "site.attached_ns_per_op")
+        add("1 attached adds, per slot", s["attached_ns_per_slot"], "ns/slot",
+            "site.attached_ns_per_slot")
+    s = res.get("stress")
+    if s:
+        add("2 kvsim stress untraced", s["untraced_slots_per_s"], "slots/s")
+        add("2 kvsim stress traced", s["traced_slots_per_s"], "slots/s")
+        add("2 kvsim traced/untraced", s["ratio"], "x")
+        add("2 perf records lost", s["lost"], "records")
+        note("2 traced counts = kvsim truth", fmt(s["counts_equal_truth"]))
+    s = res.get("vllm")
+    if s and "skipped" in s:
+        note("3 vLLM", s["skipped"])
+    elif s:
+        add("3 vLLM untraced", s["untraced_tokens_per_s"], "tok/s")
+        add("3 vLLM traced (full)", s["full_tokens_per_s"], "tok/s")
+        add("3 vLLM traced (calls-only)", s["calls_only_tokens_per_s"], "tok/s")
+        add("3 vLLM full/untraced", s["full_ratio"], "x", "vllm.full_ratio")
+        add("3 vLLM calls-only/untraced", s["calls_only_ratio"], "x", "vllm.calls_only_ratio")
+        add("3 tracer CPU while vLLM runs (full)", s["full_tracer_cpu_s_per_s"], "s/s")
+        add("3 tracer CPU while vLLM runs (calls)", s["calls_only_tracer_cpu_s_per_s"], "s/s")
+    s = res.get("capacity")
+    if s:
+        for key, step in s["steps"].items():
+            for t, r in step.items():
+                size, asked = key.split("@")
+                req = f"{size} slots/op, asked {asked if asked == 'max' else fmt(float(asked))}"
+                add(f"4 {t} {req}: offered", r["offered_slots_per_s"], "slots/s")
+                add(f"4 {t} {req}: records", r["records_per_s"], "rec/s")
+                add(f"4 {t} {req}: lost", r["lost_per_s"], "rec/s")
+                note(f"4 {t} {req}: exact", fmt(r["exact"]))
+        ex = _exact_at_10m(s)
+        for t, (ok, top) in ex.items():
+            note(f"4 {t}: exact up to", f"{fmt(top)} slots/s offered",
+                 GOALS["capacity.exact_at_10M"][0], "met" if ok else "MISSED")
+    s = res.get("attach")
+    if s:
+        add("5 attach: start to probes live", s["live_s"], "s")
+        add("5 attach: ready (tracer's own)", s["ready_s"], "s", "attach.ready_s")
+        add("5 attach: of which bcc compile", s["compile_s"], "s")
+        add("5 detach: SIGINT to probes off", s["detach_s"], "s")
+    s = res.get("offline")
+    if s and "skipped" in s:
+        note("6 offline", s["skipped"])
+    elif s:
+        add("6 report", s["report"], "slots/s", "offline.report")
+        add("6 export --folded", s["export"], "slots/s", "offline.export")
+    s = res.get("footprint")
+    if s:
+        add("7 tracer CPU during stress", s["cpu_s_per_s"], "s/s")
+        add("7 tracer RSS during stress", s["rss_mb_during"], "MB")
+        add("7   of which anonymous", s["anon_mb_during"], "MB")
+        add("7 tracer peak RSS (VmHWM)", s["peak_rss_mb"], "MB", "footprint.peak_rss_mb")
+    return rows
+
+
+def _exact_at_10m(cap):
+    """Per transport: (exact at every step offered >= 10M, highest exact offer)."""
+    out = {}
+    for t in TRANSPORT_CONFIGS:
+        top, ok_10m, reached = 0.0, True, False
+        for step in cap["steps"].values():
+            r = step[t]
+            offered = r["offered_slots_per_s"]["median"]
+            if r["exact"]:
+                top = max(top, offered)
+            if offered >= 1e7:
+                reached = True
+                ok_10m &= r["exact"]
+        out[t] = (ok_10m and reached, top)
+    return out
+
+
+def print_table(rows, file=sys.stdout):
+    """Figures in columns; a row without a unit is a note whose text spans
+    the min/median/max columns."""
+    head = ("figure", "min", "median", "max", "unit", "goal", "")
+    data = [r for r in rows if r[4]] + [head]
+    widths = [max(len(str(r[i])) for r in data) for i in range(len(head))]
+    widths[0] = max(len(r[0]) for r in rows + [head])
+    span = widths[1] + widths[2] + widths[3] + widths[4] + 6
+
+    def out(cells):
+        print("  ".join(cells).rstrip(), file=file)
+
+    out(h.ljust(w) if i in (0, 4, 5) else h.rjust(w)
+        for i, (h, w) in enumerate(zip(head, widths)))
+    print("-" * (sum(widths) + 2 * len(widths)), file=file)
+    for r in rows:
+        if not r[4]:
+            out([r[0].ljust(widths[0]), str(r[2]).rjust(span), r[5].ljust(widths[5]), r[6]])
+            continue
+        out(str(c).ljust(w) if i in (0, 4, 5, 6) else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths)))
+
+
+ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
+        3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
+        5: ("attach latency", row_attach), 6: ("offline speed", row_offline)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
+    p.add_argument("--rows", default="1,2,3,4,5,6",
+                   help="which rows to run (7 comes with 2; default all)")
+    p.add_argument("--out", default=str(BENCH / "results.json"))
+    args = p.parse_args()
+    quick = args.quick or os.environ.get("BENCH_QUICK") == "1"
+    rows = sorted({int(x) for x in args.rows.split(",")})
+    if os.geteuid() != 0:
+        sys.exit("bench: needs root (it loads BPF programs)")
+    for path in (KVBENCH, KVBENCH_NOPROBES, KVSIM):
+        if not path.exists():
+            sys.exit(f"bench: {path} is missing: run `make bench` (it builds it)")
+    res = {"schema": "kvtrace-bpf/bench", "version": 1, "quick": quick,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": {"kernel": platform.release(), "cpus": os.cpu_count(),
+                       "cpu": _cpu_model(), "load_avg_at_start": os.getloadavg()}}
+    t_all = time.monotonic()
+    busy0, steal0 = cpu_times()
+    for n in rows:
+        if n == 3 and quick:
+            res["vllm"] = {"skipped": "skipped with --quick (vLLM starts in 30-50 s)"}
+            continue
+        name, fn = ROWS[n]
+        t0 = time.monotonic()
+        say(f"row {n}: {name}...")
+        fn(quick, res)
+        res.setdefault("row_seconds", {})[str(n)] = round(time.monotonic() - t0, 1)
+        write_json(args.out, res)  # what is measured so far survives a later failure
+    res["seconds"] = round(time.monotonic() - t_all, 1)
+    res["load_avg_at_end"] = os.getloadavg()
+    busy1, steal1 = cpu_times()
+    wall = (time.monotonic() - t_all) * TICK * (os.cpu_count() or 1)
+    # how busy the machine was (everyone, not just us), and stolen by the host
+    res["machine"]["busy_fraction"] = round((busy1 - busy0) / wall, 3)
+    res["machine"]["steal_fraction"] = round((steal1 - steal0) / wall, 3)
+    rows_out = table_rows(res)
+    res["table"] = [dict(zip(("figure", "min", "median", "max", "unit", "goal", "met"), r))
+                    for r in rows_out]
+    print_table(rows_out)
+    write_json(args.out, res)
+    say(f"{args.out} written in {res['seconds']:.0f}s (load average "
+        f"{res['machine']['load_avg_at_start'][0]:.1f} -> {res['load_avg_at_end'][0]:.1f}; "
+        f"CPUs {100 * res['machine']['busy_fraction']:.0f}% busy, "
+        f"{100 * res['machine']['steal_fraction']:.1f}% stolen)")
+
+
+def write_json(path, res):
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(res, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

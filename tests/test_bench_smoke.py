@@ -1,0 +1,72 @@
+"""`make bench` runs and writes well-formed results (the quick variant).
+
+A smoke test, not a benchmark: no figure is compared with a goal or with
+another figure here.  What it does check beside the shape of the results are
+the properties that hold at any speed: the exact counters equal the driver's
+and kvsim's own ground truth at every rate, and every per-op record is either
+delivered or counted lost."""
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def check_stats(s, where):
+    assert s is not None, where
+    assert s["n"] >= 1 and len(s["values"]) == s["n"], where
+    assert all(math.isfinite(v) for v in s["values"]), where
+    assert s["min"] <= s["median"] <= s["max"], where
+
+
+def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers):
+    subprocess.run(["make", "-s", "-C", ROOT / "bench"], check=True)
+    out = tmp_path / "results.json"
+    r = subprocess.run([sys.executable, ROOT / "bench" / "run.py", "--quick", "--out", out],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["schema"] == "kvtrace-bpf/bench" and res["quick"] is True
+
+    site = res["site"]
+    for key in ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "a_ns_per_slot",
+                "c_ns_per_slot", "b_over_a", "c_over_a", "attached_ns_per_op",
+                "attached_ns_per_slot"):
+        check_stats(site[key], f"site.{key}")
+    assert site["traced_calls_counted"] > 0
+
+    stress = res["stress"]
+    for key in ("untraced_slots_per_s", "traced_slots_per_s", "ratio", "records", "lost"):
+        check_stats(stress[key], f"stress.{key}")
+    assert stress["counts_equal_truth"] is True
+    for key in ("cpu_s_per_s", "rss_mb_during", "peak_rss_mb"):
+        check_stats(res["footprint"][key], f"footprint.{key}")
+
+    assert "skipped" in res["vllm"]  # --quick leaves vLLM out
+
+    steps = res["capacity"]["steps"]
+    assert steps
+    for key, step in steps.items():
+        assert set(step) == {"perf/1", "perf/64", "ring/adaptive", "ring/64"}
+        for transport, figures in step.items():
+            where = f"capacity {key} {transport}"
+            check_stats(figures["offered_slots_per_s"], where)
+            check_stats(figures["records_per_s"], where)
+            assert figures["exact"] is True, where
+            assert figures["records_plus_lost_equal_ops"] is True, where
+
+    for key in ("live_s", "ready_s", "compile_s", "detach_s"):
+        check_stats(res["attach"][key], f"attach.{key}")
+
+    offline = res["offline"]
+    if "skipped" not in offline:
+        check_stats(offline["report"], "offline.report")
+        check_stats(offline["export"], "offline.export")
+
+    # the printed table is the same data, one line per figure
+    lines = r.stdout.splitlines()[2:]  # after the header and its rule
+    assert len(lines) == len(res["table"])
+    for line, row in zip(lines, res["table"]):
+        assert line.startswith(row["figure"]), (line, row)
