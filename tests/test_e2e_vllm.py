@@ -173,7 +173,8 @@ def test_launch_under_the_tracer_follows_vllm(tmp_path, tiny_model, no_leftovers
     print(r.stderr)  # shown if a check below fails
     print(json.dumps(doc["ops"]), [(p["pid"], p["comm"]) for p in doc["processes"]])
     worker = traced_layers(doc)
-    assert f"tracing pid {worker['pid']} ({worker['comm']})" in r.stderr
+    # named by the comm it had when found: vLLM renames its processes later
+    assert f"tracing pid {worker['pid']} (" in r.stderr
     assert "Worker" in worker["comm"]
     assert len(worker["layers"]) == generated["num_layers"]
     want = expected(generated)

@@ -137,20 +137,25 @@ def is_vllm_library(path: str) -> bool:
     return bool(VLLM_LIBRARY.search(path))
 
 
-def _function_symbols(path: str) -> dict:
-    """{mangled name: file offset} of the defined functions in .dynsym and
-    .symtab (a stripped wheel has only .dynsym)."""
+def _function_symbols(path: str, patterns: list) -> dict:
+    """{mangled name: file offset} of the defined functions whose names match
+    one of `patterns`.  .dynsym first: the cache ops are exported, and a
+    wheel's .symtab, when it has one, holds tens of thousands of symbols
+    that take seconds to parse; .symtab only for patterns .dynsym lacks."""
     found = {}
     with open(path, "rb") as f:
         elf = ELFFile(f)
         for name in (".dynsym", ".symtab"):
+            todo = [p for p in patterns if not any(p.search(n) for n in found)]
+            if not todo:
+                break
             sec = elf.get_section_by_name(name)
             if not isinstance(sec, SymbolTableSection):
                 continue
             for sym in sec.iter_symbols():
                 if (sym["st_info"]["type"] == "STT_FUNC" and sym["st_shndx"] != "SHN_UNDEF"
                         and sym["st_value"] and "." not in sym.name
-                        and sym.name not in found):
+                        and sym.name not in found and any(p.search(sym.name) for p in todo)):
                     found[sym.name] = vaddr_to_offset(elf, sym["st_value"])
     return found
 
@@ -164,13 +169,13 @@ def stock_sites(path: str) -> list:
     entries = [e for e in CATALOG if re.search(e.library, base)]
     if not entries:
         return []
+    patterns = [re.compile(e.symbol) for e in entries]
     try:
-        symbols = _function_symbols(path)
+        symbols = _function_symbols(path, patterns)
     except (OSError, ELFError, ValueError):
         return []
     sites = []
-    for entry in entries:
-        pattern = re.compile(entry.symbol)
+    for entry, pattern in zip(entries, patterns):
         for name, offset in sorted(symbols.items()):
             if pattern.search(name):
                 sites.append(Probe(path, "uprobe", entry.op, 0, offset, 0, 0,

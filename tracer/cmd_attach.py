@@ -28,8 +28,12 @@ examples:
 """
 
 
-# How often the process tree is scanned for new processes and libraries.
+# How often the process tree is scanned for new processes and libraries:
+# often while it changes (vLLM starting its workers), then less, since every
+# scan reads /proc and costs the traced machine CPU time.
 FOLLOW_INTERVAL = 0.25
+FOLLOW_INTERVAL_QUIET = 1.0
+FOLLOW_QUIET_AFTER = 10.0  # seconds without a change
 
 
 def positive_float(text):
@@ -288,10 +292,11 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
             if now >= next_scan:
                 # new descendants, or libraries loaded since (dlopen)
                 follower.step(tracer)
+                quiet = now - follower.changed_at >= FOLLOW_QUIET_AFTER
                 for line in follower.take_notices():
                     _say(line)
-                next_scan = now + FOLLOW_INTERVAL
-            if now >= next_refresh:
+                next_scan = now + (FOLLOW_INTERVAL_QUIET if quiet else FOLLOW_INTERVAL)
+            if now >= next_refresh and live_ctx:  # -q: only the summary needs it
                 prev, agg = agg, _aggregate(tracer)
                 next_refresh = now + args.interval
                 if live_ctx:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import abi
+from . import abi, cache as _cache
 from .errors import TargetError
 
 # Byte offsets of the registers in the kernel's struct pt_regs (x86_64),
@@ -165,15 +165,20 @@ class Mapping:
     path: str
 
 
-def read_maps(pid: int) -> list:
-    """The file-backed mappings of a process."""
+def read_maps_text(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
         raise TargetError(f"no process with pid {pid}") from None
     except PermissionError:
         raise TargetError(f"cannot read /proc/{pid}/maps: permission denied") from None
+
+
+def read_maps(pid: int, text: str = None) -> list:
+    """The file-backed mappings of a process (from `text`, if given: what
+    read_maps_text() returned)."""
+    lines = (read_maps_text(pid) if text is None else text).splitlines()
     maps = []
     for line in lines:
         parts = line.split(None, 5)
@@ -194,7 +199,7 @@ def runtime_address(maps: list, path: str, file_offset: int):
 
 
 def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = None,
-                        stock: bool = True) -> dict:
+                        stock: bool = True, maps: list = None) -> dict:
     """{path: [Probe]} for every file mapped by `pid` that has probe sites:
     `provider` USDT probes, or else (stock=True) the stock vLLM functions of
     catalog.py.  A file with USDT probes (a kvtrace build of vLLM) is never
@@ -202,28 +207,63 @@ def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = No
 
     With `cache` (a dict the caller keeps), each file is parsed once per
     (path, inode, mtime): re-reading a process that maps hundreds of
-    libraries, as vLLM does, then costs a stat per file."""
+    libraries, as vLLM does, then costs a stat per file.  `maps`: the
+    process's read_maps(), if the caller has it."""
     from .catalog import stock_sites  # catalog builds on this module
 
     cache = {} if cache is None else cache
+    no_probes = _no_probes_cache(provider)
     found = {}
-    for path in sorted({m.path for m in read_maps(pid)}):
+    for path in sorted({m.path for m in (read_maps(pid) if maps is None else maps)}):
         try:
             st = os.stat(path)
         except OSError:
             continue  # "(deleted)", or gone since
         key = (path, st.st_ino, st.st_mtime_ns, provider, stock)
         if key not in cache:
-            try:
-                sites = read_probes(path, provider) if os.path.isfile(path) else []
-            except TargetError:
-                sites = []  # a mapped non-ELF (fonts, locale archives...)
+            ident = _file_ident(path, st)
+            sites = []
+            if ident not in no_probes["files"]:
+                try:
+                    sites = read_probes(path, provider) if os.path.isfile(path) else []
+                except TargetError:
+                    sites = []  # a mapped non-ELF (fonts, locale archives...)
+                if not sites:
+                    no_probes["files"].add(ident)
+                    no_probes["dirty"] = True
             if not sites and stock:
                 sites = stock_sites(path)
             cache[key] = sites
         if cache[key]:
             found[path] = cache[key]
+    if no_probes["dirty"]:
+        if len(no_probes["files"]) > 50000:  # bounded: keep what this process maps
+            no_probes["files"] = {_file_ident(p, os.stat(p)) for p in found} & no_probes["files"]
+        _cache.store(_no_probes_name(provider), sorted(no_probes["files"]))
+        no_probes["dirty"] = False
     return found
+
+
+# Files known to have no USDT probes of a provider, across runs: parsing the
+# hundreds of libraries a vLLM process maps (torch's are large) takes seconds
+# with pyelftools, and almost none of them have probes.  Keyed by path,
+# device, inode, size and change times, so any change to a file parses it again.
+_NO_PROBES = {}
+
+
+def _no_probes_name(provider: str) -> str:
+    return f"no-usdt-{provider}.json"
+
+
+def _file_ident(path: str, st) -> str:
+    return f"{path}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def _no_probes_cache(provider: str) -> dict:
+    if provider not in _NO_PROBES:
+        _NO_PROBES[provider] = {"files": set(_cache.load(_no_probes_name(provider)) or []),
+                                "dirty": False}
+    return _NO_PROBES[provider]
 
 
 def comm(pid: int) -> str:

@@ -14,6 +14,7 @@ the model, seconds before it serves.  docs/stock-vllm.md says so.
 """
 
 import os
+import time
 
 from . import discover, torch_layout
 from .errors import TargetError
@@ -69,6 +70,8 @@ class Follower:
         self.discoveries = {}  # libc10.so path -> torch_layout.Discovery
         self.parent_of = {}
         self.refused = set()  # pids beyond the tracer's process limit
+        self._maps_seen = {}  # pid -> (files it maps, its probe files)
+        self.changed_at = time.monotonic()  # last time the tree or a maps changed
         self.notices = []  # lines for the user, taken by the caller
 
     def scan(self) -> dict:
@@ -77,21 +80,39 @@ class Follower:
         with stock sites, in the background."""
         found = {}
         kids = children_map()
-        todo = [self.root]
+        todo, visited = [self.root], set()
         while todo:
             pid = todo.pop(0)
+            visited.add(pid)
             for kid in kids.get(pid, ()):
                 self.parent_of.setdefault(kid, pid)
                 todo.append(kid)
             try:
-                files = discover.process_probe_files(pid, cache=self.probe_cache)
+                files = self._files(pid)
             except TargetError:
                 continue  # gone meanwhile
             if files:
                 found[pid] = files
                 if not self.calls_only and any(p.stock for ps in files.values() for p in ps):
                     self._discovery(pid)
+        for pid in set(self._maps_seen) - visited:
+            del self._maps_seen[pid]  # exited, or left the tree
         return found
+
+    def _files(self, pid: int) -> dict:
+        """process_probe_files(pid), re-computed only when the set of files
+        the process maps changed (anonymous mappings come and go all the
+        time): a scan then costs one read of /proc/PID/maps per process, not
+        a stat of every file it maps (hundreds, for vLLM)."""
+        maps = discover.read_maps(pid)
+        paths = frozenset(m.path for m in maps)
+        last = self._maps_seen.get(pid)
+        if last is not None and last[0] == paths:
+            return last[1]
+        self.changed_at = time.monotonic()  # a new process, or new files mapped
+        files = discover.process_probe_files(pid, cache=self.probe_cache, maps=maps)
+        self._maps_seen[pid] = (paths, files)
+        return files
 
     def _discovery(self, pid: int):
         try:

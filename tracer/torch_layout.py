@@ -27,9 +27,8 @@ from pathlib import Path
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import discover
+from . import cache, discover
 
-CACHE_DIR = Path(os.environ.get("KVTRACE_CACHE_DIR", "/var/cache/kvtrace-bpf"))
 TIMEOUT_S = 120
 
 # Runs in the target's interpreter.  Prints one JSON object.
@@ -127,28 +126,19 @@ def _owner(pid: int):
     return int(fields["Uid"].split()[1]), int(fields["Gid"].split()[1])  # effective
 
 
-def _cache_file(libc10: str) -> Path:
-    return CACHE_DIR / f"tensor-layout-{build_id(libc10)}.json"
+def _cache_name(libc10: str) -> str:
+    return f"tensor-layout-{build_id(libc10)}.json"
 
 
 def cached(libc10: str):
     try:
-        return TensorLayout(**json.loads(_cache_file(libc10).read_text()))
-    except (OSError, ValueError, TypeError):
+        return TensorLayout(**cache.load(_cache_name(libc10)))
+    except TypeError:  # missing, or another version's fields
         return None
 
 
 def _store(libc10: str, layout: TensorLayout):
-    try:
-        CACHE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = _cache_file(libc10)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(layout), f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a cache only: next time discovers again
+    cache.store(_cache_name(libc10), asdict(layout))
 
 
 class Discovery:
