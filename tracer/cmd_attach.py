@@ -15,7 +15,8 @@ from .aggregate import Aggregate
 from .errors import TargetError, UsageError
 from .export import folded_lines
 from .files import check_writable, open_private
-from .session import DEFAULT_TRANSPORT, TRANSPORTS  # no bcc import: --help works without
+# session imports no bcc at module level: --help still works without it
+from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
 from .tracefile import Recorder
 
 EXAMPLES = """\
@@ -86,9 +87,9 @@ def add_parser(sub):
     p.add_argument("--calls-only", action="store_true",
                    help="stock vLLM: count ops without reading their tensors (no "
                    "per-block counts; the cheapest mode)")
-    p.add_argument("--max-procs", type=positive_int, default=8, metavar="N",
+    p.add_argument("--max-procs", type=positive_int, default=DEFAULT_MAX_PROCS, metavar="N",
                    help="processes traced at once, the target and its descendants "
-                   "(default 8)")
+                   f"(default {DEFAULT_MAX_PROCS})")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64; "
                    "with -o, which streams every slot, 4096 up to 256 MiB in all)")
@@ -136,11 +137,10 @@ def run(args) -> int:
     from .session import Tracer, check_privileges
 
     check_privileges()
-    probe_cache = {}  # each mapped file is parsed once per run
     follower = None
     if args.pid:
         target_mod.check_pid(args.pid)
-        follower = follow.Follower(args.pid, probe_cache, args.calls_only)
+        follower = follow.Follower(args.pid, calls_only=args.calls_only)
         # fail fast, before seconds of compiling; this also starts finding
         # the tensor layout of a stock vLLM, in parallel with the compile
         _require_probes(follower)
@@ -159,7 +159,7 @@ def run(args) -> int:
                         max_procs=args.max_procs, stacks=bool(args.folded or args.output),
                         perf_pages=args.perf_pages, index_stream=bool(args.output),
                         transport=args.transport)
-        target, follower = _start(args, tracer, follower, probe_cache)
+        target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
         _announce(tracer, target, follower, t_start)
         _trace_loop(args, tracer, target, follower, stop,
@@ -193,14 +193,14 @@ def _open_recorder(args, tracer, target):
     return Recorder(args.output, tracer, what)
 
 
-def _start(args, tracer, follower, probe_cache):
+def _start(args, tracer, follower):
     """The target, with the tracer attached to the probes of its tree."""
     if args.pid:
         target = target_mod.Target(args.pid, child=False)
         follower.step(tracer, wait=True)
     else:
         target = target_mod.launch(args.command, tracer)
-        follower = follow.Follower(target.pid, probe_cache, args.calls_only)
+        follower = follow.Follower(target.pid, calls_only=args.calls_only)
         try:
             follower.step(tracer, wait=True)
         except BaseException:

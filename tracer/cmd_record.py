@@ -8,7 +8,7 @@ import argparse
 
 from . import abi, cmd_attach
 from .cmd_attach import positive_float, positive_int
-from .session import DEFAULT_TRANSPORT
+from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 
 EXAMPLES = """\
 examples:
@@ -44,7 +44,8 @@ def add_parser(sub):
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and record it")
     p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0,
-                   calls_only=False, max_procs=8, transport=DEFAULT_TRANSPORT)
+                   calls_only=False, max_procs=DEFAULT_MAX_PROCS,
+                   transport=DEFAULT_TRANSPORT)
     return p
 
 

@@ -165,20 +165,15 @@ class Mapping:
     path: str
 
 
-def read_maps_text(pid: int) -> str:
+def read_maps(pid: int) -> list:
+    """The file-backed mappings of a process."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return f.read()
+            lines = f.read().splitlines()
     except (FileNotFoundError, ProcessLookupError):
         raise TargetError(f"no process with pid {pid}") from None
     except PermissionError:
         raise TargetError(f"cannot read /proc/{pid}/maps: permission denied") from None
-
-
-def read_maps(pid: int, text: str = None) -> list:
-    """The file-backed mappings of a process (from `text`, if given: what
-    read_maps_text() returned)."""
-    lines = (read_maps_text(pid) if text is None else text).splitlines()
     maps = []
     for line in lines:
         parts = line.split(None, 5)
@@ -213,15 +208,15 @@ def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = No
 
     cache = {} if cache is None else cache
     no_probes = _no_probes_cache(provider)
-    found = {}
+    found, mine = {}, set()  # mine: this process's files without probes
     for path in sorted({m.path for m in (read_maps(pid) if maps is None else maps)}):
         try:
             st = os.stat(path)
         except OSError:
             continue  # "(deleted)", or gone since
+        ident = _file_ident(path, st)
         key = (path, st.st_ino, st.st_mtime_ns, provider, stock)
         if key not in cache:
-            ident = _file_ident(path, st)
             sites = []
             if ident not in no_probes["files"]:
                 try:
@@ -236,9 +231,11 @@ def process_probe_files(pid: int, provider: str = abi.PROVIDER, cache: dict = No
             cache[key] = sites
         if cache[key]:
             found[path] = cache[key]
+        if ident in no_probes["files"]:
+            mine.add(ident)
     if no_probes["dirty"]:
         if len(no_probes["files"]) > 50000:  # bounded: keep what this process maps
-            no_probes["files"] = {_file_ident(p, os.stat(p)) for p in found} & no_probes["files"]
+            no_probes["files"] = mine
         _cache.store(_no_probes_name(provider), sorted(no_probes["files"]))
         no_probes["dirty"] = False
     return found

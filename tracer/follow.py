@@ -63,14 +63,14 @@ class Follower:
     """Attach a Tracer to every process of the tree under `root` that has
     probe sites, as they appear."""
 
-    def __init__(self, root: int, probe_cache: dict = None, calls_only: bool = False):
+    def __init__(self, root: int, calls_only: bool = False):
         self.root = root
         self.calls_only = calls_only  # stock uprobes: never read tensors
-        self.probe_cache = {} if probe_cache is None else probe_cache
+        self.probe_cache = {}  # each mapped file is parsed once per run
         self.discoveries = {}  # libc10.so path -> torch_layout.Discovery
         self.parent_of = {}
         self.refused = set()  # pids beyond the tracer's process limit
-        self._maps_seen = {}  # pid -> (files it maps, its probe files)
+        self._maps_seen = {}  # pid -> (files it maps, its probe files, its libc10.so)
         self.changed_at = time.monotonic()  # last time the tree or a maps changed
         self.notices = []  # lines for the user, taken by the caller
 
@@ -111,18 +111,17 @@ class Follower:
             return last[1]
         self.changed_at = time.monotonic()  # a new process, or new files mapped
         files = discover.process_probe_files(pid, cache=self.probe_cache, maps=maps)
-        self._maps_seen[pid] = (paths, files)
+        self._maps_seen[pid] = (paths, files, torch_layout.torch_library(pid, maps))
         return files
 
     def _discovery(self, pid: int):
-        try:
-            lib = torch_layout.torch_library(pid)
-        except TargetError:
-            return None
+        """The tensor-layout discovery for pid's torch (one per libc10.so),
+        started if new; None if pid maps no torch.  Uses what scan() read."""
+        lib = self._maps_seen[pid][2]
         if lib is None:
             return None
         if lib not in self.discoveries:
-            self.discoveries[lib] = torch_layout.Discovery(pid).start()
+            self.discoveries[lib] = torch_layout.Discovery(pid, lib).start()
         return self.discoveries[lib]
 
     def step(self, tracer, wait: bool = False) -> list:
@@ -175,10 +174,7 @@ class Follower:
         return attached
 
     def _warn_cuda_graphs(self, pid: int):
-        try:
-            paths = {m.path for m in discover.read_maps(pid)}
-        except TargetError:
-            return
+        paths = self._maps_seen[pid][0]
         chain, p = [], pid
         while p and len(chain) < 16:  # the process and its ancestors up to the root
             chain.append(cmdline(p))

@@ -68,6 +68,8 @@ def _import_bcc():
 # the per-CPU perf buffer, or "ring", one BPF ring buffer for all CPUs.  The
 # default is the measured better one: docs/bench.md.
 TRANSPORTS = ("perf", "ring")
+# processes traced at once: the target and its descendants with probes
+DEFAULT_MAX_PROCS = 8
 DEFAULT_TRANSPORT = "perf"
 # op records per wake-up of the reader (batching: docs/bench.md)
 DEFAULT_WAKEUP_EVERY = 64
@@ -105,7 +107,8 @@ class Tracer:
     """One BPF program instance tracing a set of processes."""
 
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
-                 max_caches: int = abi.DEFAULT_MAX_CACHES, max_procs: int = 8,
+                 max_caches: int = abi.DEFAULT_MAX_CACHES,
+                 max_procs: int = DEFAULT_MAX_PROCS,
                  stacks: bool = False, perf_pages: int = 64, index_stream: bool = False,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY):
         check_privileges()
@@ -230,6 +233,8 @@ class Tracer:
         uprobes."""
         proc = self.track(pid)
         proc.comm = discover.comm(pid)  # it may have exec'd since track()
+        if all(path in proc.probe_files for path in files):
+            return 0  # called on every scan: nothing new, no need to read the maps
         maps = discover.read_maps(pid)
         sites = self.bpf["sites"]
         added = 0

@@ -94,13 +94,10 @@ class TensorLayout:
     torch: str = "?"
 
 
-class LayoutError(Exception):
-    """Discovery failed; the message says why (shown to the user)."""
-
-
-def torch_library(pid: int):
-    """The libc10.so a process has mapped (it defines TensorImpl), or None."""
-    for m in discover.read_maps(pid):
+def torch_library(pid: int, maps: list = None):
+    """The libc10.so a process has mapped (it defines TensorImpl), or None.
+    `maps`: the process's discover.read_maps(), if the caller has it."""
+    for m in discover.read_maps(pid) if maps is None else maps:
         if os.path.basename(m.path) == "libc10.so" and "/torch/lib/" in m.path:
             return m.path
     return None
@@ -146,9 +143,10 @@ class Discovery:
     at once, result() waits.  Several processes of one vLLM share a torch:
     the caller keeps one Discovery per libc10 path."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, libc10: str = None):
+        """libc10: the process's torch_library(), if the caller found it."""
         self.pid = pid
-        self.libc10 = torch_library(pid)
+        self.libc10 = libc10 or torch_library(pid)
         self.layout = cached(self.libc10) if self.libc10 else None
         self.error = None if self.libc10 else "the process has no torch (libc10.so) mapped"
         self._proc = None
