@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
@@ -138,6 +139,31 @@ def semaphore_values(pid, lib=KVSIM_LIB):
             values[name[len("vllm_"):-len("_semaphore")]] = int.from_bytes(mem.read(2), "little")
     assert len(values) == 7, values
     return values
+
+
+def code_differences(pid, path=KVSIM_LIB):
+    """Offsets where the executable mappings of `path` in pid differ from the
+    file: a uprobe is an int3 the kernel writes into the target's code, so
+    none may be left once every tracer has gone.  Reads only, through
+    /proc/PID/mem, and compares with the file on disk (not the tracer)."""
+    real = os.path.realpath(path)
+    diffs = []
+    with open(f"/proc/{pid}/maps") as maps, open(real, "rb") as f, \
+            open(f"/proc/{pid}/mem", "rb") as mem:
+        code = [line.split() for line in maps if line.rstrip().endswith(real)]
+        code = [c for c in code if "x" in c[1]]
+        assert code, f"{real}: no executable mapping in {pid}"
+        for c in code:
+            lo, hi = (int(x, 16) for x in c[0].split("-"))
+            off = int(c[2], 16)
+            f.seek(off)
+            want = f.read(hi - lo)
+            mem.seek(lo)
+            got = mem.read(len(want))
+            if got != want:
+                where = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(want, np.uint8))
+                diffs += [off + int(i) for i in where]
+    return diffs
 
 
 def uprobe_events():

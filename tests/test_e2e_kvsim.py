@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, run_kvtrace,
-                      semaphore_values)
+                      code_differences, semaphore_values)
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -144,6 +144,7 @@ def test_sigkill_of_the_tracer_leaves_no_semaphore_on(tmp_path):
                 break
             time.sleep(0.1)
         assert semaphore_values(sim.pid) == dict.fromkeys(semaphore_values(sim.pid), 0)
+        assert code_differences(sim.pid) == []  # every int3 taken out again
         assert sim.proc.poll() is None  # the target runs on...
         assert sim.wait() == 0  # ...and finishes with its KV bytes intact
     finally:
@@ -161,6 +162,7 @@ def test_signal_detaches_and_prints_summary(tmp_path, sig):
         assert f"summary ({sig.name})" in stdout
         assert "Traceback" not in err
         assert not any(semaphore_values(sim.pid).values())
+        assert code_differences(sim.pid) == []
         doc = json.loads(out.read_text())
         assert doc["stop_reason"] == sig.name
         assert doc["ops"]["reshape_and_cache"]["calls"] > 0

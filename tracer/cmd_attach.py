@@ -196,8 +196,18 @@ def _open_recorder(args, tracer, target):
 def _start(args, tracer, follower):
     """The target, with the tracer attached to the probes of its tree."""
     if args.pid:
-        target = target_mod.Target(args.pid, child=False)
-        follower.step(tracer, wait=True)
+        target = None
+        try:
+            target = target_mod.Target(args.pid, child=False)
+            follower.step(tracer, wait=True)
+        except (TargetError, OSError) as e:
+            # checked before the compile, gone after it: say that, whatever
+            # step of attaching noticed first
+            if target is None or target.exited():
+                raise TargetError(f"process {args.pid} exited during attach") from None
+            if isinstance(e, OSError):
+                raise TargetError(f"process {args.pid}: {e}") from None
+            raise
     else:
         target = target_mod.launch(args.command, tracer)
         follower = follow.Follower(target.pid, calls_only=args.calls_only)

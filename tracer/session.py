@@ -88,7 +88,8 @@ class TracedProcess:
     index: int  # row group in block_moves
     comm: str
     uprobes: list = field(default_factory=list)
-    probe_files: dict = field(default_factory=dict)  # path -> [Probe]
+    probe_files: dict = field(default_factory=dict)  # path -> [Probe], ever seen
+    attached: set = field(default_factory=set)  # paths whose uprobes are open now
     skipped: list = field(default_factory=list)  # (probe, reason)
     calls_only: bool = False  # stock uprobes without a tensor layout
     parent: int = 0  # the traced process it descends from (0: the root)
@@ -233,14 +234,17 @@ class Tracer:
         uprobes."""
         proc = self.track(pid)
         proc.comm = discover.comm(pid)  # it may have exec'd since track()
-        if all(path in proc.probe_files for path in files):
+        if all(path in proc.attached for path in files):
             return 0  # called on every scan: nothing new, no need to read the maps
         maps = discover.read_maps(pid)
         sites = self.bpf["sites"]
         added = 0
         for path, probes in files.items():
-            if path in proc.probe_files:
+            if path in proc.attached:
                 continue
+            proc.attached.add(path)
+            if path in proc.probe_files:  # attached again after detach()
+                proc.skipped = [(p, why) for p, why in proc.skipped if p.path != path]
             proc.probe_files[path] = probes
             for probe in probes:
                 if probe.name not in abi.OPS:
@@ -290,11 +294,13 @@ class Tracer:
         return Uprobe(exe, entry_offset, pid, self.entry_prog.fd)
 
     def detach(self):
-        """Close every uprobe: the kernel removes them and drops the semaphores."""
+        """Close every uprobe: the kernel removes them and drops the semaphores.
+        The counts stay, and attach() may attach again (windows of tracing)."""
         for proc in self.procs.values():
             for up in proc.uprobes:
                 up.close()
             proc.uprobes.clear()
+            proc.attached.clear()
 
     def close(self):
         self.detach()

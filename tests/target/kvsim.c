@@ -133,6 +133,7 @@ struct config {
 	const char *truth_path;
 	bool pause, quiet;
 	uint64_t repeat;
+	uint64_t rounds; /* each round waits for SIGUSR1, runs, rewrites the truth */
 	uint64_t step_delay_us;
 	int64_t cpu_blocks;
 };
@@ -305,6 +306,7 @@ struct sim {
 	int64_t next_waiting;
 	int64_t done;
 	uint64_t step_no;
+	uint64_t rounds_done;
 
 	/* this step's tokens (slots padded to PAD_TO) and their value keys */
 	int64_t cap_tokens;
@@ -1097,6 +1099,7 @@ static void write_truth(const struct sim *s, const char *path)
 	fprintf(f, "  \"seed\": %" PRIu64 ",\n", c->seed);
 	fprintf(f, "  \"pid\": %ld,\n", (long)getpid());
 	fprintf(f, "  \"repeat\": %" PRIu64 ",\n", c->repeat);
+	fprintf(f, "  \"rounds_done\": %" PRIu64 ",\n", s->rounds_done);
 	fprintf(f, "  \"block_size\": %" PRId64 ",\n", s->bs);
 	fprintf(f, "  \"num_blocks\": %" PRId64 ",\n", s->nblocks);
 	fprintf(f, "  \"num_layers\": %" PRId64 ",\n", s->L);
@@ -1170,6 +1173,9 @@ static void print_help(void)
 	       "  --truth FILE         write the ground-truth JSON to FILE\n"
 	       "  --pause              wait for SIGUSR1 before running\n"
 	       "  --repeat N           run the workload N times (default 1)\n"
+	       "  --rounds N           N rounds, each: wait for SIGUSR1, run the\n"
+	       "                       workload --repeat times, rewrite --truth\n"
+	       "                       (cumulative); for attach/detach windows\n"
 	       "  --step-delay-us N    sleep N us between steps (default 0)\n"
 	       "  --layers N           override the workload's layer count\n"
 	       "  --blocks N           override the GPU block count\n"
@@ -1204,6 +1210,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 
 	c->seed = 1;
 	c->repeat = 1;
+	c->rounds = 1;
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *val = NULL;
@@ -1223,6 +1230,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 			       !strcmp(flag, "--seed") ||
 			       !strcmp(flag, "--truth") ||
 			       !strcmp(flag, "--repeat") ||
+			       !strcmp(flag, "--rounds") ||
 			       !strcmp(flag, "--step-delay-us") ||
 			       !strcmp(flag, "--layers") ||
 			       !strcmp(flag, "--blocks") ||
@@ -1256,6 +1264,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			c->truth_path = val;
 		} else if (!strcmp(flag, "--repeat")) {
 			c->repeat = parse_u64(flag, val, 1, 1000000);
+		} else if (!strcmp(flag, "--rounds")) {
+			c->rounds = parse_u64(flag, val, 1, 1000000);
 		} else if (!strcmp(flag, "--step-delay-us")) {
 			c->step_delay_us = parse_u64(flag, val, 0, 60000000);
 		} else if (!strcmp(flag, "--layers")) {
@@ -1326,16 +1336,20 @@ int main(int argc, char **argv)
 	parse_args(argc, argv, &cfg);
 	/* Everything (library, KV buffers, requests) is set up before --pause. */
 	sim_init(&sim, &cfg);
-	if (cfg.pause)
-		wait_for_sigusr1();
-
-	double t0 = now_s();
-	for (uint64_t i = 0; i < cfg.repeat; i++)
-		run_once(&sim);
-	double elapsed = now_s() - t0;
-
-	if (cfg.truth_path)
-		write_truth(&sim, cfg.truth_path);
+	double elapsed = 0;
+	for (uint64_t r = 0; r < cfg.rounds; r++) {
+		/* the truth file is complete before the next pause is announced,
+		 * so a tracer test can read each window's truth at the pause */
+		if (cfg.pause || cfg.rounds > 1)
+			wait_for_sigusr1();
+		double t0 = now_s();
+		for (uint64_t i = 0; i < cfg.repeat; i++)
+			run_once(&sim);
+		elapsed += now_s() - t0;
+		sim.rounds_done++;
+		if (cfg.truth_path)
+			write_truth(&sim, cfg.truth_path);
+	}
 
 	const struct truth *t = &sim.t;
 	if (!cfg.quiet)
