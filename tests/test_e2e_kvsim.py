@@ -223,3 +223,23 @@ def test_duration_ends_a_command_we_started(tmp_path):
     assert doc["ops"]["reshape_and_cache"]["calls"] > 0
     pid = doc["processes"][0]["pid"]
     assert not os.path.exists(f"/proc/{pid}")  # reaped: not even a zombie
+
+
+def test_ending_a_command_ends_its_whole_process_group(tmp_path):
+    """A command's own children (vLLM's engine and workers) go with it, even
+    one that ignores SIGTERM: the tracer ends the group, SIGKILL last."""
+    out = tmp_path / "agg.json"
+    script = (f"trap '' TERM; {KVSIM} --workload default --repeat 100000 "
+              "--step-delay-us 1000 --quiet & wait")
+    r = run_kvtrace("attach", "-q", "-d", 2, "--json", out, "--", "sh", "-c", script)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["stop_reason"] == "duration"
+    assert doc["target_exit_status"] == -signal.SIGKILL  # TERM was ignored
+    (kvsim,) = [p for p in doc["processes"] if p["comm"] == "kvsim"]
+    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+    for _ in range(100):  # the orphan's exit is reaped by init
+        if not os.path.exists(f"/proc/{kvsim['pid']}"):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{kvsim['pid']}"), "the command's child outlived it"

@@ -5,6 +5,7 @@ import os
 import select
 import shutil
 import signal
+import time
 
 from . import discover
 from .errors import TargetError
@@ -41,18 +42,44 @@ class Target:
             return True
 
     def end_child(self, grace: float = 5.0):
-        """Stop a command we started and reap it (no zombie left behind)."""
-        if not self.child or self.exited():
+        """End a command we started, and everything it started: the command
+        runs in its own process group (launch), and vLLM's engine and
+        worker processes outlive their parent unless signalled themselves.
+        A command that exited on its own gets `grace` seconds for the rest
+        of its group to leave; then SIGTERM, then SIGKILL.  Reaps the
+        command (no zombie left behind)."""
+        if not self.child:
             return
-        os.kill(self.pid, signal.SIGTERM)
-        os.kill(self.pid, signal.SIGCONT)  # a stopped process acts on nothing else
-        for _ in range(int(grace * 20)):
-            if self.exited():
-                return
+        if self.exited() and self._group_gone(grace):
+            return
+        self._signal_group(signal.SIGTERM)
+        self._signal_group(signal.SIGCONT)  # a stopped process acts on nothing else
+        if not self._group_gone(grace):
+            self._signal_group(signal.SIGKILL)
+            self._group_gone(grace)
+        if self.status is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.status = os.waitstatus_to_exitcode(status)
+
+    def _signal_group(self, sig):
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _group_gone(self, timeout: float) -> bool:
+        """Wait until no process is left in the command's group (reaping the
+        command itself as it exits)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.exited()
+            try:
+                os.killpg(self.pid, 0)
+            except ProcessLookupError:
+                return True
+            if time.monotonic() >= deadline:
+                return False
             select.select([], [], [], 0.05)
-        os.kill(self.pid, signal.SIGKILL)
-        _, status = os.waitpid(self.pid, 0)
-        self.status = os.waitstatus_to_exitcode(status)
 
     def close(self):
         if self._pidfd is not None:
@@ -83,12 +110,17 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
     if pid == 0:  # child: wait for the gate, then become the command
         try:
             os.close(gate_w)
+            os.setpgid(0, 0)  # its own process group: end_child ends all of it
             if os.read(gate_r, 2) == b"go":
                 os.execv(exe, argv)
         except BaseException:
             pass
         os._exit(127)
     os.close(gate_r)
+    try:
+        os.setpgid(pid, pid)  # as the child does: whichever runs first
+    except OSError:
+        pass
     target = Target(pid, child=True)
     entry_probe = None
     try:
