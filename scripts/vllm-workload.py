@@ -46,6 +46,9 @@ def main():
     p.add_argument("--wait", action="store_true",
                    help="print READY <pid> to stderr, then wait for SIGUSR1 to generate")
     p.add_argument("--repeat", type=int, default=1, help="generate the batch N times")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --wait: N rounds, each waiting for its own SIGUSR1 and "
+                   "rewriting --out; prints 'ROUND i DONE' to stderr after each")
     p.add_argument("--out", help="also write the JSON result to this file")
     args = p.parse_args()
     if args.block_size % 32:
@@ -75,8 +78,15 @@ def main():
 
     if args.wait:
         print(f"READY {os.getpid()}", file=sys.stderr, flush=True)
-        signal.sigwait({signal.SIGUSR1})
+    for round_no in range(1, max(1, args.rounds) + 1):
+        if args.wait:
+            signal.sigwait({signal.SIGUSR1})
+        generate_round(llm, prompts, params, args, config, t_init)
+        if args.rounds > 1:
+            print(f"ROUND {round_no} DONE", file=sys.stderr, flush=True)
 
+
+def generate_round(llm, prompts, params, args, config, t_init):
     results = []
     t1 = time.time()
     for _ in range(args.repeat):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, Tracer, kvtrace_cmd, read_line
+from conftest import ROOT, Tracer, code_differences, kvtrace_cmd, read_line
 from tracer import abi, catalog, tracefile
 
 pytestmark = pytest.mark.vllm
@@ -53,13 +53,13 @@ class Workload:
     """scripts/vllm-workload.py --wait: the engine is built, generation
     waits for SIGUSR1.  Its logs go to a file (vLLM writes a lot)."""
 
-    def __init__(self, tmp_path, model):
+    def __init__(self, tmp_path, model, *extra):
         self.out = tmp_path / "generated.json"
         self.log = tmp_path / "vllm.log"
         with open(self.log, "w") as log:
             # its own process group: vLLM's engine and workers outlive a
             # killed parent, and a failed test must not leave them behind
-            self.proc = subprocess.Popen(workload_argv(model, self.out, "--wait"),
+            self.proc = subprocess.Popen(workload_argv(model, self.out, "--wait", *extra),
                                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                          start_new_session=True)
         self.pid = self.proc.pid
@@ -75,6 +75,19 @@ class Workload:
     def result(self, timeout=300):
         assert self.proc.wait(timeout) == 0, self.log.read_text()[-3000:]
         return json.loads(self.out.read_text())
+
+    def round_result(self, round_no, timeout=300):
+        """--rounds: what round round_no generated, once it is done."""
+        deadline = time.monotonic() + timeout
+        while f"ROUND {round_no} DONE" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"round {round_no} did not finish:\n"
+                                     + self.log.read_text()[-3000:])
+            time.sleep(0.1)
+        return json.loads(self.out.read_text())
+
+    def round_done(self, round_no):
+        return f"ROUND {round_no} DONE" in self.log.read_text()
 
     def kill(self):
         try:
@@ -349,3 +362,117 @@ def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     json.loads(r.stdout)
+
+
+VLLM_EXTENSION = re.compile(r"/vllm/_C(_[A-Za-z0-9]+)?\.abi3\.so$")
+
+
+def vllm_code_mappings(root_pid):
+    """(pid, library) for every process of root_pid's tree with vLLM's
+    extension library mapped executable: where stock uprobes go.  Read from
+    /proc, independently of the tracer."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    found, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 6 and "x" in parts[1] and VLLM_EXTENSION.search(parts[5]):
+                        found.add((pid, parts[5]))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def patched(mappings):
+    return [(pid, lib) for pid, lib in mappings if code_differences(pid, lib)]
+
+
+def wait_unpatched(mappings, timeout=10):
+    deadline = time.monotonic() + timeout
+    while patched(mappings) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return patched(mappings)
+
+
+# Each round generates the request batch this many times: long enough (some
+# seconds) for a tracer to be signalled while vLLM generates.
+ROUND_REPEAT = 12
+
+
+def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
+    """One vLLM, six rounds of the same greedy batch.  Round 1 untraced is the
+    reference; in rounds 2-4 the tracer is stopped by SIGINT, SIGTERM and
+    SIGKILL while vLLM generates; in round 5 two tracers count at once, both
+    exactly; round 6 runs untraced again.  Every round generates the
+    reference's tokens, and once the tracers are gone vLLM's code is its
+    library's again (no int3 left)."""
+    wl = Workload(tmp_path, tiny_model, "--rounds", 6, "--repeat", ROUND_REPEAT)
+    try:
+        wl.go()
+        first = wl.round_result(1)
+        reference = first["requests"]
+        assert len(reference) == len(REQUESTS.split(",")) * ROUND_REPEAT
+        mappings = vllm_code_mappings(wl.pid)
+        assert mappings and not patched(mappings)
+
+        for round_no, sig in ((2, signal.SIGINT), (3, signal.SIGTERM), (4, signal.SIGKILL)):
+            out = tmp_path / f"round{round_no}.json"
+            tracer = Tracer("-q", "-p", wl.pid, "--json", out)
+            tracer.wait_attached(timeout=180)
+            assert patched(mappings), "attached, yet no uprobe in vLLM's code"
+            wl.go()
+            time.sleep(first["generate_s"] / 4)
+            assert not wl.round_done(round_no), "the round ended before the signal"
+            tracer.proc.send_signal(sig)
+            rc, _, err = tracer.finish(timeout=120)
+            if sig == signal.SIGKILL:
+                assert rc == -signal.SIGKILL
+            else:
+                assert rc == 0 and "Traceback" not in err, err
+                doc = json.loads(out.read_text())
+                assert doc["stop_reason"] == sig.name
+                assert doc["ops"]["cpu_attn_reshape_and_cache"]["slots"] > 0
+            # the kernel took the uprobes out as the tracer's fds closed,
+            # however it died, and vLLM generated on unharmed
+            assert wait_unpatched(mappings) == [], f"{sig.name}: int3 left in vLLM's code"
+            assert wl.round_result(round_no)["requests"] == reference, sig.name
+
+        # two tracers at once: both exact; the code is restored only when
+        # the second leaves
+        a_json, b_json = tmp_path / "a.json", tmp_path / "b.json"
+        a = Tracer("-q", "-p", wl.pid, "--json", a_json)
+        b = Tracer("-q", "-p", wl.pid, "--json", b_json)
+        a.wait_attached(timeout=180)
+        b.wait_attached(timeout=180)
+        wl.go()
+        generated = wl.round_result(5)
+        assert generated["requests"] == reference
+        a.proc.send_signal(signal.SIGINT)
+        assert a.finish(timeout=120)[0] == 0
+        assert patched(mappings), "the second tracer lost its uprobes when the first left"
+        b.proc.send_signal(signal.SIGINT)
+        assert b.finish(timeout=120)[0] == 0
+        assert wait_unpatched(mappings) == []
+        want = expected(generated)
+        for path in (a_json, b_json):
+            doc = json.loads(path.read_text())
+            assert doc["exact"], doc["inexact_reasons"]
+            layers = traced_layers(doc)["layers"]
+            assert len(layers) == generated["num_layers"]
+            assert [l["slots"] for l in layers] == [want["slots_per_layer"]] * len(layers)
+
+        wl.go()
+        assert wl.result()["requests"] == reference  # round 6, untraced; exits 0
+    finally:
+        wl.kill()
