@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import (Kvsim, Tracer, assert_matches_truth, code_differences, read_line,
-                      semaphore_values)
+                      semaphore_values, uprobe_events)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -106,6 +106,8 @@ def test_100_attach_detach_cycles_leave_kvsim_intact(tmp_path):
             assert bpf.attach(sim.pid, files) == nprobes, f"cycle {cycle}"
             assert set(semaphore_values(sim.pid).values()) == {1}, f"cycle {cycle}"
             assert code_differences(sim.pid), "attached, yet no uprobe in the code"
+            # through the perf_event uprobe PMU: nothing registered in tracefs
+            assert "kvsim" not in uprobe_events()
             before = traced_counts(bpf, sim.pid, n)
             new_truth = run_round(sim, last=False)
             n = new_truth["num_blocks"]
