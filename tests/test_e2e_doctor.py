@@ -206,3 +206,9 @@ def test_exit_code_of_checks():
     assert exit_code([ok, target_fail]) == EXIT_TARGET
     assert exit_code([env_fail, target_fail]) == EXIT_ENV
     assert exit_code([ok, env_fail]) == EXIT_ENV
+
+
+def test_doctor_help():
+    r = subprocess.run(kvtrace_cmd("doctor", "--help"), cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "examples:" in r.stdout and "doctor -p" in r.stdout

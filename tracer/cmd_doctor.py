@@ -280,7 +280,7 @@ def check_tracefs() -> Check:
                    if len(fields) > 2 and fields[2] == "tracefs"}
     # debugfs mounts tracefs under itself on its own
     found = [d for d in TRACEFS_DIRS if d in mounted or os.path.exists(f"{d}/uprobe_events")]
-    # tracefs only shows leftover uprobes (uprobe_events) and bcc's own
+    # tracefs is where uprobes someone left registered show (uprobe_events)
     why = ("informational: the tracer attaches through the perf_event uprobe PMU, not "
            "tracefs text entries")
     if found:
@@ -294,7 +294,7 @@ def check_tracefs() -> Check:
 _PARANOID = {
     -1: "no restriction for unprivileged users",
     0: "unprivileged users may not use raw tracepoints",
-    1: "unprivileged users may not use CPU-wide events",
+    1: "unprivileged users may not use raw tracepoints or CPU-wide events",
     2: "unprivileged users may only profile their own processes in user space",
 }
 
@@ -334,8 +334,9 @@ def check_target(pid: int) -> list:
         return [Check("target", FAIL, str(e), fix=_GIVE_A_PID)]
     try:
         discover.read_maps(pid)
-    except TargetError as e:  # another user's process (or it just exited)
-        return [Check("target", FAIL, str(e), fix="run it as root")]
+    except TargetError as e:  # another user's process, or it just exited
+        gone = not os.path.exists(f"/proc/{pid}")
+        return [Check("target", FAIL, str(e), fix=_GIVE_A_PID if gone else "run it as root")]
     # the tracer's own scan of the tree (calls_only: no tensor-layout discovery)
     follower = follow.Follower(pid, calls_only=True)
     try:
