@@ -4,7 +4,8 @@ import argparse
 import os
 import sys
 
-from . import __version__, cmd_attach, cmd_export, cmd_probes, cmd_record, cmd_report
+from . import (__version__, cmd_attach, cmd_doctor, cmd_export, cmd_probes, cmd_record,
+               cmd_report)
 from .errors import EXIT_USAGE, KvtraceError
 
 EPILOG = """\
@@ -15,6 +16,7 @@ examples:
   kvtrace-bpf report run.kvt                            # histograms, heatmap, true fill
   kvtrace-bpf export --folded run.kvt --by block > run.folded
   kvtrace-bpf probes tests/target/libkvsim_ops.so
+  sudo kvtrace-bpf doctor -p $(pgrep -f 'vllm serve')    # can this machine trace it?
 
 exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data
 """
@@ -36,7 +38,8 @@ def build_parser():
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
-    for module in (cmd_attach, cmd_record, cmd_report, cmd_export, cmd_probes):
+    for module in (cmd_attach, cmd_record, cmd_report, cmd_export, cmd_probes,
+                   cmd_doctor):
         module.add_parser(sub)
     return parser
 
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
-        parser.error("give a COMMAND: attach, record, report, export or probes")
+        parser.error("give a COMMAND: attach, record, report, export, probes or doctor")
     try:
         return args.run(args)
     except KvtraceError as e:

@@ -20,7 +20,8 @@ from . import abi, catalog, discover, stream
 from .errors import EnvironmentProblem, TargetError
 from .uprobe_pmu import Uprobe
 
-_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+# The capabilities tracing involves (linux/capability.h), by CapEff bit
+CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
 
 # bpf(BPF_OBJ_GET_INFO_BY_FD) and the fields of struct bpf_prog_info we read
 # (uapi/linux/bpf.h; offsets checked against it with offsetof)
@@ -31,24 +32,45 @@ _SYS_bpf = 321
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def effective_capabilities() -> set:
+    """The names of the CAPABILITIES this process has in effect (CapEff)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    except OSError:
+        caps = 0
+    return {name for name, bit in CAPABILITIES.items() if caps >> bit & 1}
+
+
+def missing_privileges(caps: set = None) -> list:
+    """The capabilities this process lacks to trace, [] if none.  Tracing
+    needs CAP_BPF + CAP_PERFMON, or CAP_SYS_ADMIN: what root normally has.
+    By capability, not uid: root without them (a locked-down container,
+    setpriv) cannot load BPF either.  (`doctor` reports the same.)"""
+    caps = effective_capabilities() if caps is None else caps
+    if "CAP_SYS_ADMIN" in caps:
+        return []
+    return [name for name in ("CAP_BPF", "CAP_PERFMON") if name not in caps]
+
+
 def check_privileges():
-    """CAP_BPF + CAP_PERFMON, or CAP_SYS_ADMIN: what root normally has.  By
-    capability, not uid: root without them (a locked-down container,
-    setpriv) cannot load BPF either."""
-    with open("/proc/self/status") as f:
-        caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
-    if caps & (1 << _CAP_SYS_ADMIN) or (caps & (1 << _CAP_BPF) and caps & (1 << _CAP_PERFMON)):
-        return
-    raise EnvironmentProblem(
-        "tracing needs root (or CAP_BPF and CAP_PERFMON): run it with sudo")
+    missing = missing_privileges()
+    if missing:
+        raise EnvironmentProblem(
+            f"tracing needs root (or CAP_BPF and CAP_PERFMON; this process lacks "
+            f"{' and '.join(missing)}): run it with sudo")
 
 
-def check_kernel_headers():
-    """bcc compiles at run time against the running kernel's headers."""
+def check_kernel_headers() -> str:
+    """bcc compiles at run time against the running kernel's headers.
+    Returns where they are."""
     release = os.uname().release
     build = f"/lib/modules/{release}/build"
-    if os.path.isdir(os.path.join(build, "include")) or os.path.exists("/sys/kernel/kheaders.tar.xz"):
-        return
+    include = os.path.join(build, "include")
+    if os.path.isdir(include):
+        return include
+    if os.path.exists("/sys/kernel/kheaders.tar.xz"):  # CONFIG_IKHEADERS
+        return "/sys/kernel/kheaders.tar.xz"
     raise EnvironmentProblem(
         f"no kernel headers for {release} ({build} is missing): run `make setup`, "
         "which links Debian's linux-headers there")

@@ -1,0 +1,468 @@
+"""`kvtrace-bpf doctor`: can this machine trace, and (with -p) this process?
+
+One line per check: PASS, FAIL (with a fix on the next line), WARN (for what
+is optional), SKIP (a check that could not run, and why) or INFO.  The checks
+read files under /proc and /sys, import bcc, and make one trial load of a
+2-instruction BPF program through the bpf() syscall; nothing is compiled (a
+bcc compile takes seconds) and the target process is only read, as `probes
+-p` reads it.  Where the tracer itself checks something (privileges, kernel
+headers, bcc, the uprobe PMU, a process's probe files), doctor calls the
+same function, so the two cannot disagree.  docs/doctor.md says why.
+"""
+
+import argparse
+import ctypes
+import errno
+import gzip
+import json
+import os
+import platform
+import re
+import sys
+from dataclasses import asdict, dataclass
+
+from . import __version__, abi, catalog, discover, follow, session, uprobe_pmu
+from . import target as target_mod
+from .errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
+
+EXAMPLES = """\
+examples:
+  sudo kvtrace-bpf doctor                    # can this machine trace?
+  sudo kvtrace-bpf doctor -p $(pgrep -f 'vllm serve')   # ... and which probes this vLLM offers
+  sudo kvtrace-bpf doctor -p 1234 --json     # the same, for scripts
+
+exit codes: 0 every check passed (WARN is fine), 2 an environment check
+failed, 3 only the -p target check failed (no such process, or no probes)
+"""
+
+PASS, WARN, FAIL, SKIP, INFO = "PASS", "WARN", "FAIL", "SKIP", "INFO"
+
+# What the tracer cannot work without: the bpf() syscall, BPF programs on
+# probe events, uprobes, and the uprobe PMU (perf_event_open's "uprobe" type)
+REQUIRED_CONFIG = ("CONFIG_BPF", "CONFIG_BPF_SYSCALL", "CONFIG_BPF_EVENTS",
+                   "CONFIG_UPROBES", "CONFIG_UPROBE_EVENTS")
+TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+# the probe tiers, as TracedProcess.tier names them, in the user's words
+TIER_NAMES = {"usdt": "fork USDT", "uprobe": "stock uprobe", "none": "none"}
+
+
+@dataclass
+class Check:
+    name: str  # what was checked: a short, stable label
+    status: str  # PASS WARN FAIL SKIP INFO
+    detail: str
+    fix: str = ""  # one line, for FAIL (and WARN where there is one)
+    target: bool = False  # a -p check: its failure is EXIT_TARGET, not EXIT_ENV
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "doctor", help="check that this machine (and a process) can be traced",
+        description="Check the kernel, privileges, bcc, kernel headers, tracefs and "
+                    "perf_event_paranoid; with -p, whether a process (or one of its "
+                    "descendants) offers probe sites and of which tier. Compiles "
+                    "nothing; takes about a second.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--pid", type=int,
+                   help="also check this process and its descendants (vLLM's workers)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(run=run)
+    return p
+
+
+# -- kernel config -------------------------------------------------------------
+
+def parse_kernel_config(text: str) -> dict:
+    """{option: value} of a kernel .config: 'y', 'm', a string or number, or
+    'n' for '# CONFIG_X is not set'.  Options the text lacks are absent."""
+    config = {}
+    for line in text.splitlines():
+        line = line.strip()
+        m = re.fullmatch(r"(CONFIG_\w+)=(.*)", line)
+        if m:
+            config[m.group(1)] = m.group(2)
+            continue
+        m = re.fullmatch(r"# (CONFIG_\w+) is not set", line)
+        if m:
+            config[m.group(1)] = "n"
+    return config
+
+
+def config_state(config: dict, option: str) -> str:
+    """'y', 'm', 'n' (not set) or 'missing' (not in this kernel's config)."""
+    return config.get(option, "missing")
+
+
+def read_kernel_config():
+    """(the config file's path, its text); (None, None) if there is none.
+    /proc/config.gz (CONFIG_IKCONFIG_PROC) first, then the distribution's
+    /boot/config-RELEASE."""
+    for path in ("/proc/config.gz", f"/boot/config-{os.uname().release}"):
+        if not os.path.exists(path):
+            continue
+        if path.endswith(".gz"):
+            with gzip.open(path, "rt", errors="replace") as f:
+                return path, f.read()
+        with open(path, errors="replace") as f:
+            return path, f.read()
+    return None, None
+
+
+def check_kernel_config() -> list:
+    try:
+        path, text = read_kernel_config()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        return [Check("kernel config", WARN, f"unreadable ({e}); the trials below decide")]
+    if path is None:
+        return [Check("kernel config", WARN,
+                      f"neither /proc/config.gz nor /boot/config-{os.uname().release} "
+                      "exists; the trials below decide",
+                      fix="modprobe configs (for /proc/config.gz), or install the "
+                          "kernel's config under /boot")]
+    config = parse_kernel_config(text)
+    states = {opt: config_state(config, opt) for opt in REQUIRED_CONFIG}
+    shown = " ".join(f"{opt}={state}" for opt, state in states.items())
+    off = [opt for opt, state in states.items() if state not in ("y", "m")]
+    checks = [Check("kernel config", FAIL if off else PASS, f"{shown} (from {path})",
+                    fix=f"a kernel built with {', '.join(o + '=y' for o in off)}" if off else "")]
+    btf = config_state(config, "CONFIG_DEBUG_INFO_BTF")
+    checks.append(Check("kernel BTF", INFO,
+                        f"CONFIG_DEBUG_INFO_BTF={btf} (not needed: bcc compiles against "
+                        "the kernel headers)"))
+    return checks
+
+
+# -- kernel support, by trying -------------------------------------------------
+
+def check_uprobe_pmu() -> Check:
+    try:
+        pmu = uprobe_pmu.pmu_type()
+        shift = uprobe_pmu._pmu_format_shift("ref_ctr_offset")
+    except EnvironmentProblem as e:
+        return Check("uprobe PMU", FAIL, str(e),
+                     fix="a kernel >= 4.20 built with CONFIG_UPROBE_EVENTS=y")
+    return Check("uprobe PMU", PASS,
+                 f"perf event type {pmu}, ref_ctr_offset at config bit {shift} "
+                 "(the kernel owns the USDT semaphores)")
+
+
+class _ProgLoadAttr(ctypes.Structure):
+    # the BPF_PROG_LOAD part of union bpf_attr (uapi/linux/bpf.h) up to
+    # prog_name; the kernel takes a shorter attr and zeroes the rest
+    _fields_ = [
+        ("prog_type", ctypes.c_uint32),
+        ("insn_cnt", ctypes.c_uint32),
+        ("insns", ctypes.c_uint64),
+        ("license", ctypes.c_uint64),
+        ("log_level", ctypes.c_uint32),
+        ("log_size", ctypes.c_uint32),
+        ("log_buf", ctypes.c_uint64),
+        ("kern_version", ctypes.c_uint32),
+        ("prog_flags", ctypes.c_uint32),
+        ("prog_name", ctypes.c_char * 16),
+    ]
+
+
+_BPF_PROG_LOAD = 5
+# a kprobe program, the type the tracer's programs are: it needs what tracing
+# needs (CAP_BPF + CAP_PERFMON), where a socket filter may load without them
+_BPF_PROG_TYPE_KPROBE = 2
+# mov r0, 0 (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT)
+_TRIVIAL_PROGRAM = bytes([0xb7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+
+
+def _kernel_version() -> tuple:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", os.uname().release)
+    return tuple(int(x or 0) for x in m.groups()) if m else (0, 0, 0)
+
+
+def load_trivial_program() -> int:
+    """Load `mov r0, 0; exit` as a kprobe program and close it: 0, or the
+    errno the kernel answered."""
+    insns = ctypes.create_string_buffer(_TRIVIAL_PROGRAM, len(_TRIVIAL_PROGRAM))
+    license = ctypes.create_string_buffer(b"GPL")
+    attr = _ProgLoadAttr()
+    attr.prog_type = _BPF_PROG_TYPE_KPROBE
+    attr.insn_cnt = len(_TRIVIAL_PROGRAM) // 8
+    attr.insns = ctypes.addressof(insns)
+    attr.license = ctypes.addressof(license)
+    major, minor, patch = _kernel_version()
+    # checked against the running kernel's version before 5.0
+    attr.kern_version = (major << 16) | (minor << 8) | min(patch, 255)
+    attr.prog_name = b"kvtrace_doctor"
+    fd = session._libc.syscall(session._SYS_bpf, _BPF_PROG_LOAD, ctypes.byref(attr),
+                               ctypes.sizeof(attr))
+    if fd < 0:
+        return ctypes.get_errno()
+    os.close(fd)
+    return 0
+
+
+def check_bpf_load(privileged: bool) -> Check:
+    name = "BPF program load"
+    if not privileged:
+        return Check(name, SKIP, "skipped: needs privileges (see below)")
+    err = load_trivial_program()
+    if err == 0:
+        return Check(name, PASS, "a 2-instruction kprobe program loaded and closed")
+    fix = {
+        errno.ENOSYS: "a kernel built with CONFIG_BPF_SYSCALL=y",
+        errno.EPERM: "check kernel lockdown (/sys/kernel/security/lockdown), seccomp "
+                     "(containers), and on kernels < 5.11 `ulimit -l unlimited`",
+        errno.EINVAL: "a kernel built with CONFIG_BPF_EVENTS=y",
+    }.get(err, "see dmesg")
+    return Check(name, FAIL, f"the kernel refused a 2-instruction kprobe program: "
+                             f"{os.strerror(err)}", fix=fix)
+
+
+# -- privileges, bcc, headers ----------------------------------------------------
+
+def check_privileges(caps: set) -> list:
+    missing = session.missing_privileges(caps)
+    who = f"euid {os.geteuid()}"
+    if missing:
+        checks = [Check("privileges", FAIL,
+                        f"{who} lacks {' and '.join(missing)} (tracing needs CAP_BPF and "
+                        "CAP_PERFMON, or CAP_SYS_ADMIN)",
+                        fix="run it as root (sudo), or with CAP_BPF and CAP_PERFMON in "
+                            "its effective capabilities")]
+    else:
+        have = ", ".join(n for n in session.CAPABILITIES if n in caps)
+        checks = [Check("privileges", PASS, f"{who}, effective {have}")]
+    # what bcc needs besides: before 5.8 there is no CAP_BPF (CAP_SYS_ADMIN
+    # does everything), and before 5.11 BPF memory counts against
+    # RLIMIT_MEMLOCK, which bcc raises (CAP_SYS_RESOURCE)
+    version = _kernel_version()[:2]
+    needed = [cap for cap, before in (("CAP_SYS_ADMIN", (5, 8)), ("CAP_SYS_RESOURCE", (5, 11)))
+              if version < before]
+    lacking = [cap for cap in needed if cap not in caps]
+    kernel = f"kernel {version[0]}.{version[1]}"
+    text = ("bcc also needs CAP_SYS_ADMIN on kernels < 5.8 and CAP_SYS_RESOURCE "
+            "(RLIMIT_MEMLOCK) on kernels < 5.11: ")
+    if lacking:
+        checks.append(Check("bcc privileges", WARN,
+                            text + f"{kernel} needs {', '.join(needed)}; this process lacks "
+                            f"{', '.join(lacking)}",
+                            fix="run it as root, with every capability"))
+    else:
+        checks.append(Check("bcc privileges", INFO,
+                            text + (f"{kernel} needs {', '.join(needed)}, which this process has"
+                                    if needed else f"{kernel} needs neither")))
+    return checks
+
+
+def check_bcc() -> Check:
+    try:
+        bcc = session._import_bcc()
+    except EnvironmentProblem as e:
+        return Check("bcc", FAIL, str(e),
+                     fix="apt install python3-bpfcc, in a venv made with "
+                         "--system-site-packages (`make setup` does both)")
+    version = getattr(bcc, "__version__", "of unknown version")
+    return Check("bcc", PASS, f"bcc {version} ({os.path.dirname(bcc.__file__)}), "
+                              f"python {platform.python_version()}")
+
+
+def check_kernel_headers() -> Check:
+    try:
+        where = session.check_kernel_headers()
+    except EnvironmentProblem as e:
+        return Check("kernel headers", FAIL, str(e),
+                     fix=f"`make setup`, or apt install linux-headers-{os.uname().release}")
+    return Check("kernel headers", PASS, f"{where} (what bcc compiles against)")
+
+
+# -- tracefs, perf_event_paranoid --------------------------------------------------
+
+def check_tracefs() -> Check:
+    with open("/proc/self/mounts") as f:
+        mounted = {fields[1] for fields in (line.split() for line in f)
+                   if len(fields) > 2 and fields[2] == "tracefs"}
+    # debugfs mounts tracefs under itself on its own
+    found = [d for d in TRACEFS_DIRS if d in mounted or os.path.exists(f"{d}/uprobe_events")]
+    # tracefs is where uprobes someone left registered show (uprobe_events)
+    why = ("informational: the tracer attaches through the perf_event uprobe PMU, not "
+           "tracefs text entries")
+    if found:
+        return Check("tracefs", PASS, f"mounted at {found[0]} ({why})")
+    return Check("tracefs", WARN, f"not mounted at {' or '.join(TRACEFS_DIRS)} ({why})",
+                 fix="mount -t tracefs nodev /sys/kernel/tracing (scripts/setup-tracefs.sh)")
+
+
+# what each perf_event_paranoid level denies to users without CAP_PERFMON
+# (Documentation/admin-guide/sysctl/kernel.rst; 3 and up: Debian's patch)
+_PARANOID = {
+    -1: "no restriction for unprivileged users",
+    0: "unprivileged users may not use raw tracepoints",
+    1: "unprivileged users may not use raw tracepoints or CPU-wide events",
+    2: "unprivileged users may only profile their own processes in user space",
+}
+
+
+def check_perf_event_paranoid() -> Check:
+    try:
+        with open("/proc/sys/kernel/perf_event_paranoid") as f:
+            value = int(f.read())
+    except FileNotFoundError:
+        return Check("perf_event_paranoid", WARN,
+                     "/proc/sys/kernel/perf_event_paranoid is missing: a kernel without "
+                     "perf events (CONFIG_PERF_EVENTS) cannot open uprobes",
+                     fix="a kernel built with CONFIG_PERF_EVENTS=y")
+    if value >= 3:
+        meaning = "unprivileged users may not use perf_event_open at all"
+    else:
+        meaning = _PARANOID[max(value, -1)]
+    return Check("perf_event_paranoid", PASS,
+                 f"{value}: {meaning}; root and CAP_PERFMON are unaffected (the tracer "
+                 "needs CAP_PERFMON anyway: the uprobe PMU refuses anyone else)")
+
+
+# -- the target (-p) ----------------------------------------------------------------
+
+_GIVE_A_PID = "give the pid of vLLM (the process you started, or a worker) or of kvsim"
+
+
+def _proc(pid: int) -> str:
+    return f"pid {pid} ({discover.comm(pid)})"
+
+
+def check_target(pid: int) -> list:
+    """The process, its descendants, and which probe tier serves them."""
+    try:
+        target_mod.check_pid(pid)
+    except TargetError as e:
+        return [Check("target", FAIL, str(e), fix=_GIVE_A_PID)]
+    try:
+        discover.read_maps(pid)
+    except TargetError as e:  # another user's process, or it just exited
+        gone = not os.path.exists(f"/proc/{pid}")
+        return [Check("target", FAIL, str(e), fix=_GIVE_A_PID if gone else "run it as root")]
+    # the tracer's own scan of the tree (calls_only: no tensor-layout discovery)
+    follower = follow.Follower(pid, calls_only=True)
+    try:
+        found = follower.scan()
+    finally:
+        follower.close()
+    tree = [pid, *follower.parent_of]
+    checks = [Check("target", PASS, f"{_proc(pid)} and {len(tree) - 1} descendant(s)")]
+    tiers = {p: session.TracedProcess(p, 0, discover.comm(p), probe_files=files).tier
+             for p, files in found.items()}
+    if not found:
+        checks.append(Check("probe tier", FAIL, "none: " + _why_no_probes(pid, tree),
+                            fix=_fix_no_probes(pid, tree)))
+        return checks
+    tier = "usdt" if "usdt" in tiers.values() else "uprobe"
+    where = []
+    for p, files in found.items():
+        what = "stock cache op(s)" if tiers[p] == "uprobe" else f"{abi.PROVIDER}:* probe(s)"
+        where.append(f"{_proc(p)}{', a descendant' if p != pid else ''}: "
+                     + ", ".join(f"{len(probes)} {what} in {path}" for path, probes in files.items()))
+    checks.append(Check("probe tier", PASS, f"{TIER_NAMES[tier]}: {'; '.join(where)}"))
+    return checks
+
+
+def _vllm_libraries(tree: list) -> dict:
+    """{pid: [vLLM extension libraries it maps]} in the tree."""
+    libs = {}
+    for p in tree:
+        try:
+            paths = {m.path for m in discover.read_maps(p)}
+        except TargetError:
+            continue  # gone meanwhile, or not ours to read
+        mine = sorted(path for path in paths if catalog.is_vllm_library(path))
+        if mine:
+            libs[p] = mine
+    return libs
+
+
+def _why_no_probes(pid: int, tree: list) -> str:
+    libs = _vllm_libraries(tree)
+    if libs:
+        return ("; ".join(f"{_proc(p)} maps {', '.join(paths)}" for p, paths in libs.items())
+                + f", but with none of the cache ops tracer/catalog.py knows and no "
+                  f"{abi.PROVIDER}:* probes (another vLLM version?)")
+    what = (f"{_proc(pid)} and its {len(tree) - 1} descendant(s) map neither vLLM's "
+            f"library nor a file with {abi.PROVIDER}:* probes")
+    if "vllm" in follow.cmdline(pid).lower():
+        what += " (it looks like vLLM: its workers may not have loaded the model yet)"
+    return what
+
+
+def _fix_no_probes(pid: int, tree: list) -> str:
+    if _vllm_libraries(tree):
+        return "use the vLLM fork with the vllm:* probes (docs/fork.md), or add a catalog entry"
+    if "vllm" in follow.cmdline(pid).lower():
+        return f"run `kvtrace-bpf doctor -p {pid}` again once vLLM has loaded the model"
+    return _GIVE_A_PID
+
+
+# -- running the checks ---------------------------------------------------------------
+
+def _guarded(name: str, fn, *args, debug: bool = False) -> list:
+    """A check's lines.  What the environment can throw at a check (an
+    unreadable /proc or /sys file, a garbled value) is that check's failure,
+    not a traceback."""
+    try:
+        result = fn(*args)
+    except (OSError, ValueError) as e:
+        if debug:
+            raise
+        return [Check(name, FAIL, f"could not check: {e}")]
+    return result if isinstance(result, list) else [result]
+
+
+def run_checks(pid=None, debug: bool = False) -> list:
+    caps = session.effective_capabilities()
+    privileged = not session.missing_privileges(caps)
+    checks = []
+    for name, fn, *args in (
+            ("architecture", _check_arch),
+            ("kernel config", check_kernel_config),
+            ("uprobe PMU", check_uprobe_pmu),
+            ("BPF program load", check_bpf_load, privileged),
+            ("privileges", check_privileges, caps),
+            ("bcc", check_bcc),
+            ("kernel headers", check_kernel_headers),
+            ("tracefs", check_tracefs),
+            ("perf_event_paranoid", check_perf_event_paranoid)):
+        checks += _guarded(name, fn, *args, debug=debug)
+    if pid is not None:
+        for check in _guarded("target", check_target, pid, debug=debug):
+            check.target = True
+            checks.append(check)
+    return checks
+
+
+def _check_arch() -> Check:
+    try:
+        discover.check_arch()
+    except EnvironmentProblem as e:
+        return Check("architecture", FAIL, str(e), fix="an x86_64 machine")
+    return Check("architecture", PASS, f"{platform.machine()}, Linux {os.uname().release}")
+
+
+def exit_code(checks: list) -> int:
+    failed = [c for c in checks if c.status == FAIL]
+    if any(not c.target for c in failed):
+        return EXIT_ENV
+    return EXIT_TARGET if failed else EXIT_OK
+
+
+def run(args) -> int:
+    checks = run_checks(args.pid, debug=args.debug)
+    code = exit_code(checks)
+    if args.json:
+        json.dump({"version": __version__, "checks": [asdict(c) for c in checks],
+                   "exit_code": code}, sys.stdout, indent=1)
+        print()
+        return code
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.status}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status in (FAIL, WARN):
+            print(f"{'':4}  {'':<{width}}  fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL, SKIP)}
+    verdict = {EXIT_OK: "ready to trace", EXIT_ENV: "this machine cannot trace yet",
+               EXIT_TARGET: "this machine can trace, but not that process"}[code]
+    print(f"doctor: {verdict} ({', '.join(f'{n} {s}' for s, n in counts.items() if n)})")
+    return code
