@@ -335,8 +335,14 @@ def check_target(pid: int) -> list:
     try:
         discover.read_maps(pid)
     except TargetError as e:  # another user's process, or it just exited
-        gone = not os.path.exists(f"/proc/{pid}")
-        return [Check("target", FAIL, str(e), fix=_GIVE_A_PID if gone else "run it as root")]
+        if not os.path.exists(f"/proc/{pid}"):
+            fix = _GIVE_A_PID
+        elif os.geteuid() == 0:  # root and still refused: a ptrace access check said no
+            fix = ("it is out of this root's reach (another user namespace, or Yama/an LSM "
+                   "restricting ptrace access): run doctor and the tracer where it runs")
+        else:
+            fix = "run it as root"
+        return [Check("target", FAIL, str(e), fix=fix)]
     # the tracer's own scan of the tree (calls_only: no tensor-layout discovery)
     follower = follow.Follower(pid, calls_only=True)
     try:

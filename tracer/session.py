@@ -317,7 +317,11 @@ class Tracer:
 
     def detach(self):
         """Close every uprobe: the kernel removes them and drops the semaphores.
-        The counts stay, and attach() may attach again (windows of tracing)."""
+        The counts stay, and attach() may attach again (windows of tracing).
+
+        Each close takes the kernel about 100 ms here (it waits for RCU
+        grace periods under a lock, so closing in parallel threads was
+        measured no faster: docs/safety.md)."""
         for proc in self.procs.values():
             for up in proc.uprobes:
                 up.close()
