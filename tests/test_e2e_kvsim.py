@@ -172,8 +172,8 @@ def test_signal_detaches_and_prints_summary(tmp_path, sig):
 
 
 def test_target_killed_mid_trace(tmp_path):
-    out = tmp_path / "agg.json"
-    sim, tracer = _attached_running_kvsim(tmp_path, "--json", out)
+    out, trace = tmp_path / "agg.json", tmp_path / "run.kvt"
+    sim, tracer = _attached_running_kvsim(tmp_path, "--json", out, "-o", trace)
     sim.kill()
     rc, stdout, err = tracer.finish()
     assert rc == 0, err
@@ -182,6 +182,14 @@ def test_target_killed_mid_trace(tmp_path):
     assert doc["stop_reason"] == "target exited"
     assert doc["exact"] is True
     assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+    # the recording is complete and readable, and agrees with the live counts
+    r = run_kvtrace("report", trace, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["trace"]["complete"] is True
+    assert report["stream"]["incomplete_ops"] == 0
+    assert report["blocks"]["ops"]["reshape_and_cache"]["calls"] == \
+        doc["ops"]["reshape_and_cache"]["calls"]
     # layers fire in order within a step, so a kill mid-step leaves the
     # first layers one call ahead, never more
     calls = [l["calls"] for l in doc["processes"][0]["layers"]]
