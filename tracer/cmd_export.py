@@ -20,7 +20,7 @@ import numpy as np
 from . import abi, stream, tracefile
 from .errors import UsageError
 from .export import clean_frame, folded_lines, layer_frame
-from .files import open_private
+from .files import check_writable, open_private
 
 EXAMPLES = """\
 examples:
@@ -130,6 +130,8 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
 def run(args) -> int:
     if args.group <= 0:
         raise UsageError("--group must be > 0")
+    if args.output:
+        check_writable(args.output)  # before reading: a trace may take seconds
     trace = tracefile.load(args.file, partial=args.partial,
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
     ops = trace.ops
