@@ -20,6 +20,7 @@ import struct
 import warnings
 import zlib
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
@@ -108,8 +109,10 @@ COMMANDS = [("report", "--format", "json"), ("report", "--format", "csv", "--tab
             ("export", "--folded", "--by", "block")]
 
 
-def check(path, data: bytes, command):
-    """The reader and one offline command on `data`: a trace or DataError."""
+def check(path, data: bytes, command, original: bytes = None):
+    """The reader and one offline command on `data`: a trace or DataError.
+    original: the file `data` was made from by damage; every frame before
+    the first byte that differs must then be kept."""
     path.write_bytes(data)
     # a warning would be more lines on stderr: numpy's, on made-up numbers
     with time_limit(PER_EXAMPLE_S), warnings.catch_warnings():
@@ -122,6 +125,12 @@ def check(path, data: bytes, command):
             event("refused: " + str(e).split(": ", 1)[1][:40])
         else:
             event("read: " + (trace.damage or "whole")[:40])
+        if original is not None:
+            header_whole, batches_whole = intact_prefix(original, data)
+            assert trace is not None or not header_whole
+            if trace is not None:
+                kept = [b.ops + b.chunk_hdrs + b.values for b in trace.batches]
+                assert kept[:len(batches_whole)] == batches_whole
         if trace is not None:
             len(trace.ops.ops)  # decoding the batches it kept must work
             try:
@@ -144,6 +153,18 @@ def check(path, data: bytes, command):
                 assert out == ""
                 # whatever the reader kept, --partial reports
                 assert trace is None or not partial, err
+
+
+def intact_prefix(original: bytes, data: bytes):
+    """(whether the trace header frame, and which batches (their three arrays),
+    of original lie wholly before the first byte where data differs)."""
+    n = min(len(original), len(data))
+    diff = np.flatnonzero(np.frombuffer(original[:n], np.uint8) !=
+                          np.frombuffer(data[:n], np.uint8))
+    first = int(diff[0]) if len(diff) else n
+    whole = [(kind, payload) for off, kind, payload in frames_of(original)
+             if off + 24 + len(payload) <= first]
+    return bool(whole), [p[24:] for k, p in whole if k == tracefile.KIND_BATCH]
 
 
 seed_names = st.sampled_from(["synthetic", "real"])
@@ -186,11 +207,12 @@ def damaged(draw, data):
 @given(data=st.data(), seed=seed_names, command=commands)
 def test_damaged_bytes(seeds, tmp_path_factory, data, seed, command):
     original = seeds[seed]
-    check(tmp_path_factory.mktemp("f") / "t.kvt", data.draw(damaged(original)), command)
+    check(tmp_path_factory.mktemp("f") / "t.kvt", data.draw(damaged(original)), command,
+          original)
 
 
 @fuzz_settings(60)
-@given(blob=st.one_of(st.binary(max_size=256),
+@given(blob=st.one_of(st.binary(max_size=4096),
                       st.builds(lambda v, rest: struct.pack("<8sII", b"KVTRACE\0", v, 0) + rest,
                                 st.sampled_from([1, 1, 0, 2, 2**32 - 1]),
                                 st.binary(max_size=512))),
