@@ -2,8 +2,10 @@
 one-line errors.  Pure Python: files are written with TraceWriter from
 records built here in the layouts of bpf/kvtrace.h."""
 
+import json
 import os
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -166,7 +168,6 @@ def test_cli_damaged_files_one_line_error_exit_4(tmp_path, trace_path, cmd):
 
 def _reframe(kind, payload):
     """A frame with correct checksums around any payload (docs/trace-format.md)."""
-    import zlib
     head = struct.pack("<4sIQI", b"KVTF", kind, len(payload), zlib.crc32(payload))
     return head + struct.pack("<I", zlib.crc32(head)) + payload
 
@@ -213,3 +214,25 @@ def test_empty_files(tmp_path):
     empty.write_bytes(struct.pack("<8sII", tracefile.MAGIC, tracefile.VERSION, 0))
     with pytest.raises(DataError, match="empty trace file"):
         tracefile.read(str(empty))
+
+
+def test_garbage_block_numbers_are_left_out_and_said(tmp_path):
+    """A target may pass any slot number: one far beyond any layer size is
+    counted out of range, sizes no per-block array, and is said."""
+    b = synthetic_ops(4, 20, 8)
+    values = np.frombuffer(b.values, np.int64).copy()
+    values[5] = 2**60  # op 0's 6th slot
+    path = write_trace(tmp_path / "g.kvt", [stream.RawBatch(b.ops, b.chunk_hdrs,
+                                                            values.tobytes())], blocks=8)
+    r = run_kvtrace("report", path, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    (layer,) = doc["blocks"]["processes"][0]["layers"]
+    assert layer["out_of_range"] == 1 and layer["num_blocks"] == 8
+    assert sum(n for _, n in layer["writes"]) == 4 * 20 - 1
+    assert doc["blocks"]["exact"] is False
+    assert any("out of range" in x or "left out" in x for x in doc["blocks"]["inexact_reasons"])
+    r = run_kvtrace("export", "--folded", path, "--by", "block")
+    assert r.returncode == 0, r.stderr
+    assert "1 block numbers from" in r.stderr
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines()) == 4 * 20 - 1
