@@ -269,8 +269,9 @@ def read(path: str) -> Trace:
 #
 # Bounds are those of the writer and the BPF program: the ops' clock is
 # CLOCK_MONOTONIC in ns (2**62 ns is 146 years), `seq` counts ops from 0,
-# one op streams at most 270336 values (bpf/kvtrace.h: 33 tail calls of 8192), one chunk record at
-# most abi.RECORD_VALUES.  Some are limits of this reader, far beyond a
+# one op streams at most 270336 values (bpf/kvtrace.h: 33 tail calls of
+# 8192), one chunk record at most abi.RECORD_VALUES (offsets below 2**20
+# keep occupancy's keys apart).  Some are limits of this reader, far beyond a
 # real recording, that keep report's arithmetic and memory bounded: ops
 # within 2**52 ns (52 days) of the trace's start, so that times x heatmap
 # rows fit an int64; layers of at most 2**24 blocks (a per-block array of
@@ -285,10 +286,8 @@ _U32, _U64 = (0, (1 << 32) - 1), (0, (1 << 64) - 1)
 
 
 def _json(payload) -> dict:
-    def no_constant(name):  # NaN, Infinity: the writer never writes them
-        raise ValueError(f"{name} in a JSON document")
     try:
-        doc = json.loads(bytes(payload), parse_constant=no_constant)
+        doc = json.loads(bytes(payload))
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     except UnicodeDecodeError:
@@ -310,6 +309,7 @@ def _need(doc, key, types, what, bounds=None, optional=False):
 
 
 def _typed(v, types, what, bounds=None):
+    # NaN fails the bounds, as infinity does
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
     if ok and bounds and isinstance(v, (int, float)):
         ok = bounds[0] <= v <= bounds[1]
@@ -413,7 +413,7 @@ def _check_batch(payload, event_dt: np.dtype, chunk_dt: np.dtype,
     count = hdr["count"].astype(np.int64)
     if np.any(count < 1) or np.any(count > abi.RECORD_VALUES):
         raise ValueError("a chunk record with an impossible value count")
-    if np.any(hdr["offset"] >= MAX_OP_VALUES - count.astype(np.uint64)):
+    if np.any(hdr["offset"] > MAX_OP_VALUES - count.astype(np.uint64)):
         raise ValueError("a chunk offset beyond what one op can stream")
     if int(count.sum()) * 8 != n_val:
         raise ValueError("chunk headers and values disagree in length")
