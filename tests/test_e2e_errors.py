@@ -126,7 +126,8 @@ def test_offline_commands_on_what_is_not_a_trace(tmp_path, cmd):
     for path, words in ((tmp_path / "missing.kvt", ("cannot read", "No such file")),
                         (tmp_path, ("cannot read", "Is a directory")),
                         (empty, ("empty file",)),
-                        (noise, ("not a kvtrace-bpf trace file",))):
+                        (noise, ("not a kvtrace-bpf trace file",)),
+                        (Path("/dev/zero"), ("a device",))):  # never ends: not read
         r = run_kvtrace(*cmd, path)
         assert_one_line_error(r, EXIT_DATA, str(path), *words)
         assert r.stdout == ""

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import socket
+import stat
 import struct
 import time
 import zlib
@@ -201,7 +202,10 @@ def read(path: str) -> Trace:
     DataError naming the frame, never a numpy or JSON exception later."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would never end
+                raise DataError(f"cannot read {path}: a device, not a trace file")
+            data = f.read()  # a pipe is fine: it ends
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
     except MemoryError:
