@@ -235,3 +235,9 @@ def test_record_bad_flags(tmp_path, args):
     assert_one_line_error(r, EXIT_USAGE)
     assert not marker.exists() and not (tmp_path / "r.kvt").exists()
     assert_one_line_error(run_kvtrace("record", "--", "true"), EXIT_USAGE, "-o")
+
+
+@pytest.mark.parametrize("args", [("-p", "-5"), ("-p", "0"), ("-p", "abc"), (),
+                                  ("/bin/true", "-p", "1")])
+def test_probes_bad_flags(args):
+    assert_one_line_error(run_kvtrace("probes", *args), EXIT_USAGE)
