@@ -333,7 +333,8 @@ def reframed(draw, data):
 @fuzz_settings(200)
 @given(data=st.data(), seed=seed_names, command=commands)
 def test_checksummed_nonsense(seeds, tmp_path_factory, data, seed, command):
-    check(tmp_path_factory.mktemp("f") / "t.kvt", data.draw(reframed(seeds[seed])), command)
+    check(tmp_path_factory.mktemp("f") / "t.kvt", data.draw(reframed(seeds[seed])), command,
+          seeds[seed])
 
 
 # -- the CLI itself, as a user runs it ------------------------------------------------
