@@ -493,9 +493,10 @@ def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int
     return Group(*parts)
 
 
-# --resol and --time-range bounds: the heatmap's cells stay a few MB, and
-# times x rows stay within an int64 (tracefile.MAX_SPAN_NS)
-MAX_ROWS, MAX_COLS = 1000, 10000
+# --resol and --time-range bounds: the heatmap has at most 4M cells (32 MB),
+# and times x rows stay within an int64: a span of 2 x tracefile.MAX_SPAN_NS
+# (2**53) times fewer than 1024 rows
+MAX_ROWS, MAX_COLS = 1000, 4096
 
 
 def check_args(args):
