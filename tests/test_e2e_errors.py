@@ -2,12 +2,16 @@
 no traceback (docs/exit-codes.md)."""
 
 import os
+import random
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, kvtrace_cmd, run_kvtrace
+from conftest import KVSIM, KVSIM_LIB, ROOT, kvtrace_cmd, run_kvtrace
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -92,3 +96,148 @@ def test_usage_errors(args):
     assert r.returncode == EXIT_USAGE, (args, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+# -- the offline commands' inputs, and the flags of report, export, record ---------
+
+EXIT_DATA = 4
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    """A real recording of kvsim (0600, root's, as record makes it)."""
+    path = tmp_path_factory.mktemp("rec") / "default.kvt"
+    r = run_kvtrace("record", "-o", path, "--", KVSIM, "--workload", "default", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and path.stat().st_uid == 0
+    return path
+
+
+OFFLINE = [("report",), ("export", "--folded")]
+
+
+@pytest.mark.parametrize("cmd", OFFLINE)
+def test_offline_commands_on_what_is_not_a_trace(tmp_path, cmd):
+    empty = tmp_path / "empty.kvt"
+    empty.write_bytes(b"")
+    noise = tmp_path / "noise.kvt"
+    noise.write_bytes(random.Random(7).randbytes(5000))
+    for path, words in ((tmp_path / "missing.kvt", ("cannot read", "No such file")),
+                        (tmp_path, ("cannot read", "Is a directory")),
+                        (empty, ("empty file",)),
+                        (noise, ("not a kvtrace-bpf trace file",)),
+                        (Path("/dev/zero"), ("a device",))):  # never ends: not read
+        r = run_kvtrace(*cmd, path)
+        assert_one_line_error(r, EXIT_DATA, str(path), *words)
+        assert r.stdout == ""
+
+
+def _nobody_can_run_the_tracer():
+    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import tracer.cli"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"this checkout is not readable by uid 65534: {probe.stderr.strip()[-120:]}")
+
+
+@pytest.fixture
+def public_dir():
+    """A directory uid 65534 may enter (pytest's tmp_path is root's, 0700), so
+    that what it is refused is the file itself."""
+    d = tempfile.mkdtemp(prefix="kvtrace-test-")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("cmd", OFFLINE)
+def test_offline_commands_on_a_trace_they_may_not_read(recording, public_dir, cmd):
+    _nobody_can_run_the_tracer()
+    trace = public_dir / "root-only.kvt"
+    shutil.copy(recording, trace)
+    os.chmod(trace, 0o600)
+    r = subprocess.run([*NOBODY, *kvtrace_cmd(*cmd, trace)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert_one_line_error(r, EXIT_DATA, "cannot read", str(trace), "Permission denied")
+    # and root reads it (the same file, so the refusal was the permission)
+    assert run_kvtrace(*cmd, trace).returncode == 0
+
+
+def test_probes_on_a_directory_and_an_unreadable_file(public_dir):
+    assert_one_line_error(run_kvtrace("probes", public_dir), EXIT_TARGET, "directory")
+    _nobody_can_run_the_tracer()
+    lib = public_dir / "libkvsim_ops.so"
+    shutil.copy(KVSIM_LIB, lib)
+    os.chmod(lib, 0o600)
+    r = subprocess.run([*NOBODY, *kvtrace_cmd("probes", lib)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert_one_line_error(r, EXIT_TARGET, str(lib), "ermission denied")
+    assert run_kvtrace("probes", lib).returncode == 0  # root: the same file has probes
+
+
+@pytest.mark.parametrize("where", ["no-such-dir/run.kvt", "."])
+def test_record_output_that_cannot_be_written_fails_before_starting(tmp_path, where):
+    """A usage error before anything is attached or started: the command
+    (which would leave a file behind) never runs."""
+    marker = tmp_path / "ran"
+    out = tmp_path / where
+    r = run_kvtrace("record", "-o", out, "--", "touch", marker)
+    assert_one_line_error(r, EXIT_USAGE, "cannot write", str(out))
+    assert not marker.exists()
+    r = run_kvtrace("record", "-o", out, "-p", os.getpid())
+    assert_one_line_error(r, EXIT_USAGE, "cannot write")
+
+
+@pytest.fixture(scope="module")
+def synthetic_trace(tmp_path_factory):
+    from test_unit_tracefile import synthetic_ops, write_trace
+    return write_trace(tmp_path_factory.mktemp("syn") / "t.kvt",
+                       [synthetic_ops(10, 100, 64, seq0=10 * i) for i in range(2)], blocks=64)
+
+
+@pytest.mark.parametrize("args", [
+    ("--resol", "0", "5"), ("--resol", "-1", "5"), ("--resol", "a", "b"), ("--resol", "5"),
+    ("--resol", "100000", "5"), ("--resol", "5", "1000000"),
+    ("--time-range", "5", "2"), ("--time-range", "2", "2"), ("--time-range", "nan", "1"),
+    ("--time-range", "0", "inf"), ("--time-range", "-1", "2"), ("--time-range", "x", "2"),
+    ("--time-range", "0", "1e300"),
+    ("--block-range", "5", "2"), ("--block-range", "-1", "3"), ("--block-range", "0", "1.5"),
+    ("--block-range", "0", str(2**70)),
+    ("--format", "xml"), ("--table", "nope"), ("--table", "heatmap"), ("--pid", "abc"),
+    ("--pid", "-5"), ("--layer", "x"), ("--nosuchflag",),
+])
+def test_report_bad_flags(synthetic_trace, args):
+    r = run_kvtrace("report", synthetic_trace, *args)
+    assert_one_line_error(r, EXIT_USAGE)
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args", [
+    ("--group", "0"), ("--group", "-3"), ("--group", "x"), ("--by", "nope"),
+    ("--weight", "nope"), ("--pid", "x"), ("-o", "/nonexistent-dir/x.folded"), ("-o", "."),
+])
+def test_export_bad_flags(synthetic_trace, args):
+    r = run_kvtrace("export", "--folded", synthetic_trace, *args)
+    assert_one_line_error(r, EXIT_USAGE)
+    assert r.stdout == ""
+    r = run_kvtrace("export", synthetic_trace)  # --folded is required
+    assert_one_line_error(r, EXIT_USAGE, "--folded")
+
+
+@pytest.mark.parametrize("args", [
+    ("-d", "0"), ("-d", "-1"), ("-d", "abc"), ("-d", "nan"), ("--perf-pages", "3"),
+    ("--perf-pages", "0"), ("--max-blocks", "0"), ("--max-blocks", "x"),
+    ("--max-layers", "0"), ("--max-layers", "100000"), ("-p", "0"), ("-p", "-1"),
+])
+def test_record_bad_flags(tmp_path, args):
+    marker = tmp_path / "ran"
+    r = run_kvtrace("record", "-o", tmp_path / "r.kvt", *args, "--", "touch", marker)
+    assert_one_line_error(r, EXIT_USAGE)
+    assert not marker.exists() and not (tmp_path / "r.kvt").exists()
+    assert_one_line_error(run_kvtrace("record", "--", "true"), EXIT_USAGE, "-o")
+
+
+@pytest.mark.parametrize("args", [("-p", "-5"), ("-p", "0"), ("-p", "abc"), (),
+                                  ("/bin/true", "-p", "1")])
+def test_probes_bad_flags(args):
+    assert_one_line_error(run_kvtrace("probes", *args), EXIT_USAGE)

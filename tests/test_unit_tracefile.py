@@ -2,8 +2,10 @@
 one-line errors.  Pure Python: files are written with TraceWriter from
 records built here in the layouts of bpf/kvtrace.h."""
 
+import json
 import os
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -162,3 +164,75 @@ def test_cli_damaged_files_one_line_error_exit_4(tmp_path, trace_path, cmd):
     bad.write_bytes(bytes(data))
     assert_one_line_error(run_kvtrace(*cmd, bad), EXIT_DATA, "version 9")
     assert_one_line_error(run_kvtrace(*cmd, tmp_path / "nope"), EXIT_DATA, "cannot read")
+
+
+def _reframe(kind, payload):
+    """A frame with correct checksums around any payload (docs/trace-format.md)."""
+    head = struct.pack("<4sIQI", b"KVTF", kind, len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+@pytest.mark.parametrize("bad,words", [
+    # chunk headers that promise more values than the batch holds
+    (lambda b: b[:24 + int.from_bytes(b[:8], "little") + 4] + (600).to_bytes(4, "little")
+     + b[24 + int.from_bytes(b[:8], "little") + 8:], "impossible value count"),
+    (lambda b: b"\x01" + b"\x00" * 23, "batch lengths disagree"),
+    (lambda b: b"{\"kind\": \"caches\", \"caches\": [{\"pid\": 1}]}", "cache: 'cache_id'"),
+    (lambda b: b"[" * 100000, "nested too deeply"),
+    (lambda b: b"{\"kind\": \"\xff\"}", "not UTF-8"),
+])
+def test_checksummed_nonsense_stops_the_reader_at_its_frame(trace_path, bad, words):
+    """A frame that passes its checksums but breaks what the writer guarantees
+    is damage at that frame: the frames before it stay readable."""
+    frames = _frame_offsets(trace_path)
+    data = trace_path.read_bytes()
+    at, nxt = frames[4], frames[5]  # the 2nd batch
+    kind = tracefile.KIND_BATCH if words.startswith(("impossible", "batch")) else \
+        tracefile.KIND_META
+    trace_path.write_bytes(data[:at] + _reframe(kind, bad(data[at + 24:nxt])) + data[nxt:])
+    t = tracefile.read(str(trace_path))
+    assert t.damage.startswith(f"bad frame at byte {at}") and words in t.damage, t.damage
+    assert len(t.batches) == 1 and len(t.ops.ops) == 10 and t.ops.complete
+    with pytest.raises(DataError, match="--partial"):
+        tracefile.load(str(trace_path))
+
+
+def test_data_after_the_end_record_is_damage(trace_path):
+    data = trace_path.read_bytes()
+    trace_path.write_bytes(data + _reframe(tracefile.KIND_META, b"{\"kind\": \"caches\", "
+                                                                b"\"caches\": []}"))
+    t = tracefile.read(str(trace_path))
+    assert t.damage == f"unexpected data after the end record at byte {len(data)}"
+    assert t.end is not None and len(t.ops.ops) == 40
+
+
+def test_empty_files(tmp_path):
+    empty = tmp_path / "empty.kvt"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match="empty file, not a trace"):
+        tracefile.read(str(empty))
+    empty.write_bytes(struct.pack("<8sII", tracefile.MAGIC, tracefile.VERSION, 0))
+    with pytest.raises(DataError, match="empty trace file"):
+        tracefile.read(str(empty))
+
+
+def test_garbage_block_numbers_are_left_out_and_said(tmp_path):
+    """A target may pass any slot number: one far beyond any layer size is
+    counted out of range, sizes no per-block array, and is said."""
+    b = synthetic_ops(4, 20, 8)
+    values = np.frombuffer(b.values, np.int64).copy()
+    values[5] = 2**60  # op 0's 6th slot
+    path = write_trace(tmp_path / "g.kvt", [stream.RawBatch(b.ops, b.chunk_hdrs,
+                                                            values.tobytes())], blocks=8)
+    r = run_kvtrace("report", path, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    (layer,) = doc["blocks"]["processes"][0]["layers"]
+    assert layer["out_of_range"] == 1 and layer["num_blocks"] == 8
+    assert sum(n for _, n in layer["writes"]) == 4 * 20 - 1
+    assert doc["blocks"]["exact"] is False
+    assert any("out of range" in x or "left out" in x for x in doc["blocks"]["inexact_reasons"])
+    r = run_kvtrace("export", "--folded", path, "--by", "block")
+    assert r.returncode == 0, r.stderr
+    assert "1 block numbers from" in r.stderr
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines()) == 4 * 20 - 1

@@ -20,7 +20,7 @@ import numpy as np
 from . import abi, stream, tracefile
 from .errors import UsageError
 from .export import clean_frame, folded_lines, layer_frame
-from .files import open_private
+from .files import check_writable, open_private
 
 EXAMPLES = """\
 examples:
@@ -85,9 +85,11 @@ def by_stack(trace: tracefile.Trace, ops: stream.OpStream, weight: str) -> list:
         lambda pid, idx: layer_by_index.get((pid, idx)))
 
 
-def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: int) -> list:
+def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: int):
     """One line per (op, layer, block) that was written (write ops: the
-    slot's block) or moved into (copy: destination; swap: the device block)."""
+    slot's block) or moved into (copy: destination; swap: the device block).
+    Returns (lines, how many values were left out for a block number from
+    tracefile.MAX_BLOCKS up)."""
     o = ops.ops
     layer = stream.per_cache(o, trace.layers(), -1)
     bsize = stream.per_cache(o, trace.block_sizes(), 0)
@@ -109,6 +111,11 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
     pick = np.where(writes, vals >= 0, (pos % 2 == np.where(out_swap, 0, 1)) & (vals >= 0))
     op_of, vals = op_of[pick], vals[pick]
     block = np.where(is_write[op_of], vals // np.maximum(bsize[op_of], 1), vals)
+    # as report does: blocks from MAX_BLOCKS up are left out (and said),
+    # which also keeps them inside the key's 47 bits
+    inside = block < tracefile.MAX_BLOCKS
+    left_out = int(np.count_nonzero(~inside))
+    op_of, block = op_of[inside], block[inside]
     if weight == "bytes":
         w = (o["bytes"][op_of] // np.maximum(o["items"][op_of], 1)).astype(np.int64)
     else:
@@ -124,12 +131,14 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
             lo = b // group * group
             lines.append(f"{clean_frame(abi.OP_NAMES.get(op, str(op)))};{layer_frame(lay)};"
                          f"blocks_{lo}-{lo + group - 1};block_{b} {s}")
-    return lines
+    return lines, left_out
 
 
 def run(args) -> int:
     if args.group <= 0:
         raise UsageError("--group must be > 0")
+    if args.output:
+        check_writable(args.output)  # before reading: a trace may take seconds
     trace = tracefile.load(args.file, partial=args.partial,
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
     ops = trace.ops
@@ -140,8 +149,13 @@ def run(args) -> int:
     if lost or (args.by == "block" and incomplete):
         print(f"kvtrace-bpf: {lost} op records lost, {incomplete} ops without their values: "
               "weights fall short of the totals", file=sys.stderr)
-    lines = by_stack(trace, ops, args.weight) if args.by == "stack" else \
-        by_block(trace, ops, args.weight, args.group)
+    if args.by == "stack":
+        lines = by_stack(trace, ops, args.weight)
+    else:
+        lines, left_out = by_block(trace, ops, args.weight, args.group)
+        if left_out:
+            print(f"kvtrace-bpf: {left_out} block numbers from {tracefile.MAX_BLOCKS} up "
+                  "left out", file=sys.stderr)
     text = "".join(line + "\n" for line in lines)
     if args.output:
         with open_private(args.output) as f:

@@ -5,6 +5,7 @@ import argparse
 import os
 
 from . import abi, catalog, discover
+from .cmd_attach import positive_int
 from .errors import TargetError, UsageError
 
 EXAMPLES = """\
@@ -21,7 +22,8 @@ def add_parser(sub):
         description=f"List the {abi.PROVIDER}:* USDT probes (location, semaphore, "
                     "argument spec) of an ELF file, or of every file a process maps.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-p", "--pid", type=int, help="list the probes of a running process")
+    p.add_argument("-p", "--pid", type=positive_int,
+                   help="list the probes of a running process")
     p.add_argument("path", nargs="?", help="an ELF file (executable or shared library)")
     p.set_defaults(run=run)
     return p

@@ -85,7 +85,7 @@ class Report:
         self.layers = trace.layers()
         self.agg = stream_aggregate(ops, self.caches, trace)
         self.gens = occupancy.by_cache(ops, trace.block_sizes())
-        self.reasons = stream_reasons(ops, trace)
+        self.reasons = stream_reasons(ops, trace, self.agg)
 
     def duration_ns(self) -> int:
         end = self.trace.end or {}
@@ -113,7 +113,7 @@ class Report:
         slots = self.ops.values[first + within]
         t = np.repeat(ops["ts_ns"][idx].astype(np.int64) - self.t0, n)
         b = slots // np.maximum(np.repeat(bs[idx], n), 1)
-        valid = slots >= 0
+        valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
         return t[valid], b[valid]
 
     def heatmap(self, rows, cols, time_range=None, block_range=None) -> heatmap.Heatmap:
@@ -160,7 +160,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
     shape as attach's, so the same views and JSON serve)."""
     o = ops.ops
     values = ops.values
-    raw_caches, moves = [], {}
+    raw_caches, moves, moves_beyond = [], {}, {}
     names = np.array([abi.OP_NAMES.get(int(x), str(x)) for x in o["op"]]) if len(o) else \
         np.zeros(0, str)
 
@@ -174,15 +174,22 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
         mine = (o["pid"] == c["pid"]) & (o["cache_id"] == c["cache_id"])
         writes_op = mine & np.isin(o["op"], list(stream.WRITE_OP_IDS))
         slots = values_of(writes_op & o["complete"])
-        slots = slots[slots >= 0]
         bs = max(1, int(c["block_size"]))
-        nb = max(int(c["num_blocks"]), int(slots.max()) // bs + 1 if len(slots) else 0)
+        blocks = slots[slots >= 0] // bs
+        # a per-block array as long as the layer, or its highest block
+        # written, but never longer than MAX_BLOCKS: what lies beyond (a
+        # target's garbage slot numbers) is counted, as the maps count what
+        # lies beyond --max-blocks
+        beyond = blocks >= tracefile.MAX_BLOCKS
+        blocks = blocks[~beyond]
+        nb = max(int(c["num_blocks"]), int(blocks.max()) + 1 if len(blocks) else 0)
         raw_caches.append(dict(
             pid=c["pid"], cache_id=c["cache_id"], index=c["index"], op=c["op"],
             block_size=c["block_size"], num_blocks=c["num_blocks"],
             calls=int(writes_op.sum()), slots=int(o["slots"][writes_op].sum()),
-            padding=int(o["padding"][writes_op].sum()), out_of_range=0,
-            writes=np.bincount(slots // bs, minlength=nb).astype(np.uint64)))
+            padding=int(o["padding"][writes_op].sum()),
+            out_of_range=int(np.count_nonzero(beyond)),
+            writes=np.bincount(blocks, minlength=nb).astype(np.uint64)))
     pids = sorted({c["pid"] for c in caches} | set(np.unique(o["pid"]).tolist()))
     for pid in pids:
         mine = (o["pid"] == pid) & o["complete"]
@@ -194,6 +201,11 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
 
         parts = [count("copy_blocks", 0, 0), count("copy_blocks", 0, 1),
                  count("swap_blocks", abi.EV_SWAP_OUT, 0), count("swap_blocks", abi.EV_SWAP_IN, 1)]
+        # block numbers as the target passed them: bounded as the writes are
+        for name, p in zip(("copy_blocks", "copy_blocks", "swap_blocks", "swap_blocks"), parts):
+            moves_beyond[(pid, name)] = moves_beyond.get((pid, name), 0) + int(
+                np.count_nonzero((p < 0) | (p >= tracefile.MAX_BLOCKS)))
+        parts = [p[(p >= 0) & (p < tracefile.MAX_BLOCKS)] for p in parts]
         nb = max([nb] + [int(p.max()) + 1 for p in parts if len(p)])
         moves[pid] = np.stack([np.bincount(p, minlength=nb).astype(np.uint64) for p in parts])
     op_stats, log2 = {}, {}
@@ -207,7 +219,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
             "bytes": int(o["bytes"][sel].sum()),
             "truncated": int(np.count_nonzero(flags & abi.EV_TRUNCATED)),
             "read_errors": int(np.count_nonzero(flags & abi.EV_READ_ERROR)),
-            "out_of_range": 0}
+            "out_of_range": moves_beyond.get((pid, name), 0)}
         slots_, counts = np.unique(_log2_slot(o["items"][sel]), return_counts=True)
         h = log2.setdefault(name, {})
         for s, n in zip(slots_.tolist(), counts.tolist()):
@@ -222,9 +234,14 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
                                             for p, d in procs.items()})
 
 
-def stream_reasons(ops: stream.OpStream, trace) -> list:
+def stream_reasons(ops: stream.OpStream, trace, agg: Aggregate) -> list:
     """Why figures from this stream may fall short of what the target did."""
     reasons = []
+    beyond = sum(l.out_of_range for p in agg.processes.values() for l in p.layers) + \
+        sum(st["out_of_range"] for p in agg.processes.values() for st in p.ops.values())
+    if beyond:
+        reasons.append(f"{beyond} block numbers below 0 or from {tracefile.MAX_BLOCKS} up "
+                       "are left out")
     incomplete = int(np.count_nonzero(~ops.ops["complete"]))
     if incomplete:
         reasons.append(f"{incomplete} ops whose values were lost, truncated or unreadable "
@@ -402,6 +419,11 @@ def _distribution(title: str, pairs: list, unit: str) -> Table:
     return t
 
 
+def _mean(a: np.ndarray) -> float:
+    """The mean, or NaN for none (which numpy would warn about)."""
+    return float(a.mean()) if len(a) else float("nan")
+
+
 def _occupancy_view(rep: Report, layer: int, width: int) -> list:
     parts = []
     by_pid = {}
@@ -439,7 +461,7 @@ def _occupancy_view(rep: Report, layer: int, width: int) -> list:
         body = [Text(f"{len(g):,} generations (" + ", ".join(
                     f"{int(np.count_nonzero(g.kind == i)):,} by {k}"
                     for i, k in enumerate(occupancy.KINDS) if np.any(g.kind == i)) +
-                    f"); mean fill {g.fill.mean() / g.block_size:.1%} of {g.block_size}; "
+                    f"); mean fill {_mean(g.fill) / g.block_size:.1%} of {g.block_size}; "
                     f"most writes in one generation: {g.max_writes}"
                     + (" (more than block_size!)" if g.max_writes > g.block_size else "")),
                 Text(f"{same} of {len(layers)} layers have the same generations"),
@@ -471,7 +493,31 @@ def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int
     return Group(*parts)
 
 
+# --resol and --time-range bounds: the heatmap has at most 4M cells (32 MB),
+# and times x rows stay within an int64: a span of 2 x tracefile.MAX_SPAN_NS
+# (2**53) times fewer than 1024 rows
+MAX_ROWS, MAX_COLS = 1000, 4096
+
+
+def check_args(args):
+    """Bad flag values, found before the trace is read (it may be large)."""
+    if args.resol and not (0 < args.resol[0] <= MAX_ROWS and 0 < args.resol[1] <= MAX_COLS):
+        raise UsageError(f"--resol ROWS COLS needs 1 <= ROWS <= {MAX_ROWS} and "
+                         f"1 <= COLS <= {MAX_COLS}")
+    if args.time_range:
+        start, end = args.time_range
+        if not 0 <= start < end <= tracefile.MAX_SPAN_NS / 1e9:
+            raise UsageError("--time-range START END needs 0 <= START < END <= "
+                             f"{tracefile.MAX_SPAN_NS / 1e9:.0f} seconds")
+    if args.block_range and not 0 <= args.block_range[0] <= args.block_range[1] < \
+            tracefile.MAX_BLOCKS:
+        raise UsageError(f"--block-range LO HI needs 0 <= LO <= HI < {tracefile.MAX_BLOCKS}")
+    if args.table != "blocks" and args.format != "csv":
+        raise UsageError("--table goes with --format csv")
+
+
 def run(args) -> int:
+    check_args(args)
     trace = tracefile.load(args.file, partial=args.partial,
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
     rep = Report(trace, args.pid)
@@ -479,16 +525,10 @@ def run(args) -> int:
     width = min(console.width, 120)
     if args.resol:
         rows, cols = args.resol
-        if rows <= 0 or cols <= 0:
-            raise UsageError("--resol needs two positive numbers")
     else:
         rows, cols = 20, width - heatmap.LABEL_WIDTH
     if args.format == "text":
         cols = min(cols, console.width - heatmap.LABEL_WIDTH)  # never wrap
-    if args.time_range and not args.time_range[0] < args.time_range[1]:
-        raise UsageError("--time-range START END needs START < END")
-    if args.block_range and not 0 <= args.block_range[0] <= args.block_range[1]:
-        raise UsageError("--block-range LO HI needs 0 <= LO <= HI")
     hm = rep.heatmap(rows, cols, args.time_range, args.block_range)
     rates = rep.op_rates(time_range=args.time_range)
     if args.format == "json":

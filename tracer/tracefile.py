@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import socket
+import stat
 import struct
 import time
 import zlib
@@ -192,12 +193,25 @@ class Trace:
 def read(path: str) -> Trace:
     """Read a trace file.  A file that is not a trace, or of another version,
     raises DataError; a damaged or cut-short one is read up to the damage,
-    which is described in Trace.damage."""
+    which is described in Trace.damage.
+
+    Checksums catch damage; what passes them is still checked against what
+    the writer guarantees (the documents' fields and types, the records'
+    lengths and bounds: _check_doc, _check_batch) before report or export
+    computes anything from it, so that a made-up or mangled file is a
+    DataError naming the frame, never a numpy or JSON exception later."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would never end
+                raise DataError(f"cannot read {path}: a device, not a trace file")
+            data = f.read()  # a pipe is fine: it ends
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
+    except MemoryError:
+        raise DataError(f"cannot read {path}: too large to hold in memory") from None
+    if not data:
+        raise DataError(f"{path}: empty file, not a trace")
     if len(data) < _FILE_HDR.size or data[:8] != MAGIC:
         if len(data) < _FILE_HDR.size and MAGIC.startswith(data[:8]):
             raise DataError(f"{path}: truncated trace file ({len(data)} bytes, no header)")
@@ -206,48 +220,208 @@ def read(path: str) -> Trace:
     if version != VERSION:
         raise DataError(f"{path}: trace format version {version}; this kvtrace-bpf "
                         f"reads version {VERSION}")
-    pos, trace = _FILE_HDR.size, None
+    pos, trace, layouts = _FILE_HDR.size, None, None
     view = memoryview(data)
     while pos < len(data):
         problem, kind, payload, nxt = _frame_at(data, view, pos)
         if problem:
             break
+        if trace is None and kind != KIND_META:
+            problem = f"first frame at byte {pos} is not the trace header"
+            break
         try:
             if kind in (KIND_META, KIND_END):
-                doc = json.loads(bytes(payload))
+                doc = _json(payload)
+                if trace is None:
+                    layouts = _check_doc(doc, "trace")
+                else:
+                    _check_doc(doc, None if kind == KIND_META else "end")
             elif kind == KIND_BATCH:
-                n_ops, n_hdr, n_val = _BATCH.unpack_from(payload)
-                if _BATCH.size + n_ops + n_hdr + n_val != len(payload):
-                    raise ValueError("batch lengths disagree")
-                a, b = _BATCH.size + n_ops, _BATCH.size + n_ops + n_hdr
-                batch = stream.RawBatch(bytes(payload[_BATCH.size:a]), bytes(payload[a:b]),
-                                        bytes(payload[b:]))
+                batch = _check_batch(payload, *layouts)
             else:
                 raise ValueError(f"unknown frame kind {kind}")
         except (ValueError, struct.error) as e:
             problem = f"bad frame at byte {pos} ({e})"
             break
         if trace is None:
-            if kind != KIND_META or doc.get("kind") != "trace":
-                problem = f"first frame at byte {pos} is not the trace header"
-                break
             trace = Trace(path, doc)
         elif kind == KIND_META:
+            if doc["kind"] == "trace":
+                problem = f"bad frame at byte {pos} (a second trace header)"
+                break
             trace.metas.append(doc)
         elif kind == KIND_BATCH:
             trace.batches.append(batch)
         elif kind == KIND_END:
             trace.end = doc
         pos = nxt
+        if trace.end is not None and pos < len(data):
+            problem = f"unexpected data after the end record at byte {pos}"
+            break
     else:
         problem = None if trace is not None and trace.end is not None else \
             f"no end record after byte {pos}: the writer stopped early (killed?)"
     if trace is None:
-        raise DataError(f"{path}: {problem or 'empty trace file'}")
+        if len(data) == _FILE_HDR.size:
+            problem = "empty trace file (nothing after the file header)"
+        raise DataError(f"{path}: {problem}")
     trace.damage, trace.intact_bytes = problem, pos
-    if trace.end is not None and pos < len(data) and not problem:
-        trace.damage = f"unexpected data after the end record at byte {pos}"
     return trace
+
+
+# -- what a frame that passed its checksums must still hold ----------------------
+#
+# Bounds are those of the writer and the BPF program: the ops' clock is
+# CLOCK_MONOTONIC in ns (2**62 ns is 146 years), `seq` counts ops from 0,
+# one op streams at most 270336 values (bpf/kvtrace.h: 33 tail calls of
+# 8192), one chunk record at most abi.RECORD_VALUES (offsets below 2**20
+# keep occupancy's keys apart).  Some are limits of this reader, far beyond a
+# real recording, that keep report's arithmetic and memory bounded: ops
+# within 2**52 ns (52 days) of the trace's start, so that times x heatmap
+# rows fit an int64; layers of at most 2**24 blocks (a per-block array of
+# 128 MiB) and 2**20 tokens a block.
+_MAX_NS = 1 << 62
+_MAX_SEQ = 1 << 62  # a u64 counting ops from 0: one op a ns would take 146 years
+MAX_SPAN_NS = 1 << 52
+MAX_OP_VALUES = 1 << 20
+MAX_BLOCKS = 1 << 24
+MAX_BLOCK_SIZE = 1 << 20
+_U32, _U64 = (0, (1 << 32) - 1), (0, (1 << 64) - 1)
+
+
+def _json(payload) -> dict:
+    try:
+        doc = json.loads(bytes(payload))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValueError("JSON that is not UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e.msg} at {e.pos}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str):
+        raise ValueError("a JSON document without a kind")
+    return doc
+
+
+def _need(doc, key, types, what, bounds=None, optional=False):
+    """doc[key], which must be of types (and within bounds, for numbers)."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    if key not in doc and optional:
+        return None
+    return _typed(doc.get(key), types, f"{what}: {key!r}", bounds)
+
+
+def _typed(v, types, what, bounds=None):
+    # NaN fails the bounds, as infinity does
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+    if ok and bounds and isinstance(v, (int, float)):
+        ok = bounds[0] <= v <= bounds[1]
+    if not ok:
+        raise ValueError(f"{what} missing, of the wrong type or out of range")
+    return v
+
+
+def _list_of(v, check, what):
+    if not isinstance(v, list):
+        raise ValueError(f"{what} is not a list")
+    for x in v:
+        check(x)
+    return v
+
+
+def _check_doc(doc: dict, want: str = None):
+    """That a META or END document has what report and export read from it.
+    want: "trace" (the first frame), "end", or None (a later META).  For the
+    trace header, returns what batches are checked against: the record
+    layouts (event, chunk header dtypes) and the trace's start (ns)."""
+    kind = doc["kind"]
+    if want and kind != want:
+        raise ValueError(f"a {kind!r} document where a {want!r} one belongs")
+    if kind == "trace":
+        _need(doc, "version", int, "trace header", (VERSION, VERSION))
+        for key in ("host", "kernel", "created_utc"):
+            _need(doc, key, str, "trace header")
+        _need(doc, "target", dict, "trace header")
+        created = _need(doc, "created_monotonic_ns", int, "trace header", (0, _MAX_NS))
+        layouts = _need(doc, "layouts", dict, "trace header")
+        return (_layout(layouts.get("event"), stream.EVENT, "event"),
+                _layout(layouts.get("chunk_hdr"), stream.CHUNK_HDR, "chunk_hdr"), created)
+    if kind == "process":
+        _need(doc, "pid", int, "process", _U32)
+        _need(doc, "comm", str, "process")
+        _list_of(_need(doc, "cmdline", list, "process"),
+                 lambda a: _typed(a, str, "process cmdline"), "cmdline")
+        _list_of(_need(doc, "probe_files", list, "process"), lambda f: (
+            _need(f, "path", str, "probe file"),
+            _need(f, "build_id", (str, type(None)), "probe file")), "probe_files")
+    elif kind == "caches":
+        _list_of(_need(doc, "caches", list, "caches"), lambda c: (
+            _need(c, "pid", int, "cache", _U32), _need(c, "cache_id", int, "cache", _U64),
+            _need(c, "index", int, "cache", _U32), _need(c, "op", str, "cache"),
+            _need(c, "block_size", int, "cache", (0, MAX_BLOCK_SIZE)),
+            _need(c, "num_blocks", int, "cache", (0, MAX_BLOCKS))), "caches")
+    elif kind == "end":
+        agg = _need(doc, "aggregate", dict, "end record", optional=True)
+        if agg is not None:
+            _need(agg, "lost_records", int, "end aggregate", _U64, optional=True)
+            _need(agg, "duration_s", (int, float, type(None)), "end aggregate",
+                  (0, _MAX_NS / 1e9), optional=True)
+            _list_of(_need(agg, "inexact_reasons", list, "end aggregate", optional=True)
+                     or [], lambda r: _typed(r, str, "inexact reason"),
+                     "inexact_reasons")
+        stacks = _need(doc, "stacks", dict, "end record", optional=True) or {}
+        for frames in stacks.values():
+            _list_of(frames, lambda f: _typed(f, str, "stack frame"), "a stack")
+    # other kinds: written by a later tracer of the same version; not read
+
+
+def _layout(doc, ours: np.dtype, what: str) -> np.dtype:
+    """A record layout from the file: a dtype with at least our fields, each
+    an integer of the same kind and size as ours (their offsets may differ)."""
+    try:
+        dt = dtype_of(doc)
+    except (TypeError, ValueError, KeyError, IndexError, RecursionError):
+        raise ValueError(f"the {what} layout is not a record layout") from None
+    for name in ours.names:
+        if name not in (dt.names or ()) or dt.fields[name][0] != ours.fields[name][0]:
+            raise ValueError(f"the {what} layout lacks {name!r} as {ours.fields[name][0]}")
+    if dt.itemsize <= 0 or dt.itemsize > 4096:
+        raise ValueError(f"the {what} layout has {dt.itemsize} bytes a record")
+    return dt
+
+
+def _check_batch(payload, event_dt: np.dtype, chunk_dt: np.dtype,
+                 created_ns: int) -> stream.RawBatch:
+    """The batch's three arrays, after checking them against the writer's
+    guarantees: whole records of the file's layouts, record types, chunk
+    value counts that add up to the values, offsets and times in bounds."""
+    n_ops, n_hdr, n_val = _BATCH.unpack_from(payload)
+    if _BATCH.size + n_ops + n_hdr + n_val != len(payload):
+        raise ValueError("batch lengths disagree")
+    if n_ops % event_dt.itemsize or n_hdr % chunk_dt.itemsize or n_val % 8:
+        raise ValueError("a batch array is not a whole number of records")
+    a, b = _BATCH.size + n_ops, _BATCH.size + n_ops + n_hdr
+    batch = stream.RawBatch(bytes(payload[_BATCH.size:a]), bytes(payload[a:b]),
+                            bytes(payload[b:]))
+    ev = np.frombuffer(batch.ops, dtype=event_dt)
+    hdr = np.frombuffer(batch.chunk_hdrs, dtype=chunk_dt)
+    if np.any(ev["type"] != stream.REC_OP) or np.any(hdr["type"] != stream.REC_CHUNK):
+        raise ValueError("a record of the wrong type")
+    if np.any(ev["seq"] >= _MAX_SEQ) or np.any(hdr["seq"] >= _MAX_SEQ):
+        raise ValueError("an op sequence number beyond the counter's range")
+    ts = ev["ts_ns"]
+    if np.any(ts >= _MAX_NS) or np.any(np.abs(ts.astype(np.int64) - created_ns) >= MAX_SPAN_NS):
+        raise ValueError(f"an op time {MAX_SPAN_NS // 10**9 // 86400} days or more from the "
+                         "trace's start")
+    count = hdr["count"].astype(np.int64)
+    if np.any(count < 1) or np.any(count > abi.RECORD_VALUES):
+        raise ValueError("a chunk record with an impossible value count")
+    if np.any(hdr["offset"] > MAX_OP_VALUES - count.astype(np.uint64)):
+        raise ValueError("a chunk offset beyond what one op can stream")
+    if int(count.sum()) * 8 != n_val:
+        raise ValueError("chunk headers and values disagree in length")
+    return batch
 
 
 def _frame_at(data, view, pos):
