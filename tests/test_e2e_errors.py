@@ -89,6 +89,10 @@ def test_without_privileges_as_nobody():
     ("attach", "-p", "1", "--duration", "-3"),
     ("attach", "-p", "1", "--perf-pages", "3"),
     ("attach", "-p", "1", "--json", "/nonexistent-dir/x.json"),
+    ("attach", "-p", "1", "--max-layers", "100000"),
+    ("attach", "-p", "1", "--max-procs", "0"),
+    ("attach", "-p", "1", "--transport", "pigeon"),
+    ("doctor", "-p", "x"),
     ("nosuchcommand",),
 ])
 def test_usage_errors(args):

@@ -37,6 +37,12 @@ FOLLOW_INTERVAL_QUIET = 1.0
 FOLLOW_QUIET_AFTER = 10.0  # seconds without a change
 
 
+# The per-block counters are one BPF array of --max-layers rows of
+# --max-blocks u64s: at most 2 GiB (8192 layers at the default 32768
+# blocks).  Beyond, the kernel refuses the map, and bcc prints its own line.
+MAX_COUNTERS = 1 << 28
+
+
 def positive_float(text):
     try:
         v = float(text)
@@ -112,6 +118,9 @@ def _validate(args):
         raise UsageError("--max-blocks must be at most 262144")
     if args.max_procs > 64:
         raise UsageError("--max-procs must be at most 64")
+    if args.max_layers * args.max_blocks > MAX_COUNTERS:
+        raise UsageError(f"--max-layers x --max-blocks must be at most {MAX_COUNTERS} "
+                         f"(2 GiB of counters); {args.max_layers} x {args.max_blocks} is more")
     if args.perf_pages is None:
         args.perf_pages = stream_perf_pages() if args.output else 64
     if args.perf_pages & (args.perf_pages - 1):

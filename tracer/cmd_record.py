@@ -8,7 +8,6 @@ import argparse
 
 from . import abi, cmd_attach
 from .cmd_attach import positive_float, positive_int
-from .errors import UsageError
 from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 
 EXAMPLES = """\
@@ -50,14 +49,5 @@ def add_parser(sub):
     return p
 
 
-# The per-block counters are one BPF array of --max-layers rows of
-# --max-blocks u64s: at most 2 GiB (8192 layers at the default 32768
-# blocks).  Beyond, the kernel refuses the map, and bcc prints its own line.
-MAX_COUNTERS = 1 << 28
-
-
 def run(args) -> int:
-    if args.max_layers * args.max_blocks > MAX_COUNTERS:
-        raise UsageError(f"--max-layers x --max-blocks must be at most {MAX_COUNTERS} "
-                         f"(2 GiB of counters); {args.max_layers} x {args.max_blocks} is more")
     return cmd_attach.run(args)
