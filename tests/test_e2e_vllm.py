@@ -195,6 +195,40 @@ def test_launch_under_the_tracer_follows_vllm(tmp_path, tiny_model, no_leftovers
         assert layer["slots"] >= want["slots_per_layer"]
 
 
+def test_ctrl_c_ends_a_vllm_started_under_the_tracer(tmp_path, tiny_model, no_leftovers):
+    """attach -- CMD, stopped while vLLM generates: the tracer ends the
+    command's process group, so vLLM's engine and worker (which outlive
+    their parent) go too."""
+    out_json = tmp_path / "kv.json"
+    tracer = Tracer("-q", "--json", out_json, "--",
+                    *workload_argv(tiny_model, tmp_path / "generated.json", "--repeat", 100000))
+    try:
+        tracer.wait_attached(timeout=180)
+        # the worker is found once vLLM has started it and loaded the model
+        tracer.early_err += "".join(read_line(tracer.proc.stderr, "tracing pid", 300))
+        tracer.proc.send_signal(signal.SIGINT)
+        rc, _, err = tracer.finish(timeout=120)
+    finally:
+        if tracer.proc.poll() is None:
+            tracer.proc.kill()
+            tracer.proc.wait()
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out_json.read_text())
+    assert doc["stop_reason"] == "SIGINT"
+    # the worker and its parent, the engine core: what used to be left over
+    (worker,) = [p for p in doc["processes"] if p["tier"] == "uprobe"]
+    pids = [worker["pid"], worker["parent"]]
+    assert worker["parent"] > 0
+    deadline = time.monotonic() + 10  # orphans are reaped by init
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    if left:  # clean up before failing
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"vLLM processes outlived the tracer: {left}"
+
+
 def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     """--calls-only (what the tracer falls back to when it cannot find
     torch's tensor layout): ops are counted, blocks are not, and the
