@@ -69,7 +69,9 @@ def add_parser(sub):
         description="Attach to the vllm:* probes of a running process (-p) or of a\n"
                     "command started under the tracer (-- CMD), show per-block KV-cache\n"
                     "histograms live, and print a summary when tracing ends (Ctrl-C,\n"
-                    "SIGTERM, --duration, or the target's exit). Needs root.",
+                    "SIGTERM, --duration, or the target's exit). A command runs in its own\n"
+                    "process group, which the tracer ends (SIGTERM, then SIGKILL after 5 s)\n"
+                    "when tracing stops; a -p process is never signalled. Needs root.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--pid", type=positive_int, help="trace this running process")
     p.add_argument("-d", "--duration", type=positive_float, metavar="S",
