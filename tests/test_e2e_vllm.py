@@ -122,16 +122,33 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
     """attach -p <the process the user started>: the tracer finds vLLM's
     worker among its descendants and counts what vLLM generated, exactly."""
     wl = Workload(tmp_path, tiny_model)
+    # isolation: another process calls the same op of the same library at
+    # the same time, and is not traced
+    intruder = subprocess.Popen([VLLM_PYTHON, ROOT / "tests" / "vllm_op_caller.py",
+                                 "--calls", "200", "--tokens", "16"], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
     try:
+        intruder_lib = read_line(intruder.stdout, "READY", 120)[-1].split()[1]
         out_json, folded = tmp_path / "kv.json", tmp_path / "kv.folded"
         tracer = Tracer("-q", "-p", wl.pid, "--json", out_json, "--folded", folded)
         tracer.wait_attached(timeout=180)
+        # the uprobe is on the library's file, yet no int3 in the intruder
+        assert code_differences(intruder.pid, intruder_lib) == []
+        intruder.stdin.write("go\n")
+        intruder.stdin.flush()
         wl.go()
+        intruder_slots = int(read_line(intruder.stdout, "DONE", 120)[-1].split()[1])
+        assert intruder.wait(60) == 0
         generated = wl.result()
         rc, out, err = tracer.finish(timeout=120)  # ends with vLLM ("target exited")
     finally:
         wl.kill()
+        if intruder.poll() is None:
+            intruder.kill()
+            intruder.wait()
     assert rc == 0, err
+    assert intruder_slots == 200 * 16
     assert "target exited" in out
     doc = json.loads(out_json.read_text())
     assert doc["exact"], doc["inexact_reasons"]
@@ -142,6 +159,11 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
     assert worker["pid"] != wl.pid and worker["parent"] != 0  # a descendant, followed
     assert f"tracing pid {worker['pid']}" in err
     assert worker["probe_files"][0].endswith(".abi3.so") and "/vllm/" in worker["probe_files"][0]
+    # the intruder ran the very op the tracer probed, and added nothing: the
+    # counts below are exactly vLLM's, in vLLM's layers only
+    assert os.path.samefile(worker["probe_files"][0], intruder_lib)
+    assert doc["dropped"]["foreign_process_hits"] == 0
+    assert [p["pid"] for p in doc["processes"] if p["layers"]] == [worker["pid"]]
 
     layers = worker["layers"]
     assert len(layers) == generated["num_layers"]
