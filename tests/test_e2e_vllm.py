@@ -122,13 +122,14 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
     """attach -p <the process the user started>: the tracer finds vLLM's
     worker among its descendants and counts what vLLM generated, exactly."""
     wl = Workload(tmp_path, tiny_model)
-    # isolation: another process calls the same op of the same library at
-    # the same time, and is not traced
-    intruder = subprocess.Popen([VLLM_PYTHON, ROOT / "tests" / "vllm_op_caller.py",
-                                 "--calls", "200", "--tokens", "16"], cwd=ROOT, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
+    intruder = None
     try:
+        # isolation: another process calls the same op of the same library
+        # at the same time, and is not traced
+        intruder = subprocess.Popen([VLLM_PYTHON, ROOT / "tests" / "vllm_op_caller.py",
+                                     "--calls", "200", "--tokens", "16"], cwd=ROOT, text=True,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL)
         intruder_lib = read_line(intruder.stdout, "READY", 120)[-1].split()[1]
         out_json, folded = tmp_path / "kv.json", tmp_path / "kv.folded"
         tracer = Tracer("-q", "-p", wl.pid, "--json", out_json, "--folded", folded)
@@ -144,7 +145,7 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
         rc, out, err = tracer.finish(timeout=120)  # ends with vLLM ("target exited")
     finally:
         wl.kill()
-        if intruder.poll() is None:
+        if intruder is not None and intruder.poll() is None:
             intruder.kill()
             intruder.wait()
     assert rc == 0, err
