@@ -166,6 +166,14 @@ def code_differences(pid, path=KVSIM_LIB):
     return diffs
 
 
+def unused_pid():
+    """A pid no process has: above the default pid_max (4194304)'s busy range."""
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
 def uprobe_events():
     return UPROBE_EVENTS.read_text() if UPROBE_EVENTS.exists() else ""
 

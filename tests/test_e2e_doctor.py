@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, Kvsim, kvtrace_cmd, semaphore_values
+from conftest import ROOT, Kvsim, kvtrace_cmd, semaphore_values, unused_pid
 # the real-vLLM workload and its model, from their one home (a fixture too)
 from test_e2e_vllm import Workload, tiny_model  # noqa: F401
 from tracer.cmd_doctor import (FAIL, PASS, Check, config_state, exit_code,
@@ -49,13 +49,6 @@ def checks_of(r) -> dict:
         last = m.group(2)
         checks[last] = (m.group(1), m.group(3), "")
     return checks
-
-
-def _unused_pid():
-    pid = 4_000_000
-    while os.path.exists(f"/proc/{pid}"):
-        pid += 1
-    return pid
 
 
 def test_doctor_as_root_passes(bpf_env):
@@ -132,7 +125,7 @@ def test_doctor_sleep_has_no_tier(bpf_env):
 
 
 def test_doctor_missing_pid(bpf_env):
-    pid = _unused_pid()
+    pid = unused_pid()
     r = doctor("-p", pid)
     assert r.returncode == EXIT_TARGET, r.stdout + r.stderr
     status, detail, fix = checks_of(r)["target"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KVSIM, KVSIM_LIB, ROOT, kvtrace_cmd, run_kvtrace
+from conftest import KVSIM, KVSIM_LIB, ROOT, kvtrace_cmd, run_kvtrace, unused_pid
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -28,15 +28,8 @@ def assert_one_line_error(r, code, *words):
         assert w in lines[0], lines[0]
 
 
-def _unused_pid():
-    pid = 4_000_000  # above the default pid_max of 4194304's busy range
-    while os.path.exists(f"/proc/{pid}"):
-        pid += 1
-    return pid
-
-
 def test_missing_pid():
-    r = run_kvtrace("attach", "-p", _unused_pid())
+    r = run_kvtrace("attach", "-p", unused_pid())
     assert_one_line_error(r, EXIT_TARGET, "no process")
 
 

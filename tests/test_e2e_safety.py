@@ -13,14 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (Kvsim, Tracer, assert_matches_truth, code_differences, read_line,
-                      semaphore_values, uprobe_events)
+from conftest import (WRITE_OPS, Kvsim, Tracer, assert_matches_truth, code_differences,
+                      read_line, semaphore_values, uprobe_events)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 CYCLES = 100
-WRITE_OPS = ("reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
-             "cpu_attn_reshape_and_cache")
 FIELDS = ("calls", "slots", "padding", "bytes")
 
 

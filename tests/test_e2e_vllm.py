@@ -79,7 +79,7 @@ class Workload:
     def round_result(self, round_no, timeout=300):
         """--rounds: what round round_no generated, once it is done."""
         deadline = time.monotonic() + timeout
-        while f"ROUND {round_no} DONE" not in self.log.read_text():
+        while not self.round_done(round_no):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"round {round_no} did not finish:\n"
                                      + self.log.read_text()[-3000:])

@@ -320,8 +320,7 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
             if now >= next_refresh and live_ctx:  # -q: only the summary needs it
                 prev, agg = agg, _aggregate(tracer)
                 next_refresh = now + args.interval
-                if live_ctx:
-                    live_ctx.update(view(), refresh=True)
+                live_ctx.update(view(), refresh=True)
     finally:
         if live_ctx:
             live_ctx.stop()

@@ -354,8 +354,7 @@ def check_target(pid: int) -> list:
     tiers = {p: session.TracedProcess(p, 0, discover.comm(p), probe_files=files).tier
              for p, files in found.items()}
     if not found:
-        checks.append(Check("probe tier", FAIL, "none: " + _why_no_probes(pid, tree),
-                            fix=_fix_no_probes(pid, tree)))
+        checks.append(_no_probes(pid, tree))
         return checks
     tier = "usdt" if "usdt" in tiers.values() else "uprobe"
     where = []
@@ -381,25 +380,22 @@ def _vllm_libraries(tree: list) -> dict:
     return libs
 
 
-def _why_no_probes(pid: int, tree: list) -> str:
+def _no_probes(pid: int, tree: list) -> Check:
+    """Why no process of the tree has probes, and what to do about it."""
     libs = _vllm_libraries(tree)
     if libs:
-        return ("; ".join(f"{_proc(p)} maps {', '.join(paths)}" for p, paths in libs.items())
-                + f", but with none of the cache ops tracer/catalog.py knows and no "
-                  f"{abi.PROVIDER}:* probes (another vLLM version?)")
-    what = (f"{_proc(pid)} and its {len(tree) - 1} descendant(s) map neither vLLM's "
-            f"library nor a file with {abi.PROVIDER}:* probes")
-    if "vllm" in follow.cmdline(pid).lower():
-        what += " (it looks like vLLM: its workers may not have loaded the model yet)"
-    return what
-
-
-def _fix_no_probes(pid: int, tree: list) -> str:
-    if _vllm_libraries(tree):
-        return "use the vLLM fork with the vllm:* probes (docs/fork.md), or add a catalog entry"
-    if "vllm" in follow.cmdline(pid).lower():
-        return f"run `kvtrace-bpf doctor -p {pid}` again once vLLM has loaded the model"
-    return _GIVE_A_PID
+        why = ("; ".join(f"{_proc(p)} maps {', '.join(paths)}" for p, paths in libs.items())
+               + f", but with none of the cache ops tracer/catalog.py knows and no "
+                 f"{abi.PROVIDER}:* probes (another vLLM version?)")
+        fix = "use the vLLM fork with the vllm:* probes (docs/fork.md), or add a catalog entry"
+    else:
+        why = (f"{_proc(pid)} and its {len(tree) - 1} descendant(s) map neither vLLM's "
+               f"library nor a file with {abi.PROVIDER}:* probes")
+        fix = _GIVE_A_PID
+        if "vllm" in follow.cmdline(pid).lower():
+            why += " (it looks like vLLM: its workers may not have loaded the model yet)"
+            fix = f"run `kvtrace-bpf doctor -p {pid}` again once vLLM has loaded the model"
+    return Check("probe tier", FAIL, "none: " + why, fix=fix)
 
 
 # -- running the checks ---------------------------------------------------------------
