@@ -18,7 +18,8 @@ enum kvtrace_op {
 	KVTRACE_OP_COPY_BLOCKS = 4,
 	KVTRACE_OP_SWAP_BLOCKS = 5,
 	KVTRACE_OP_SWAP_BLOCKS_BATCH = 6,
-	KVTRACE_NR_OPS = 7,
+	KVTRACE_OP_BLOCK_TABLE = 7, /* reads: the blocks attention reads at a step */
+	KVTRACE_NR_OPS = 8,
 };
 
 /* Per-block movement counters: the rows of block_moves for one process are
@@ -40,7 +41,9 @@ enum kvtrace_global {
 	KVTRACE_G_RECORDS_LOST = 4, /* per-op records the perf buffer refused */
 	KVTRACE_G_NEXT_SEQ = 5,     /* next op sequence number (struct kvtrace_event.seq) */
 	KVTRACE_G_CHUNKS_LOST = 6,  /* index chunk records the perf buffer refused */
-	KVTRACE_NR_GLOBALS = 7,
+	KVTRACE_G_NEXT_GROUP = 7,   /* next free group index (block_reads row) */
+	KVTRACE_G_GROUP_FULL = 8,   /* groups beyond KVTRACE_MAX_GROUPS */
+	KVTRACE_NR_GLOBALS = 9,
 };
 
 /* swap_blocks direction (same values as KVTRACE_SWAP_* in kvtrace_probes.h) */
@@ -58,9 +61,17 @@ enum kvtrace_arg_kind {
 	 * tensor_layout, discovered from the target's own torch at attach. */
 	KVTRACE_ARG_TENSOR_DATA = 3, /* storage data + storage_offset * val_off */
 	KVTRACE_ARG_TENSOR_SIZE = 4, /* sizes[val_off] */
+	KVTRACE_ARG_TENSOR_STRIDE = 5, /* strides[val_off] */
+	/* The same three for a tensor reference passed on the stack (C++
+	 * arguments after the sixth): the at::Tensor's address is the u64 at
+	 * regs[reg_off] + (val_off >> 32); the low 32 bits of val_off are the
+	 * scale or dimension as above. */
+	KVTRACE_ARG_STACK_TENSOR_DATA = 6,
+	KVTRACE_ARG_STACK_TENSOR_SIZE = 7,
+	KVTRACE_ARG_STACK_TENSOR_STRIDE = 8,
 };
 
-#define KVTRACE_MAX_ARGS 6
+#define KVTRACE_MAX_ARGS 8
 
 /*
  * Index arrays (slots, block pairs, sizes) are read KVTRACE_CHUNK int64s per
@@ -82,8 +93,19 @@ enum kvtrace_stage {
 	KVTRACE_STAGE_PAIRS = 1, /* count (src, dst) pairs into block_moves */
 	KVTRACE_STAGE_SIZES = 2, /* sum swap_blocks_batch sizes */
 	KVTRACE_STAGE_SLOTS_POW2 = 3, /* SLOTS for power-of-two block sizes */
-	KVTRACE_NR_STAGES = 4,
+	KVTRACE_STAGE_TABLE = 4, /* count block-table entries into block_reads */
+	KVTRACE_NR_STAGES = 5,
 };
+
+/*
+ * Block tables (reads) are read KVTRACE_TABLE_CHUNK int32 entries per
+ * bpf_probe_read_user, KVTRACE_TABLE_SEGMENT_CHUNKS chunks per program run,
+ * with the same 33 tail calls: a step reads at least
+ * 33 * 128 = 4224 chunks, e.g. 256 requests x 2048 blocks.  Entries beyond
+ * are counted as truncated.
+ */
+#define KVTRACE_TABLE_CHUNK 128
+#define KVTRACE_TABLE_SEGMENT_CHUNKS 128
 
 /* Limits; the front end may override them with -D at compile time. */
 #ifndef KVTRACE_MAX_BLOCKS
@@ -94,6 +116,9 @@ enum kvtrace_stage {
 #endif
 #ifndef KVTRACE_MAX_PROCS
 #define KVTRACE_MAX_PROCS 8 /* traced processes */
+#endif
+#ifndef KVTRACE_MAX_GROUPS
+#define KVTRACE_MAX_GROUPS 16 /* (pid, KV-cache group) pairs with read rows */
 #endif
 
 struct kvtrace_arg_spec {
@@ -113,6 +138,8 @@ struct kvtrace_tensor_layout {
 	__u16 storage_data;        /* StorageImpl: DataPtr's data pointer */
 	__u16 impl_storage_offset; /* TensorImpl: storage_offset_ (elements) */
 	__u16 impl_sizes;          /* TensorImpl: inline sizes[0] (dims <= 5) */
+	__u16 impl_strides;        /* TensorImpl: inline strides[0] (dims <= 5) */
+	__u16 pad[3];
 };
 
 /* sites: one entry per attached probe address in one process */
@@ -147,6 +174,32 @@ struct kvtrace_cache {
 	__u64 out_of_range; /* slots whose block >= KVTRACE_MAX_BLOCKS */
 };
 
+/* groups: one entry per (process, KV-cache group); reads are counted here
+ * and in the group's rows of block_reads / block_last_read */
+struct kvtrace_group_key {
+	__u32 pid;
+	__u32 pad;
+	__u64 group_id;
+};
+
+struct kvtrace_group {
+	__u32 index; /* row in block_reads; >= KVTRACE_MAX_GROUPS: not kept */
+	__u32 pad;
+	__u64 leader;      /* layer_id of the layer whose calls read the table */
+	__u64 block_size;
+	__u64 num_blocks;
+	__u64 steps;       /* forward steps: the leader's calls */
+	__u64 layer_calls; /* every layer's calls (layers x steps) */
+	__u64 requests;    /* request rows read, summed over steps */
+	__u64 tokens;      /* seq_len summed over rows and steps */
+	__u64 reads;       /* entries counted: (request, block) reads */
+	__u64 distinct;    /* distinct blocks read at a step, summed over steps */
+	__u64 null_entries; /* entries of block 0 (padding, outside the window) */
+	__u64 out_of_range; /* entries >= KVTRACE_MAX_BLOCKS or no row left */
+	__u64 truncated;    /* entries beyond what one step can read */
+	__u64 read_errors;  /* steps whose table or seq_lens could not be read */
+};
+
 /* op_stats: exact per-(process, op) totals */
 struct kvtrace_op_key {
 	__u32 pid;
@@ -170,7 +223,8 @@ struct kvtrace_proc {
 	__u32 pad;
 };
 
-/* One row of per-block counters (block_writes, block_moves). */
+/* One row of per-block counters (block_writes, block_moves, block_reads,
+ * block_last_read: the group's step number of the block's last read). */
 struct kvtrace_block_row {
 	__u64 count[KVTRACE_MAX_BLOCKS];
 };
@@ -204,7 +258,16 @@ enum kvtrace_rec {
 	KVTRACE_REC_CHUNK = 2,
 };
 
-/* One record per op. */
+/*
+ * One record per op.  A block_table op (reads) sends its record only for the
+ * call that read the table (the group's leader layer), with
+ *   cache_id = group_id, cache_index = group index,
+ *   items = entries counted (request-block reads), slots = distinct blocks
+ *   read (the step's live set), padding = null entries, bytes = sum of
+ *   seq_len (tokens), flags as for the other ops;
+ * and its index stream is, row after row, the row's seq_len followed by its
+ * ceil(seq_len / block_size) entries (null entries included).
+ */
 struct kvtrace_event {
 	__u32 type; /* KVTRACE_REC_OP */
 	__u32 chunks; /* chunk records this op sent (accepted by the buffer) */

@@ -42,6 +42,7 @@
 #define KVTRACE_COPY_BLOCKS(...) do { } while (0)
 #define KVTRACE_SWAP_BLOCKS(...) do { } while (0)
 #define KVTRACE_SWAP_BLOCKS_BATCH(...) do { } while (0)
+#define KVTRACE_BLOCK_TABLE(...) do { } while (0)
 
 #else /* probes compiled in */
 
@@ -66,6 +67,7 @@ _KVTRACE_SEMAPHORE(cpu_attn_reshape_and_cache);
 _KVTRACE_SEMAPHORE(copy_blocks);
 _KVTRACE_SEMAPHORE(swap_blocks);
 _KVTRACE_SEMAPHORE(swap_blocks_batch);
+_KVTRACE_SEMAPHORE(block_table);
 
 /* Non-zero while at least one tracer has the probe attached. */
 #define KVTRACE_ENABLED(name) __builtin_expect(vllm_##name##_semaphore != 0, 0)
@@ -141,6 +143,39 @@ _KVTRACE_SEMAPHORE(swap_blocks_batch);
 	STAP_PROBE4(vllm, swap_blocks_batch, (const uint64_t *)(src_ptrs),    \
 		    (const uint64_t *)(dst_ptrs), (const uint64_t *)(sizes),   \
 		    (int64_t)(count))
+
+/*
+ * block_table: the blocks attention READS at one forward step (docs/access.md).
+ * Fired by each attention layer at each step, before it reads the cache; the
+ * layers of one KV-cache group pass the same table, and the tracer reads it
+ * once per step and group (at the first layer it saw for the group) and
+ * counts the other layers' calls as totals.
+ *
+ *   block_table  const int32_t *  HOST pointer to row 0 of the block table:
+ *                                 one row of physical block ids per request
+ *   row_stride   int64_t          int32 entries from one row to the next
+ *   num_reqs     int64_t          rows in use (the step's requests)
+ *   seq_lens     const int32_t *  HOST pointer to num_reqs sequence lengths:
+ *                                 tokens in the cache once this step has
+ *                                 written (cached before + computed now)
+ *   block_size   int64_t          tokens per block
+ *   group_id     uint64_t         the KV-cache group: any value the group's
+ *                                 layers share and other groups do not (vLLM:
+ *                                 the block table's base address)
+ *   num_blocks   int64_t          physical blocks in the group's cache
+ *   layer_id     uint64_t         the calling layer's cache id (the cache_id
+ *                                 its write ops pass)
+ *
+ * Request i reads the first ceil(seq_lens[i] / block_size) entries of its
+ * row.  Block 0 is vLLM's null block (padding, and blocks a sliding window
+ * has dropped): an entry of 0 is never counted as a read.
+ */
+#define KVTRACE_BLOCK_TABLE(table, stride, nreqs, seqlens, bsize, group,     \
+			    nblocks, layer)                                    \
+	STAP_PROBE8(vllm, block_table, (const int32_t *)(table),              \
+		    (int64_t)(stride), (int64_t)(nreqs),                       \
+		    (const int32_t *)(seqlens), (int64_t)(bsize),               \
+		    (uint64_t)(group), (int64_t)(nblocks), (uint64_t)(layer))
 
 #endif /* KVTRACE_DISABLE_PROBES */
 #endif /* KVTRACE_PROBES_H */
