@@ -43,6 +43,14 @@ BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_writes,
 	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
+/*
+ * Reads, per (process, KV-cache group): row = group index.  One row more
+ * than groups: a group beyond KVTRACE_MAX_GROUPS is counted into the last
+ * row, which is never reported, so the per-entry loop needs no flag.
+ */
+BPF_HASH(groups, struct kvtrace_group_key, struct kvtrace_group, 1024);
+BPF_F_TABLE("array", u32, struct kvtrace_read_row, block_reads,
+	    KVTRACE_MAX_GROUPS + 1, BPF_F_MMAPABLE);
 
 #define RECORD_VALUES (KVTRACE_RECORD_CHUNKS * KVTRACE_CHUNK)
 
@@ -55,6 +63,12 @@ struct chunk {
 	s64 v[2 * RECORD_VALUES];
 };
 BPF_PERCPU_ARRAY(scratch, struct chunk, 1);
+
+/* One chunk of a block-table row (int32 entries); twice as long, for masks. */
+struct table_chunk {
+	u32 v[2 * KVTRACE_TABLE_CHUNK];
+};
+BPF_PERCPU_ARRAY(table_scratch, struct table_chunk, 1);
 
 /* The op in progress on this CPU, carried across tail calls.  Safe per CPU:
  * the kernel never runs a second tracing program on a CPU while one runs
@@ -73,6 +87,14 @@ struct work {
 	u32 row, src_row, dst_row, proc;
 	s32 err;
 	u32 pad;
+	/* block_table (reads): n = rows, done = stream values sent so far */
+	u64 seqs;        /* user address of the int32 seq_lens */
+	u64 stride;      /* int32 entries from one row to the next */
+	u64 next_row;    /* the next row to start */
+	u64 row_addr;    /* user address of the current row */
+	u64 col, row_len; /* entries of the current row read, and to read */
+	u64 step;        /* the group's step number of this op */
+	u64 tab_rows, tokens, trunc;
 };
 BPF_PERCPU_ARRAY(work, struct work, 1);
 
@@ -157,16 +179,17 @@ static __always_inline u64 read_u64(u64 addr)
  * address (storage data + storage_offset * element size) or one of its
  * sizes.  Only pointers and sizes are read, never tensor contents.
  */
-static __always_inline u64 fetch_tensor(u64 tensor,
-					 const struct kvtrace_arg_spec *spec,
+static __always_inline u64 fetch_tensor(u64 tensor, u32 kind, u64 val,
 					 const struct kvtrace_tensor_layout *l)
 {
 	u64 impl = read_u64(tensor); /* at::Tensor = intrusive_ptr<TensorImpl> */
-	if (spec->kind == KVTRACE_ARG_TENSOR_SIZE)
-		return read_u64(impl + l->impl_sizes + 8 * (spec->val_off & 7));
+	if (kind == KVTRACE_ARG_TENSOR_SIZE)
+		return read_u64(impl + l->impl_sizes + 8 * (val & 7));
+	if (kind == KVTRACE_ARG_TENSOR_STRIDE)
+		return read_u64(impl + l->impl_strides + 8 * (val & 7));
 	u64 storage = read_u64(impl + l->impl_storage);
 	u64 data = read_u64(storage + l->storage_data);
-	return data + read_u64(impl + l->impl_storage_offset) * spec->val_off;
+	return data + read_u64(impl + l->impl_storage_offset) * val;
 }
 
 /* One probe argument, decoded as libbpf's usdt.bpf.h does. */
@@ -192,9 +215,22 @@ static __always_inline u64 fetch_arg(struct pt_regs *ctx,
 		break;
 	case KVTRACE_ARG_TENSOR_DATA:
 	case KVTRACE_ARG_TENSOR_SIZE:
+	case KVTRACE_ARG_TENSOR_STRIDE:
 		bpf_probe_read_kernel(&val, sizeof(val),
 				      (void *)ctx + (spec->reg_off & 0xff));
-		val = fetch_tensor(val, spec, &site->tensor);
+		val = fetch_tensor(val, spec->kind, spec->val_off, &site->tensor);
+		break;
+	case KVTRACE_ARG_STACK_TENSOR_DATA:
+	case KVTRACE_ARG_STACK_TENSOR_SIZE:
+	case KVTRACE_ARG_STACK_TENSOR_STRIDE:
+		/* regs[reg_off] is the stack pointer; the at::Tensor& is on
+		 * the stack (val_off >> 32 bytes up) */
+		bpf_probe_read_kernel(&val, sizeof(val),
+				      (void *)ctx + (spec->reg_off & 0xff));
+		val = read_u64(val + (spec->val_off >> 32));
+		val = fetch_tensor(val, spec->kind - (KVTRACE_ARG_STACK_TENSOR_DATA -
+						      KVTRACE_ARG_TENSOR_DATA),
+				   spec->val_off & 0xffffffff, &site->tensor);
 		break;
 	}
 	/* trim to the argument's size, then sign- or zero-extend */
@@ -228,6 +264,32 @@ static __always_inline struct kvtrace_cache *cache_of(u32 pid, u64 cache_id,
 	 * index is then simply never used) */
 	caches.insert(&key, &init);
 	return caches.lookup(&key);
+}
+
+/* The KV-cache group a block_table op reads for; a new one gets the next
+ * block_reads row and the calling layer as its leader. */
+static __always_inline struct kvtrace_group *group_of(u32 pid, u64 group_id,
+						      u64 layer_id, u64 bs,
+						      u64 nblocks)
+{
+	struct kvtrace_group_key key = {.pid = pid, .group_id = group_id};
+	struct kvtrace_group *g = groups.lookup(&key);
+	if (g)
+		return g;
+
+	u32 idx = KVTRACE_G_NEXT_GROUP;
+	u64 *next = globals.lookup(&idx);
+	if (!next)
+		return 0;
+	struct kvtrace_group init = {};
+	init.index = __sync_fetch_and_add(next, 1);
+	init.leader = layer_id;
+	init.block_size = bs;
+	init.num_blocks = nblocks;
+	if (init.index >= KVTRACE_MAX_GROUPS)
+		global_add(KVTRACE_G_GROUP_FULL, 1);
+	groups.insert(&key, &init); /* BPF_NOEXIST: a racing CPU's entry wins */
+	return groups.lookup(&key);
 }
 
 /*
@@ -320,6 +382,8 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 	u64 truncated = w->n > w->done ? w->n - w->done : 0;
 	if (op == KVTRACE_OP_COPY_BLOCKS || op == KVTRACE_OP_SWAP_BLOCKS)
 		truncated /= 2; /* values -> pairs */
+	if (op == KVTRACE_OP_BLOCK_TABLE)
+		truncated = w->trunc; /* rows not (wholly) read */
 	if (truncated)
 		ev->flags |= KVTRACE_EV_TRUNCATED;
 	if (w->err)
@@ -332,6 +396,22 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 	__sync_fetch_and_add(&st->out_of_range, w->oor);
 	__sync_fetch_and_add(&st->truncated, truncated);
 	__sync_fetch_and_add(&st->read_errors, w->err ? 1 : 0);
+
+	if (op == KVTRACE_OP_BLOCK_TABLE) {
+		struct kvtrace_group_key gkey = {.pid = ev->pid,
+						 .group_id = ev->cache_id};
+		struct kvtrace_group *g = groups.lookup(&gkey);
+		if (g) {
+			__sync_fetch_and_add(&g->requests, w->tab_rows);
+			__sync_fetch_and_add(&g->tokens, w->tokens);
+			__sync_fetch_and_add(&g->reads, ev->items);
+			__sync_fetch_and_add(&g->distinct, ev->slots);
+			__sync_fetch_and_add(&g->null_entries, ev->padding);
+			__sync_fetch_and_add(&g->out_of_range, w->oor);
+			__sync_fetch_and_add(&g->truncated, truncated);
+			__sync_fetch_and_add(&g->read_errors, w->err ? 1 : 0);
+		}
+	}
 
 	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
 		struct kvtrace_cache_key ckey = {.pid = ev->pid,
@@ -527,6 +607,138 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_SIZES);
 }
 
+/*
+ * Stage: count a block table's entries into the group's block_reads row.
+ * Row after row: the row's seq_len, then its ceil(seq_len / block_size)
+ * entries, KVTRACE_TABLE_CHUNK per read.  Per entry, branch-free: one atomic
+ * add to its read counter, and a swap of its last-read step, which also
+ * says whether another request already read it at this step (distinct
+ * blocks: the step's live set).  Only the group's leader layer reads, one
+ * step after the other, so the step stamp needs no atomic.
+ *
+ * The inner loop keeps few values live (the verifier walks it entry by
+ * entry, and every spill to the stack costs instructions there): its three
+ * counts share one register, packed 16 bits apart (at most 128 each).
+ */
+/* A power of two: c % 3 made the verifier walk twice the instructions. */
+#define STREAM_EVERY 2
+#define PACK_OK 1ULL
+#define PACK_FRESH (1ULL << 16)
+#define PACK_REAL (1ULL << 32)
+
+int kvtrace_stage_table(struct pt_regs *ctx)
+{
+	struct work *w;
+	struct chunk *buf;
+	if (stage_state(&w, &buf))
+		return 0;
+	u32 zero = 0;
+	struct table_chunk *tb = table_scratch.lookup(&zero);
+	u32 row_idx = w->row;
+	struct kvtrace_read_row *row = block_reads.lookup(&row_idx);
+	if (!tb || !row)
+		return 0;
+	u64 step = w->step, bs = w->block_size;
+	u64 counted = 0, distinct = 0, real = 0, entries = 0, lost = 0;
+	OPAQUE(step);
+
+	w->rec_start = w->done;
+	u64 col = w->col, row_len = w->row_len, row_addr = w->row_addr;
+	u64 next_row = w->next_row, n = w->n, pos = 0;
+	u64 rows = 0, tokens = 0;
+
+	/*
+	 * One chunk per iteration.  Starting the next row is branch-free too
+	 * (its seq_len is read on every iteration and used only when the row
+	 * before is done): a branch here would make the verifier walk the
+	 * inner loop once per path.
+	 */
+#pragma clang loop unroll(disable)
+	for (u32 c = 0; c < KVTRACE_TABLE_SEGMENT_CHUNKS; c++) {
+		u64 adv = lt(col, row_len) ^ 1; /* this row is done */
+		if (adv & (lt(next_row, n) ^ 1))
+			break; /* and it was the last */
+		s32 seq = 0;
+		bpf_probe_read_user(&seq, sizeof(seq), (void *)(w->seqs + 4 * next_row));
+		u64 sl = (u64)(s64)seq & -lt(0, (u64)(s64)seq) & -lt(seq, 1ULL << 31);
+		/* one division per row (a shift for powers of two would be a
+		 * branch, and the verifier would walk the inner loop twice) */
+		u64 len = (sl + bs - 1) / bs;
+		u64 m = -adv;
+		row_len = (row_len & ~m) | (len & m);
+		row_addr = (row_addr & ~m) | ((w->arr + 4 * w->stride * next_row) & m);
+		col &= ~m;
+		next_row += adv;
+		rows += adv;
+		tokens += sl & m;
+#ifdef KVTRACE_WITH_INDEX_STREAM
+		buf->v[pos & (2 * RECORD_VALUES - 1)] = sl;
+		pos += adv;
+#endif
+		u64 left = row_len - col;
+		/* cnt = min(left, KVTRACE_TABLE_CHUNK), branch-free */
+		u64 cnt = left - ((left - KVTRACE_TABLE_CHUNK) & -lt(KVTRACE_TABLE_CHUNK, left));
+		OPAQUE(cnt);
+		u32 size = (cnt & (2 * KVTRACE_TABLE_CHUNK - 1)) * sizeof(u32);
+		if (bpf_probe_read_user(tb->v, size, (void *)(row_addr + 4 * col))) {
+			w->err = 1;
+			break;
+		}
+		col += cnt;
+		entries += cnt;
+		u64 acc = 0;
+#pragma clang loop unroll(disable)
+		for (u32 i = 0; i < KVTRACE_TABLE_CHUNK; i++) {
+			u64 b = tb->v[i];
+			u64 r = lt(i, cnt) & lt(0, b); /* block 0: the null block */
+			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
+			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
+			__sync_fetch_and_add(&e->reads, ok);
+			u64 old = e->last_step;
+			e->last_step = old ^ ((old ^ step) & -ok);
+			acc += ok * (PACK_OK + PACK_FRESH * lt(0, old ^ step)) + r * PACK_REAL;
+#ifdef KVTRACE_WITH_INDEX_STREAM
+			buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
+#endif
+		}
+		counted += acc & 0xffff;
+		distinct += (acc >> 16) & 0xffff;
+		real += acc >> 32;
+#ifdef KVTRACE_WITH_INDEX_STREAM
+		pos += cnt;
+		/* Every other chunk, send what is waiting (at most 2 * 129
+		 * values, within a record).  c is known on every path, so this
+		 * is no branch for the verifier, as a test of pos would be. */
+		if (c % STREAM_EVERY == STREAM_EVERY - 1) {
+			w->done += pos;
+			lost += emit_chunk(ctx, w, buf);
+			pos = 0;
+		}
+#endif
+	}
+	w->col = col;
+	w->row_len = row_len;
+	w->row_addr = row_addr;
+	w->next_row = next_row;
+	w->tab_rows += rows;
+	w->tokens += tokens;
+	w->done += pos;
+	lost += emit_chunk(ctx, w, buf); /* the rest, if any */
+	if (!w->keep) /* counted into the sink row: none of it is kept */
+		counted = distinct = 0;
+	w->ev.items += counted;
+	w->ev.slots += distinct;
+	w->ev.padding += entries - real;
+	w->oor += real - counted;
+	chunks_lost(w, lost);
+	if (!w->err && (w->next_row < w->n || w->col < w->row_len))
+		stages.call(ctx, KVTRACE_STAGE_TABLE); /* returns only if it failed */
+	/* rows not wholly read: the tail calls ran out, or a read failed */
+	w->trunc = w->n - w->next_row + (w->col < w->row_len ? 1 : 0);
+	w->ev.bytes = w->tokens;
+	return finish(ctx, w);
+}
+
 int kvtrace_site_hit(struct pt_regs *ctx)
 {
 	u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -629,6 +841,35 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.items = n;
 		w->ev.bytes = n * a[2];
 		stage = KVTRACE_STAGE_PAIRS;
+	} else if (op == KVTRACE_OP_BLOCK_TABLE) {
+		/* (table, row_stride, num_reqs, seq_lens, block_size, group_id,
+		 *  num_blocks, layer_id) */
+		u64 bs = a[4];
+		struct kvtrace_group *g = group_of(pid, a[5], a[7], bs, a[6]);
+		if (!g)
+			return 0;
+		__sync_fetch_and_add(&g->layer_calls, 1);
+		/* the group's other layers read the same table at this step:
+		 * counted as calls, the table is read once */
+		if (g->leader != a[7])
+			return 0;
+		w->ev.cache_id = a[5];
+		w->ev.cache_index = g->index;
+		w->step = __sync_fetch_and_add(&g->steps, 1) + 1;
+		w->n = (s64)a[2] > 0 ? a[2] : 0;
+		if (bs == 0 || (s64)bs < 0) { /* unusable: a read error */
+			w->err = 1;
+			w->trunc = w->n;
+			start_record(w);
+			return finish(ctx, w);
+		}
+		w->arr = a[0];
+		w->stride = a[1];
+		w->seqs = a[3];
+		w->block_size = bs;
+		w->keep = g->index < KVTRACE_MAX_GROUPS;
+		w->row = w->keep ? g->index : KVTRACE_MAX_GROUPS; /* the sink */
+		stage = KVTRACE_STAGE_TABLE;
 	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {
 		/* (src_ptrs, dst_ptrs, sizes, count): no block numbers here */
 		u64 n = (s64)a[3] > 0 ? a[3] : 0;
@@ -645,6 +886,7 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		stages.call(ctx, stage);
 	/* reached with nothing to read, or if the stage is missing */
 	w->err = w->n ? 1 : 0;
+	w->trunc = w->n; /* block_table: no row was read */
 	return finish(ctx, w);
 }
 

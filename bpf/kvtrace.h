@@ -105,7 +105,9 @@ enum kvtrace_stage {
  * are counted as truncated.
  */
 #define KVTRACE_TABLE_CHUNK 128
+#ifndef KVTRACE_TABLE_SEGMENT_CHUNKS
 #define KVTRACE_TABLE_SEGMENT_CHUNKS 128
+#endif
 
 /* Limits; the front end may override them with -D at compile time. */
 #ifndef KVTRACE_MAX_BLOCKS
@@ -175,7 +177,7 @@ struct kvtrace_cache {
 };
 
 /* groups: one entry per (process, KV-cache group); reads are counted here
- * and in the group's rows of block_reads / block_last_read */
+ * and in the group's row of block_reads */
 struct kvtrace_group_key {
 	__u32 pid;
 	__u32 pad;
@@ -223,10 +225,22 @@ struct kvtrace_proc {
 	__u32 pad;
 };
 
-/* One row of per-block counters (block_writes, block_moves, block_reads,
- * block_last_read: the group's step number of the block's last read). */
+/* One row of per-block counters (block_writes, block_moves). */
 struct kvtrace_block_row {
 	__u64 count[KVTRACE_MAX_BLOCKS];
+};
+
+/* One row of block_reads: per block, the (request, step) pairs that read
+ * it, and the group's step number (from 1) of its last read, 0 if never:
+ * its age is the group's steps minus that.  Side by side, so that the
+ * per-entry loop keeps one pointer. */
+struct kvtrace_block_read {
+	__u64 reads;
+	__u64 last_step;
+};
+
+struct kvtrace_read_row {
+	struct kvtrace_block_read b[KVTRACE_MAX_BLOCKS];
 };
 
 /* op_log2: log2 histogram of items per op */

@@ -2,8 +2,8 @@
 
 Symbol offsets are checked against binutils' nm, not against pyelftools;
 the tensor layout against a real torch."""
-
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -40,10 +40,35 @@ def test_calls_only_recipe_reads_no_tensor():
     assert [s.val_off for s in specs] == [0, 0, 1, 0, 0]  # no slots, block size 1
 
 
-def test_every_catalog_entry_names_a_known_op_with_five_args():
+def test_every_catalog_entry_names_a_known_op_with_its_probe_arguments():
+    # argument counts as the probe ABI header declares them (STAP_PROBEn)
+    header = abi.PROBE_HEADER.read_text()
+    nargs = {"block_table": int(re.search(r"STAP_PROBE(\d+)\(vllm, block_table", header)[1]),
+             **dict.fromkeys(abi.WRITE_OPS,
+                             int(re.search(r"_KVTRACE_SLOT_PROBE.*\n\s*STAP_PROBE(\d+)",
+                                           header)[1]))}
     for entry in catalog.CATALOG:
         assert entry.op in abi.OPS
-        assert len(catalog.arg_specs(entry.recipe)) == 5
+        assert len(catalog.arg_specs(entry.recipe)) == nargs[entry.op]
+
+
+def test_block_table_recipe_reads_the_stack_argument():
+    entry = next(e for e in catalog.CATALOG if e.op == "block_table")
+    specs = catalog.arg_specs(entry.recipe)
+    SP, R9, RSI = 152, 64, 104  # pt_regs offsets (arch/x86/include/asm/ptrace.h)
+    kinds = {v: k for k, v in abi.ARG_KINDS.items()}
+    # block_table is the 11th argument, the 5th on the stack: [sp + 0x20]
+    assert [(kinds[s.kind], s.reg_off, s.val_off) for s in specs] == [
+        ("stack_tensor_data", SP, 0x20 << 32 | 4),    # table, int32
+        ("stack_tensor_stride", SP, 0x20 << 32 | 0),  # row stride
+        ("tensor_size", R9, 0),                       # num_reqs = seq_lens.size(0)
+        ("tensor_data", R9, 4),                       # seq_lens, int32
+        ("tensor_size", RSI, 2),                      # key_cache.size(2): block size
+        ("stack_tensor_data", SP, 0x20 << 32 | 1),    # group id: the table's address
+        ("tensor_size", RSI, 0),                      # key_cache.size(0): blocks
+        ("tensor_data", RSI, 1)]                      # layer id: key_cache's address
+    calls_only = catalog.arg_specs(entry.recipe, calls_only=True)
+    assert [s.val_off for s in calls_only] == [0, 0, 0, 0, 1, 0, 0, 0]
 
 
 def test_only_vllm_extension_libraries_are_considered():
@@ -172,7 +197,8 @@ def test_process_probe_files_finds_stock_sites():
         assert p.stdout.readline().strip() == "up"
         files = process_probe_files(p.pid)
         (path,) = [f for f in files if f.endswith("_C_AVX2.abi3.so")]
-        assert {s.name for s in files[path]} == {"cpu_attn_reshape_and_cache"}
+        # the write op, and the attention op that reads the block table
+        assert {s.name for s in files[path]} == {"cpu_attn_reshape_and_cache", "block_table"}
     finally:
         p.kill()
         p.wait()

@@ -33,6 +33,7 @@ PT_REGS = {name: 8 * i for i, name in enumerate(PT_REGS_FIELDS)}
 
 U64 = 2**64
 CONST, REG, DEREF, TENSOR_DATA, TENSOR_SIZE = 0, 1, 2, 3, 4  # enum kvtrace_arg_kind
+TENSOR_STRIDE, STACK_DATA, STACK_SIZE, STACK_STRIDE = 5, 6, 7, 8
 
 
 # -- parse_sdt_arg -----------------------------------------------------------
@@ -40,7 +41,12 @@ CONST, REG, DEREF, TENSOR_DATA, TENSOR_SIZE = 0, 1, 2, 3, 4  # enum kvtrace_arg_
 def test_arg_kind_values_match_header():
     # the numbers below are the ones in bpf/kvtrace.h, written by hand
     assert abi.ARG_KINDS == {"const": CONST, "reg": REG, "reg_deref": DEREF,
-                             "tensor_data": TENSOR_DATA, "tensor_size": TENSOR_SIZE}
+                             "tensor_data": TENSOR_DATA, "tensor_size": TENSOR_SIZE,
+                             "tensor_stride": TENSOR_STRIDE, "stack_tensor_data": STACK_DATA,
+                             "stack_tensor_size": STACK_SIZE,
+                             "stack_tensor_stride": STACK_STRIDE}
+    # the BPF side maps a stack kind to its register twin by subtraction
+    assert STACK_DATA - TENSOR_DATA == STACK_SIZE - TENSOR_SIZE == STACK_STRIDE - TENSOR_STRIDE
 
 
 @pytest.mark.parametrize("reg,field", [

@@ -37,6 +37,42 @@ class Layer:
     writes: np.ndarray  # uint64 per block: slots written into it
 
 
+GROUP_COUNTERS = ("steps", "layer_calls", "requests", "tokens", "reads", "distinct",
+                  "null_entries", "out_of_range", "truncated", "read_errors")
+
+
+@dataclass
+class ReadGroup:
+    """Reads of one KV-cache group of one process (the vllm:block_table
+    probe, docs/access.md).  Counted once per step for the group, at its
+    leader layer; per-layer reads are reads x layers."""
+
+    pid: int
+    group: int  # order of first appearance in the process
+    group_id: int
+    index: int
+    block_size: int
+    num_blocks: int
+    steps: int        # forward steps seen (tables read)
+    layer_calls: int  # calls of all the group's layers
+    requests: int     # request rows, summed over steps
+    tokens: int       # seq_len summed over rows and steps
+    reads: int        # (request, block) reads, summed over steps
+    distinct: int     # distinct blocks read per step, summed over steps
+    null_entries: int
+    out_of_range: int
+    truncated: int
+    read_errors: int
+    reads_per_block: np.ndarray  # uint64 per block
+    last_read_step: np.ndarray   # uint64 per block: step of its last read, 0 never
+
+    @property
+    def layers(self) -> float:
+        """Layers calling per step: layer_calls / steps (exact when every
+        layer runs every step, as in vLLM)."""
+        return self.layer_calls / self.steps if self.steps else 0.0
+
+
 @dataclass
 class Process:
     pid: int
@@ -48,6 +84,7 @@ class Process:
     tier: str = ""  # 'usdt', 'uprobe' (stock vLLM) or 'none'
     parent: int = 0  # the traced process's parent pid (0: the root)
     calls_only: bool = False  # stock uprobes without a tensor layout
+    groups: list = field(default_factory=list)  # ReadGroup: reads per KV-cache group
 
     @property
     def num_blocks(self) -> int:
@@ -121,6 +158,20 @@ class Aggregate:
                     pid, n, int(c["cache_id"]), int(c["index"]), c["op"],
                     int(c["block_size"]), nb, int(c["calls"]), int(c["slots"]),
                     int(c["padding"]), int(c["out_of_range"]), writes))
+        by_pid = {}
+        for g in raw.get("groups", []):
+            by_pid.setdefault(g["pid"], []).append(g)
+        for pid, groups in by_pid.items():
+            for n, g in enumerate(sorted(groups, key=lambda g: g["index"])):
+                nb = int(g["num_blocks"])
+                arrays = []
+                for name in ("reads_per_block", "last_read_step"):
+                    a = g.get(name)
+                    arrays.append(_trim(a, min(nb, len(a))) if a is not None
+                                  else np.zeros(0, dtype=np.uint64))
+                proc(pid).groups.append(ReadGroup(
+                    pid, n, int(g["group_id"]), int(g["index"]), int(g["block_size"]), nb,
+                    *(int(g[k]) for k in GROUP_COUNTERS), *arrays))
         for (pid, op), st in raw["op_stats"].items():
             proc(pid).ops[op] = {k: int(st.get(k, 0)) for k in OP_COUNTERS}
         for pid, rows in raw.get("moves", {}).items():
@@ -160,6 +211,9 @@ class Aggregate:
                 reasons.append(f"{n} {what}")
         if self.globals.get("cache_full"):
             reasons.append(f"{self.globals['cache_full']} layers beyond --max-layers")
+        if self.globals.get("group_full"):
+            reasons.append(f"{self.globals['group_full']} KV-cache groups beyond the "
+                           "read rows (their reads are not counted per block)")
         if self.globals.get("missed_hits"):
             reasons.append(f"{self.globals['missed_hits']} probe hits the kernel skipped "
                            "(another BPF program was running on that CPU)")
@@ -187,6 +241,13 @@ class Aggregate:
                     "calls": l.calls, "slots": l.slots, "padding": l.padding,
                     "out_of_range": l.out_of_range, "writes": sparse(l.writes),
                 } for l in p.layers],
+                "groups": [{
+                    "group": g.group, "group_id": g.group_id, "block_size": g.block_size,
+                    "num_blocks": g.num_blocks,
+                    **{k: getattr(g, k) for k in GROUP_COUNTERS},
+                    "reads_per_block": sparse(g.reads_per_block),
+                    "last_read_step": sparse(g.last_read_step),
+                } for g in p.groups],
                 "blocks": {"num_blocks": p.num_blocks, "tokens": sparse(p.tokens),
                            **{k: sparse(v) for k, v in p.moves.items()}},
             })

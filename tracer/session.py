@@ -131,7 +131,7 @@ class Tracer:
 
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
                  max_caches: int = abi.DEFAULT_MAX_CACHES,
-                 max_procs: int = DEFAULT_MAX_PROCS,
+                 max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
                  stacks: bool = False, perf_pages: int = 64, index_stream: bool = False,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY):
         check_privileges()
@@ -141,8 +141,10 @@ class Tracer:
         if max_blocks & (max_blocks - 1):
             max_blocks = 1 << max_blocks.bit_length()  # the BPF side masks
         self.max_blocks, self.max_caches, self.max_procs = max_blocks, max_caches, max_procs
+        self.max_groups = max_groups
         cflags = [f"-I{abi.BPF_DIR}", f"-DKVTRACE_MAX_BLOCKS={max_blocks}",
-                  f"-DKVTRACE_MAX_CACHES={max_caches}", f"-DKVTRACE_MAX_PROCS={max_procs}"]
+                  f"-DKVTRACE_MAX_CACHES={max_caches}", f"-DKVTRACE_MAX_PROCS={max_procs}",
+                  f"-DKVTRACE_MAX_GROUPS={max_groups}"]
         if stacks:
             cflags.append("-DKVTRACE_WITH_STACKS")
         if index_stream:  # the slot/pair chunks (record, attach -o); off costs nothing
@@ -177,6 +179,13 @@ class Tracer:
         self._writes_map = self._mmap(self.bpf["block_writes"], max_caches * row_bytes)
         self._moves_map = self._mmap(self.bpf["block_moves"],
                                      max_procs * len(abi.MOVES) * row_bytes)
+        # reads: one row per (process, KV-cache group), and the sink row
+        # (bpf/kvtrace.h struct kvtrace_read_row: (reads, last_step) per block)
+        self._reads_map = self._mmap(self.bpf["block_reads"], (max_groups + 1) * 2 * row_bytes)
+        read_rows = np.frombuffer(self._reads_map, dtype=np.uint64,
+                                  count=max_groups * max_blocks * 2
+                                  ).reshape(max_groups, max_blocks, 2)
+        self.reads, self.last_read = read_rows[:, :, 0], read_rows[:, :, 1]
         self.writes = np.frombuffer(self._writes_map, dtype=np.uint64,
                                     count=max_caches * max_blocks).reshape(max_caches, max_blocks)
         self.moves = np.frombuffer(self._moves_map, dtype=np.uint64,
@@ -290,7 +299,8 @@ class Tracer:
                 site.nargs = len(specs)
                 if tensor_layout is not None:
                     for name, _ in site.tensor._fields_:
-                        setattr(site.tensor, name, getattr(tensor_layout, name))
+                        if not name.startswith("pad"):
+                            setattr(site.tensor, name, getattr(tensor_layout, name))
                 for i, spec in enumerate(specs):
                     site.args[i].kind = spec.kind
                     site.args[i].reg_off = spec.reg_off
@@ -331,8 +341,8 @@ class Tracer:
     def close(self):
         self.detach()
         # numpy views first: an mmap with live views cannot close
-        self.writes = self.moves = None
-        for m in (self._writes_map, self._moves_map):
+        self.writes = self.moves = self.reads = self.last_read = None
+        for m in (self._writes_map, self._moves_map, self._reads_map):
             m.close()
         # let bcc free the perf buffer while its map is still open
         self._events = None
@@ -371,6 +381,15 @@ class Tracer:
         for c in caches:
             if c["index"] < self.max_caches:
                 c["writes"] = self.writes[c["index"]].copy()
+        groups = []
+        for k, v in self.bpf["groups"].items():
+            g = dict(pid=k.pid, group_id=k.group_id,
+                     **{name: int(getattr(v, name)) for name, _ in v._fields_
+                        if not name.startswith("pad")})
+            if g["index"] < self.max_groups:
+                g["reads_per_block"] = self.reads[g["index"]].copy()
+                g["last_read_step"] = self.last_read[g["index"]].copy()
+            groups.append(g)
         op_stats = {}
         for k, v in self.bpf["op_stats"].items():
             op_stats[(k.pid, abi.OP_NAMES.get(k.op, str(k.op)))] = {
@@ -389,7 +408,8 @@ class Tracer:
                                k.cache_index, v.value))
         glob = self.read_globals()
         glob["missed_hits"] = self.prog_misses()
-        return dict(time=time.monotonic(), caches=caches, op_stats=op_stats, log2=log2,
+        return dict(time=time.monotonic(), caches=caches, groups=groups, op_stats=op_stats,
+                    log2=log2,
                     moves=moves, stacks=stacks, globals=glob, records=self.records,
                     lost=max(self.lost, glob["records_lost"]))
 

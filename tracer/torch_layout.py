@@ -69,6 +69,8 @@ def layout(offset, sizes, foreign):
         "impl_storage_offset": only(iw, lambda i: iw[i] == offset, "storage offset"),
         "impl_sizes": only(iw, lambda i: i + n <= len(iw) and list(iw[i:i + n]) == list(sizes),
                            "sizes"),
+        "impl_strides": only(iw, lambda i: i + n <= len(iw) and list(iw[i:i + n]) == strides,
+                             "strides"),
     }
     # the data pointer the BPF side computes must be the tensor's own
     if sw[found["storage_data"] // 8] + 8 * iw[found["impl_storage_offset"] // 8] != t.data_ptr():
@@ -91,6 +93,7 @@ class TensorLayout:
     storage_data: int
     impl_storage_offset: int
     impl_sizes: int
+    impl_strides: int  # a block table's row stride (reads)
     torch: str = "?"
 
 
