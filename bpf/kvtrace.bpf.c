@@ -94,7 +94,7 @@ struct work {
 	u64 row_addr;    /* user address of the current row */
 	u64 col, row_len; /* entries of the current row read, and to read */
 	u64 step;        /* the group's step number of this op */
-	u64 tab_rows, tokens, trunc;
+	u64 tokens, nulls, gap, trunc;
 };
 BPF_PERCPU_ARRAY(work, struct work, 1);
 
@@ -402,11 +402,12 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 						 .group_id = ev->cache_id};
 		struct kvtrace_group *g = groups.lookup(&gkey);
 		if (g) {
-			__sync_fetch_and_add(&g->requests, w->tab_rows);
+			__sync_fetch_and_add(&g->requests, ev->rows);
 			__sync_fetch_and_add(&g->tokens, w->tokens);
 			__sync_fetch_and_add(&g->reads, ev->items);
 			__sync_fetch_and_add(&g->distinct, ev->slots);
-			__sync_fetch_and_add(&g->null_entries, ev->padding);
+			__sync_fetch_and_add(&g->held_tokens, ev->held_tokens);
+			__sync_fetch_and_add(&g->null_entries, w->nulls);
 			__sync_fetch_and_add(&g->out_of_range, w->oor);
 			__sync_fetch_and_add(&g->truncated, truncated);
 			__sync_fetch_and_add(&g->read_errors, w->err ? 1 : 0);
@@ -616,6 +617,10 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
  * blocks: the step's live set).  Only the group's leader layer reads, one
  * step after the other, so the step stamp needs no atomic.
  *
+ * Tokens held in the step's live set: every distinct block holds
+ * block_size tokens but a row's last one, which holds what is left of its
+ * seq_len; the gap is counted when the row's last entry is a fresh block.
+ *
  * The inner loop keeps few values live (the verifier walks it entry by
  * entry, and every spill to the stack costs instructions there): its three
  * counts share one register, packed 16 bits apart (at most 128 each).
@@ -639,7 +644,8 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 	if (!tb || !row)
 		return 0;
 	u64 step = w->step, bs = w->block_size;
-	u64 counted = 0, distinct = 0, real = 0, entries = 0, lost = 0;
+	u64 counted = 0, distinct = 0, real = 0, entries = 0, lost = 0, gaps = 0;
+	u64 gap = w->gap;
 	OPAQUE(step);
 
 	w->rec_start = w->done;
@@ -666,6 +672,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 		u64 len = (sl + bs - 1) / bs;
 		u64 m = -adv;
 		row_len = (row_len & ~m) | (len & m);
+		gap = (gap & ~m) | ((len * bs - sl) & m); /* the last block's room */
 		row_addr = (row_addr & ~m) | ((w->arr + 4 * w->stride * next_row) & m);
 		col &= ~m;
 		next_row += adv;
@@ -686,20 +693,36 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 		}
 		col += cnt;
 		entries += cnt;
+		/* the row's last entry, if it is in this chunk, is counted
+		 * after the loop, alone: its block's fill is what is left */
+		u64 end = (lt(col, row_len) ^ 1) & lt(0, cnt);
+		u64 body = cnt - end;
 		u64 acc = 0;
 #pragma clang loop unroll(disable)
 		for (u32 i = 0; i < KVTRACE_TABLE_CHUNK; i++) {
 			u64 b = tb->v[i];
-			u64 r = lt(i, cnt) & lt(0, b); /* block 0: the null block */
+			u64 r = lt(i, body) & lt(0, b); /* block 0: the null block */
 			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
 			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
 			__sync_fetch_and_add(&e->reads, ok);
 			u64 old = e->last_step;
 			e->last_step = old ^ ((old ^ step) & -ok);
-			acc += ok * (PACK_OK + PACK_FRESH * lt(0, old ^ step)) + r * PACK_REAL;
+			acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) + r * PACK_REAL;
 #ifdef KVTRACE_WITH_INDEX_STREAM
 			buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
 #endif
+		}
+		{
+			u64 b = tb->v[(cnt - 1) & (2 * KVTRACE_TABLE_CHUNK - 1)];
+			u64 r = end & lt(0, b);
+			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
+			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
+			__sync_fetch_and_add(&e->reads, ok);
+			u64 old = e->last_step;
+			u64 fresh = ok & lt(0, old ^ step);
+			e->last_step = old ^ ((old ^ step) & -ok);
+			acc += ok * PACK_OK + PACK_FRESH * fresh + r * PACK_REAL;
+			gaps += gap & -fresh;
 		}
 		counted += acc & 0xffff;
 		distinct += (acc >> 16) & 0xffff;
@@ -720,15 +743,18 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 	w->row_len = row_len;
 	w->row_addr = row_addr;
 	w->next_row = next_row;
-	w->tab_rows += rows;
+	w->gap = gap;
+	w->ev.rows += rows;
 	w->tokens += tokens;
 	w->done += pos;
 	lost += emit_chunk(ctx, w, buf); /* the rest, if any */
 	if (!w->keep) /* counted into the sink row: none of it is kept */
-		counted = distinct = 0;
+		counted = distinct = gaps = 0;
 	w->ev.items += counted;
 	w->ev.slots += distinct;
-	w->ev.padding += entries - real;
+	w->ev.held_tokens += distinct * bs - gaps;
+	w->ev.padding += entries - counted;
+	w->nulls += entries - real;
 	w->oor += real - counted;
 	chunks_lost(w, lost);
 	if (!w->err && (w->next_row < w->n || w->col < w->row_len))

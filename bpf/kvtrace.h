@@ -196,6 +196,7 @@ struct kvtrace_group {
 	__u64 tokens;      /* seq_len summed over rows and steps */
 	__u64 reads;       /* entries counted: (request, block) reads */
 	__u64 distinct;    /* distinct blocks read at a step, summed over steps */
+	__u64 held_tokens; /* tokens in those blocks, summed over steps */
 	__u64 null_entries; /* entries of block 0 (padding, outside the window) */
 	__u64 out_of_range; /* entries >= KVTRACE_MAX_BLOCKS or no row left */
 	__u64 truncated;    /* entries beyond what one step can read */
@@ -277,8 +278,10 @@ enum kvtrace_rec {
  * call that read the table (the group's leader layer), with
  *   cache_id = group_id, cache_index = group index,
  *   items = entries counted (request-block reads), slots = distinct blocks
- *   read (the step's live set), padding = null entries, bytes = sum of
- *   seq_len (tokens), flags as for the other ops;
+ *   read (the step's live set), padding = entries not counted (null or
+ *   out of range), bytes = sum of seq_len (tokens), rows, held_tokens =
+ *   tokens in the distinct blocks (each block's fill as its first reader
+ *   at the step sees it), flags as for the other ops;
  * and its index stream is, row after row, the row's seq_len followed by its
  * ceil(seq_len / block_size) entries (null entries included).
  */
@@ -298,6 +301,8 @@ struct kvtrace_event {
 	__u64 bytes;
 	__s32 stack_id;
 	__u32 flags; /* KVTRACE_EV_* */
+	__u64 rows;        /* block_table only: request rows read */
+	__u64 held_tokens; /* block_table only: tokens held in the blocks read */
 };
 
 #define KVTRACE_EV_TRUNCATED 1 /* more items than the per-op read limit */

@@ -38,7 +38,7 @@ class Layer:
 
 
 GROUP_COUNTERS = ("steps", "layer_calls", "requests", "tokens", "reads", "distinct",
-                  "null_entries", "out_of_range", "truncated", "read_errors")
+                  "held_tokens", "null_entries", "out_of_range", "truncated", "read_errors")
 
 
 @dataclass
@@ -59,6 +59,7 @@ class ReadGroup:
     tokens: int       # seq_len summed over rows and steps
     reads: int        # (request, block) reads, summed over steps
     distinct: int     # distinct blocks read per step, summed over steps
+    held_tokens: int  # tokens in those blocks, summed over steps
     null_entries: int
     out_of_range: int
     truncated: int

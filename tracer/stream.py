@@ -33,6 +33,7 @@ VALUE = np.dtype("<i8")
 # ops whose index array is streamed, and how many int64s per item
 WRITE_OP_IDS = frozenset(abi.OPS[o] for o in abi.WRITE_OPS)
 PAIR_OP_IDS = frozenset((abi.OPS["copy_blocks"], abi.OPS["swap_blocks"]))
+TABLE_OP_ID = abi.OPS["block_table"]
 _BAD_FLAGS = abi.EV_TRUNCATED | abi.EV_READ_ERROR | abi.EV_CHUNKS_LOST
 
 # the decoded op table: the op record's fields, then where its values are
@@ -121,12 +122,19 @@ class OpStream:
 
 
 def expected_values(ops: np.ndarray) -> np.ndarray:
-    """How many index values each op streams when nothing is lost."""
+    """How many index values each op streams when nothing is lost.  A
+    block-table op streams each row's seq_len and then its entries, counted
+    or not (bpf/kvtrace.h); trace files from before reads have no rows."""
     op = ops["op"]
     items = ops["items"].astype(np.int64)
     per = np.where(np.isin(op, list(WRITE_OP_IDS)), 1,
                    np.where(np.isin(op, list(PAIR_OP_IDS)), 2, 0))
-    return items * per
+    want = items * per
+    if "rows" in (ops.dtype.names or ()):
+        table = op == TABLE_OP_ID
+        want = np.where(table, ops["rows"].astype(np.int64) + items +
+                        ops["padding"].astype(np.int64), want)
+    return want
 
 
 def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
@@ -174,7 +182,8 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
 
     ops = np.zeros(len(ev), dtype=OP_TABLE)
     for name in OP_TABLE.names[:-3]:
-        ops[name] = ev[name]
+        if name in ev.dtype.names:  # an older file's records lack the newer fields
+            ops[name] = ev[name]
     want = expected_values(ev)
     got = np.where(found, g_count[pos_c] if len(useq) else 0, 0)
     ops["start"] = np.where(found, g_start[pos_c] if len(useq) else 0, 0)

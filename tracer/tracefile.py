@@ -163,6 +163,16 @@ class Trace:
         """pid -> the latest "process" document (comm, cmdline, probe files)."""
         return {m["pid"]: m for m in self.latest("process")}
 
+    @property
+    def groups(self) -> list:
+        """Every KV-cache group whose reads were seen: pid, group_id, index,
+        block_size, num_blocks (none in a trace from before reads)."""
+        seen = {}
+        for m in self.latest("groups"):
+            for g in m["groups"]:
+                seen[(g["pid"], g["group_id"])] = g
+        return sorted(seen.values(), key=lambda g: (g["pid"], g["index"]))
+
     def layers(self) -> dict:
         """(pid, cache_id) -> layer number: order of first appearance in the
         process, as in the live view and attach --json."""
@@ -361,6 +371,12 @@ def _check_doc(doc: dict, want: str = None):
             _need(c, "index", int, "cache", _U32), _need(c, "op", str, "cache"),
             _need(c, "block_size", int, "cache", (0, MAX_BLOCK_SIZE)),
             _need(c, "num_blocks", int, "cache", (0, MAX_BLOCKS))), "caches")
+    elif kind == "groups":
+        _list_of(_need(doc, "groups", list, "groups"), lambda g: (
+            _need(g, "pid", int, "group", _U32), _need(g, "group_id", int, "group", _U64),
+            _need(g, "index", int, "group", _U32),
+            _need(g, "block_size", int, "group", (0, MAX_BLOCK_SIZE)),
+            _need(g, "num_blocks", int, "group", (0, MAX_BLOCKS))), "groups")
     elif kind == "end":
         agg = _need(doc, "aggregate", dict, "end record", optional=True)
         if agg is not None:
@@ -376,6 +392,12 @@ def _check_doc(doc: dict, want: str = None):
     # other kinds: written by a later tracer of the same version; not read
 
 
+# Fields added to a record after files were written without them: such a
+# file still reads (stream.decode leaves them 0; a file from before reads has
+# no block_table op, whose fields they are).
+_NEWER_FIELDS = {"event": ("rows", "held_tokens")}
+
+
 def _layout(doc, ours: np.dtype, what: str) -> np.dtype:
     """A record layout from the file: a dtype with at least our fields, each
     an integer of the same kind and size as ours (their offsets may differ)."""
@@ -384,6 +406,8 @@ def _layout(doc, ours: np.dtype, what: str) -> np.dtype:
     except (TypeError, ValueError, KeyError, IndexError, RecursionError):
         raise ValueError(f"the {what} layout is not a record layout") from None
     for name in ours.names:
+        if name not in (dt.names or ()) and name in _NEWER_FIELDS.get(what, ()):
+            continue
         if name not in (dt.names or ()) or dt.fields[name][0] != ours.fields[name][0]:
             raise ValueError(f"the {what} layout lacks {name!r} as {ours.fields[name][0]}")
     if dt.itemsize <= 0 or dt.itemsize > 4096:
@@ -474,6 +498,7 @@ class Recorder:
         self.flush_s, self.flush_bytes = flush_s, flush_bytes
         self._next = time.monotonic() + flush_s
         self._caches = {}
+        self._groups = {}
         self._procs = {}
 
     def _describe(self):
@@ -494,6 +519,15 @@ class Recorder:
                 new.append(c)
         if new:
             self.writer.meta("caches", {"caches": new})
+        new = []
+        for k, v in self.tracer.bpf["groups"].items():
+            g = {"pid": k.pid, "group_id": k.group_id, "index": v.index,
+                 "block_size": v.block_size, "num_blocks": v.num_blocks}
+            if self._groups.get((k.pid, k.group_id)) != g:
+                self._groups[(k.pid, k.group_id)] = g
+                new.append(g)
+        if new:
+            self.writer.meta("groups", {"groups": new})
 
     def tick(self, force: bool = False):
         now = time.monotonic()

@@ -1,0 +1,218 @@
+"""Access patterns: which blocks attention reads, how often, how long each
+sits idle (docs/access.md).  Pure logic (numpy), no bcc.
+
+Two sources, one vocabulary:
+  - the exact counters (BPF maps, aggregate.ReadGroup): reads per block, the
+    step of each block's last read, and per-group sums; what `attach` shows;
+  - the stream (a trace file's block_table ops): each step's live set, row
+    by row, with its time; what `report` shows over time.
+
+DAMON's names where they fit: a block's access frequency is its
+`nr_accesses` (here exact, not sampled), its age is the time since its
+last read, and the working set is the set of distinct blocks read.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import stream
+
+PERCENTILES = (0, 25, 50, 75, 90, 99, 100)
+
+
+# -- the exact counters ----------------------------------------------------------
+
+def frequency_histogram(reads_per_block: np.ndarray) -> list:
+    """[(lo, hi, blocks)]: blocks by how many reads they had, in log2
+    buckets (0 reads: blocks never read, up to the highest block read)."""
+    nz = np.flatnonzero(reads_per_block)
+    if not len(nz):
+        return []
+    counts = reads_per_block[:nz[-1] + 1].astype(np.uint64)
+    out = [(0, 0, int((counts == 0).sum()))]
+    read = counts[counts > 0]
+    slot = np.floor(np.log2(read.astype(np.float64))).astype(np.int64)
+    for s, n in zip(*np.unique(slot, return_counts=True)):
+        out.append((1 << int(s), (1 << (int(s) + 1)) - 1, int(n)))
+    return out
+
+
+def hottest(reads_per_block: np.ndarray, n: int = 5) -> list:
+    """[(block, reads)] of the n most read blocks, most first."""
+    nz = np.flatnonzero(reads_per_block)
+    order = nz[np.argsort(-reads_per_block[nz].astype(np.int64), kind="stable")][:n]
+    return [(int(b), int(reads_per_block[b])) for b in order]
+
+
+def coldest(reads_per_block: np.ndarray, n: int = 5) -> list:
+    """[(block, reads)] of the n least read blocks among those read at all."""
+    nz = np.flatnonzero(reads_per_block)
+    order = nz[np.argsort(reads_per_block[nz].astype(np.int64), kind="stable")][:n]
+    return [(int(b), int(reads_per_block[b])) for b in order]
+
+
+def age_steps(last_read_step: np.ndarray, steps: int) -> np.ndarray:
+    """Per block read at least once: steps since its last read (0: read at
+    the latest step), -1 for blocks never read."""
+    last = last_read_step.astype(np.int64)
+    return np.where(last > 0, steps - last, -1)
+
+
+def group_summary(g) -> dict:
+    """The figures of one aggregate.ReadGroup, for views and JSON."""
+    steps = g.steps
+    return {
+        "steps": steps,
+        "layers": round(g.layers, 3),
+        "reads_per_step": g.reads / steps if steps else 0.0,
+        "distinct_per_step": g.distinct / steps if steps else 0.0,
+        "blocks_ever_read": int(np.count_nonzero(g.reads_per_block)),
+        # mean requests reading a live block at a step: 1 without sharing
+        "sharing": g.reads / g.distinct if g.distinct else 0.0,
+        # tokens held in the live set over its capacity, over all steps
+        "utilization": g.held_tokens / (g.distinct * g.block_size)
+        if g.distinct and g.block_size else None,
+    }
+
+
+# -- the stream --------------------------------------------------------------------
+
+@dataclass
+class Steps:
+    """The block_table ops of one group (one per forward step), in order."""
+
+    pid: int
+    group_id: int
+    block_size: int
+    ts_ns: np.ndarray
+    rows: np.ndarray
+    reads: np.ndarray
+    distinct: np.ndarray  # the step's live set size (working set of the step)
+    tokens: np.ndarray  # sum of seq_len
+    held_tokens: np.ndarray
+    complete: np.ndarray  # the op's live set arrived whole
+    index: np.ndarray  # the ops' positions in the OpStream
+
+    def __len__(self):
+        return len(self.ts_ns)
+
+    @property
+    def utilization(self) -> np.ndarray:
+        """Per step: tokens held in the blocks read over their capacity."""
+        cap = self.distinct.astype(np.float64) * self.block_size
+        return np.divide(self.held_tokens.astype(np.float64), cap,
+                         out=np.full(len(cap), np.nan), where=cap > 0)
+
+
+def steps_of(ops: stream.OpStream, groups: list) -> list:
+    """One Steps per group (groups: the trace's group documents)."""
+    o = ops.ops
+    is_table = o["op"] == stream.TABLE_OP_ID
+    out = []
+    for g in groups:
+        sel = np.flatnonzero(is_table & (o["pid"] == g["pid"]) & (o["cache_id"] == g["group_id"]))
+        t = o[sel]
+        out.append(Steps(g["pid"], g["group_id"], int(g["block_size"]),
+                         t["ts_ns"].astype(np.int64), t["rows"].astype(np.int64),
+                         t["items"].astype(np.int64), t["slots"].astype(np.int64),
+                         t["bytes"].astype(np.int64), t["held_tokens"].astype(np.int64),
+                         t["complete"].copy(), sel))
+    return out
+
+
+def live_set(values: np.ndarray, block_size: int) -> list:
+    """One block_table op's streamed values as rows: [(seq_len, blocks)],
+    blocks as the table held them (0: the null block).  The stream is,
+    row after row, seq_len then ceil(seq_len / block_size) entries."""
+    rows, pos, n = [], 0, len(values)
+    while pos < n:
+        seq = int(values[pos])
+        length = -(-seq // block_size) if block_size else 0
+        rows.append((seq, values[pos + 1:pos + 1 + length]))
+        pos += 1 + length
+    return rows
+
+
+def step_entries(ops: stream.OpStream, steps: Steps) -> tuple:
+    """(step number per entry, block per entry) over the complete steps,
+    null entries left out: every (request, block) read, in step order."""
+    idx, blocks = [], []
+    for k, i in enumerate(steps.index):
+        if not steps.complete[k]:
+            continue
+        for _, row in live_set(ops.values_of(i), steps.block_size):
+            row = row[row > 0]
+            blocks.append(row)
+            idx.append(np.full(len(row), k, np.int64))
+    if not blocks:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(idx), np.concatenate(blocks).astype(np.int64)
+
+
+def wss_percentiles(distinct: np.ndarray) -> list:
+    """[(percentile, blocks)] of the per-step working-set size, as `damo
+    report wss` gives them."""
+    if not len(distinct):
+        return []
+    return [(p, int(np.percentile(distinct, p, method="lower"))) for p in PERCENTILES]
+
+
+def sharing_by_block(step_of: np.ndarray, block: np.ndarray) -> np.ndarray:
+    """Per block: the most requests that read it at one step."""
+    if not len(block):
+        return np.zeros(0, np.int64)
+    key = step_of * (int(block.max()) + 1) + block
+    uk, counts = np.unique(key, return_counts=True)
+    out = np.zeros(int(block.max()) + 1, np.int64)
+    np.maximum.at(out, uk % (int(block.max()) + 1), counts)
+    return out
+
+
+def last_read_ns(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray) -> np.ndarray:
+    """Per block: the time of its last read (0: never read)."""
+    if not len(block):
+        return np.zeros(0, np.int64)
+    out = np.zeros(int(block.max()) + 1, np.int64)
+    np.maximum.at(out, block, ts_ns[step_of])
+    return out
+
+
+def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
+                      gen_block: np.ndarray, gen_start_ns: np.ndarray) -> np.ndarray:
+    """For every block generation that starts after the block was read:
+    how long (ns) the block sat unread between its last read and the new
+    generation's first write (a new request reusing it)."""
+    if not len(block) or not len(gen_block):
+        return np.zeros(0, np.int64)
+    t = ts_ns[step_of]
+    order = np.lexsort((t, block))
+    rb, rt = block[order], t[order]
+    # for each generation: the last read of its block strictly before it
+    # starts (reads sorted by block, then time: one search per generation)
+    first = np.searchsorted(rb, gen_block, "left")
+    last = np.searchsorted(rb, gen_block, "right")
+    out = []
+    for b0, b1, start in zip(first, last, gen_start_ns):
+        if b0 == b1:
+            continue
+        k = np.searchsorted(rt[b0:b1], start, "left")
+        if k:
+            out.append(int(start) - int(rt[b0 + k - 1]))
+    return np.array(out, np.int64)
+
+
+def read_heatmap(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
+                 rows: int, cols: int, time_range: tuple, block_range: tuple) -> np.ndarray:
+    """rows x cols reads: time (ts of each entry's step) by block."""
+    t0, t1 = time_range
+    b0, b1 = block_range
+    grid = np.zeros((rows, cols), np.uint64)
+    if not len(block) or t1 <= t0 or b1 <= b0:
+        return grid
+    t = ts_ns[step_of]
+    keep = (t >= t0) & (t < t1) & (block >= b0) & (block < b1)
+    r = ((t[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
+    c = ((block[keep] - b0) * cols // (b1 - b0)).astype(np.int64)
+    np.add.at(grid, (r, c), 1)
+    return grid
