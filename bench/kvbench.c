@@ -10,6 +10,10 @@
  *       probe compiled in (kvbench) and compiled out (kvbench-noprobes,
  *       -DKVTRACE_DISABLE_PROBES), so that the site's own cost shows.
  *
+ *   kvbench loop --table --ops N --reps R --slots E1,E2,...
+ *       The same loop over an attention-like op instead: one request row
+ *       of E block-table entries, behind the vllm:block_table site (reads).
+ *
  *   kvbench rate --slots S --rate SLOTS_PER_S --duration-ms MS --truth FILE
  *       Offers slots at a paced rate (0: as fast as it can) for SEC seconds
  *       and writes its own ground truth (slots written per block) to FILE.
@@ -78,6 +82,37 @@ __attribute__((noipa)) static void reshape_and_cache(const int64_t *slots,
 	}
 }
 
+/* The read op: block_table site first, then an attention-like read of one
+ * request's n blocks (8 bytes of each: the site's cost shows, not the
+ * attention's).  Blocks from 1: block 0 is the null block. */
+static int32_t table_buf[MAX_SLOTS];
+
+__attribute__((noipa)) static uint64_t attention(const int32_t *table, int64_t n)
+{
+	int32_t seq_len __attribute__((unused)) = (int32_t)(n * BLOCK_SIZE);
+	if (KVTRACE_ENABLED(block_table))
+		KVTRACE_BLOCK_TABLE(table, n, 1, &seq_len, BLOCK_SIZE, (uintptr_t)table,
+				    NUM_BLOCKS, (uintptr_t)kv);
+	uint64_t sum = 0;
+	for (int64_t i = 0; i < n; i++) {
+		uint64_t v;
+		memcpy(&v, kv + (size_t)table[i] * BLOCK_SIZE * KV_BYTES, 8);
+		sum += v;
+	}
+	return sum;
+}
+
+static volatile uint64_t sink;
+
+/* One op of the loop: a write of n slots, or (--table) a read of n blocks. */
+static void loop_op(int table, int64_t n, uint64_t k)
+{
+	if (table)
+		sink += attention(table_buf, n);
+	else
+		reshape_and_cache(slot_buf, n, k);
+}
+
 /* Slots of op k: the next n slots, cycling through every block. */
 static void fill_slots(int64_t *slots, int64_t n, uint64_t k)
 {
@@ -112,15 +147,17 @@ static uint64_t parse_u64(const char *flag, const char *v)
 }
 
 static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
-		    int nsizes, int pause)
+		    int nsizes, int pause, int table)
 {
 	if (pause)
 		wait_for_usr1();
 	fill_slots(slot_buf, MAX_SLOTS, 0);
+	for (int64_t i = 0; i < MAX_SLOTS; i++)
+		table_buf[i] = (int32_t)(1 + i % (NUM_BLOCKS - 1));
 	/* warm up: page in the KV buffer, settle the frequency */
 	for (int s = 0; s < nsizes; s++)
 		for (uint64_t k = 0; k < ops / 10 + 1; k++)
-			reshape_and_cache(slot_buf, sizes[s], k);
+			loop_op(table, sizes[s], k);
 	for (uint64_t r = 0; r < reps; r++) {
 		for (int s = 0; s < nsizes; s++) {
 			/* about the same time per size: fewer ops when large */
@@ -129,12 +166,12 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 			nops = nops ? nops : 1;
 			uint64_t t0 = now_ns();
 			for (uint64_t k = 0; k < nops; k++)
-				reshape_and_cache(slot_buf, n, k);
+				loop_op(table, n, k);
 			uint64_t dt = now_ns() - t0;
 			printf("{\"rep\": %" PRIu64 ", \"slots\": %" PRId64
 			       ", \"ops\": %" PRIu64 ", \"ns\": %" PRIu64
-			       ", \"probes\": %s}\n",
-			       r, n, nops, dt,
+			       ", \"table\": %s, \"probes\": %s}\n",
+			       r, n, nops, dt, table ? "true" : "false",
 #ifdef KVTRACE_DISABLE_PROBES
 			       "false"
 #else
@@ -217,7 +254,7 @@ static int run_live(void)
 int main(int argc, char **argv)
 {
 	if (argc < 2 || !strcmp(argv[1], "--help")) {
-		printf("usage: kvbench loop --ops N --reps R --slots S1,S2,... [--pause]\n"
+		printf("usage: kvbench loop [--table] --ops N --reps R --slots S1,S2,... [--pause]\n"
 		       "       kvbench rate --slots S --rate SLOTS_PER_S "
 		       "--duration-ms MS --truth FILE [--pause]\n"
 		       "       kvbench live\n");
@@ -233,11 +270,15 @@ int main(int argc, char **argv)
 	uint64_t ops = 1000000, reps = 5, rate = 0;
 	double duration = 1.0;
 	int64_t sizes[MAX_SIZES] = {1};
-	int nsizes = 1, pause = 0;
+	int nsizes = 1, pause = 0, table = 0;
 	for (int i = 2; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--pause")) {
 			pause = 1;
+			continue;
+		}
+		if (!strcmp(a, "--table")) {
+			table = 1;
 			continue;
 		}
 		i++;
@@ -270,7 +311,7 @@ int main(int argc, char **argv)
 		}
 	}
 	if (!strcmp(mode, "loop"))
-		return run_loop(ops, reps, sizes, nsizes, pause);
+		return run_loop(ops, reps, sizes, nsizes, pause, table);
 	if (!strcmp(mode, "rate")) {
 		if (!truth)
 			die("rate needs --truth FILE");

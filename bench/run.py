@@ -11,7 +11,8 @@ docs/bench.md.  Needs root (it loads BPF programs) and `make setup`.
 Rows: 1 probe-site cost (bench/kvbench, three builds and states),
 2 kvsim stress end to end, 3 real vLLM on the CPU, 4 carrying capacity
 (perf buffer vs BPF ring buffer), 5 attach / detach latency, 6 offline
-speed (record/report/export), 7 the tracer's own footprint (from row 2).
+speed (record/report/export), 7 the tracer's own footprint (from row 2),
+8 the read probe's cost (vllm:block_table, per op and per entry).
 """
 
 import argparse
@@ -45,6 +46,8 @@ GOALS = {  # figure key -> (goal text, test on the median)
     "site.b_over_a": ("<= 1.01", lambda v: v <= 1.01),
     "site.attached_ns_per_op": ("<= 1500 ns", lambda v: v <= 1500),
     "site.attached_ns_per_slot": ("<= 3 ns", lambda v: v <= 3),
+    "reads.b_over_a": ("<= 1.01", lambda v: v <= 1.01),
+    "reads.attached_ns_per_entry": ("<= 3 ns", lambda v: v <= 3),
     "vllm.full_ratio": (">= 0.99", lambda v: v >= 0.99),
     "vllm.calls_only_ratio": (">= 0.99", lambda v: v >= 0.99),
     "capacity.exact_at_10M": ("exact at >= 10M slots/s", None),
@@ -279,6 +282,45 @@ def row_site(q, res):
         # what attaching adds to one op and to one slot, over compiled-out
         "attached_ns_per_op": stats([x - a_med for x in c[1]]),
         "attached_ns_per_slot": stats([x - a_slot_med for x in per_slot(c)]),
+    }
+
+
+# -- 8. the read probe's cost (vllm:block_table) ------------------------------
+
+def row_reads(q, res):
+    """kvbench --table: one request row of 1 or 4096 block-table entries per
+    op, compiled out (a), detached (b) and attached (c), alternating process
+    by process as row 1 does; per entry from the difference of the sizes."""
+    from tracer.session import Tracer
+    big = 4096
+    ops, reps = (200_000, 3) if q else (1_000_000, 7)
+    sizes = f"1,{big}"
+    a, b, c = ({1: [], big: []} for _ in range(3))
+    for _ in range(reps):
+        for build, dst in ((KVBENCH_NOPROBES, a), (KVBENCH, b)):
+            for m in loop_run([build, "loop", "--table", "--ops", ops, "--reps", 1,
+                               "--slots", sizes]):
+                dst[m["slots"]].append(m["ns"] / m["ops"])
+    tr = Tracer(max_procs=4)
+    try:
+        for m in traced_loop(tr, [str(KVBENCH), "loop", "--table", "--ops", str(ops // 10),
+                                  "--reps", str(reps), "--slots", sizes]):
+            c[m["slots"]].append(m["ns"] / m["ops"])
+        raw = tr.read_maps()
+    finally:
+        tr.close()
+
+    def per_entry(d):
+        return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
+
+    a_med, a_entry_med = statistics.median(a[1]), statistics.median(per_entry(a))
+    res["reads"] = {
+        "ops_per_measurement_1_entry": ops, "big_entries": big,
+        "reads_counted": sum(g["reads"] for g in raw["groups"]),
+        "a_ns_per_op": stats(a[1]), "b_ns_per_op": stats(b[1]), "c_ns_per_op": stats(c[1]),
+        "b_over_a": stats([y / x for x, y in zip(a[1], b[1])]),
+        "attached_ns_per_op": stats([x - a_med for x in c[1]]),
+        "attached_ns_per_entry": stats([x - a_entry_med for x in per_entry(c)]),
     }
 
 
@@ -649,6 +691,15 @@ def table_rows(res):
             "site.attached_ns_per_op")
         add("1 attached adds, per slot", s["attached_ns_per_slot"], "ns/slot",
             "site.attached_ns_per_slot")
+    s = res.get("reads")
+    if s:
+        add("8 read site (a) compiled out, 1 entry", s["a_ns_per_op"], "ns/op")
+        add("8 read site (b) detached, 1 entry", s["b_ns_per_op"], "ns/op")
+        add("8 read site (c) attached, 1 entry", s["c_ns_per_op"], "ns/op")
+        add("8 read site b/a (1 entry)", s["b_over_a"], "x", "reads.b_over_a")
+        add("8 read attached adds, per op", s["attached_ns_per_op"], "ns/op")
+        add("8 read attached adds, per entry", s["attached_ns_per_entry"], "ns/entry",
+            "reads.attached_ns_per_entry")
     s = res.get("stress")
     if s:
         add("2 kvsim stress untraced", s["untraced_slots_per_s"], "slots/s")
@@ -744,14 +795,15 @@ def print_table(rows, file=sys.stdout):
 
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
-        5: ("attach latency", row_attach), 6: ("offline speed", row_offline)}
+        5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
+        8: ("read-probe cost", row_reads)}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     args = p.parse_args()

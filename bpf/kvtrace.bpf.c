@@ -611,11 +611,13 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
 /*
  * Stage: count a block table's entries into the group's block_reads row.
  * Row after row: the row's seq_len, then its ceil(seq_len / block_size)
- * entries, KVTRACE_TABLE_CHUNK per read.  Per entry, branch-free: one atomic
- * add to its read counter, and a swap of its last-read step, which also
+ * entries, KVTRACE_TABLE_CHUNK per read.  Per entry, branch-free: one add
+ * to its read counter, and a swap of its last-read step, which also
  * says whether another request already read it at this step (distinct
  * blocks: the step's live set).  Only the group's leader layer reads, one
- * step after the other, so the step stamp needs no atomic.
+ * step after the other (a model's forward steps do not overlap), so neither
+ * the counter nor the stamp needs an atomic: a lock-prefixed add was most
+ * of the per-entry cost (docs/bench.md, row 8).
  *
  * Tokens held in the step's live set: every distinct block holds
  * block_size tokens but a row's last one, which holds what is left of its
@@ -704,7 +706,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 			u64 r = lt(i, body) & lt(0, b); /* block 0: the null block */
 			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
 			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
-			__sync_fetch_and_add(&e->reads, ok);
+			e->reads += ok;
 			u64 old = e->last_step;
 			e->last_step = old ^ ((old ^ step) & -ok);
 			acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) + r * PACK_REAL;
@@ -717,7 +719,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 			u64 r = end & lt(0, b);
 			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
 			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
-			__sync_fetch_and_add(&e->reads, ok);
+			e->reads += ok;
 			u64 old = e->last_step;
 			u64 fresh = ok & lt(0, old ^ step);
 			e->last_step = old ^ ((old ^ step) & -ok);
