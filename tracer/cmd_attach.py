@@ -274,8 +274,17 @@ def _aggregate(tracer, raw=None) -> Aggregate:
         raw if raw is not None else tracer.read_maps(),
         comms={pid: p.comm for pid, p in tracer.procs.items()},
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()},
-        proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only}
+        proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only,
+                         "probed_ops": probed_ops(p)}
                    for pid, p in tracer.procs.items()})
+
+
+def probed_ops(proc) -> list:
+    """The op names with a probe site attached in a TracedProcess: those of
+    its probe files, less the probes it skipped (unmapped, undecodable)."""
+    skipped = [probe for probe, _ in proc.skipped]
+    return sorted({probe.name for probes in proc.probe_files.values() for probe in probes
+                   if probe.name in abi.OPS and probe not in skipped})
 
 
 def _title(tracer, target) -> str:
