@@ -116,16 +116,28 @@ class Report:
         valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
         return t[valid], b[valid]
 
-    def heatmap(self, rows, cols, time_range=None, block_range=None) -> heatmap.Heatmap:
+    def heatmap(self, rows, cols, time_range=None, block_range=None,
+                exact_cols=True) -> heatmap.Heatmap:
+        """The write heatmap.  Without a block_range it zooms to the blocks
+        written in the time range (live.block_window): vLLM may have 2048
+        blocks and write a dozen.  exact_cols=False (no --resol) lets a
+        narrow range have fewer columns than cols, one block per column,
+        rather than stretch a block over several."""
         t, b = self.write_events()
         if time_range is None:
             time_range = self.span_ns()
         else:
             time_range = (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
-        if block_range is None:
-            nb = max([c["num_blocks"] for c in self.caches] + [int(b.max()) + 1 if len(b) else 1])
-            block_range = (0, nb - 1)
-        return heatmap.compute(t, b, rows, cols, time_range, block_range)
+        nb = max([c["num_blocks"] for c in self.caches] + [int(b.max()) + 1 if len(b) else 1])
+        zoomed = block_range is None
+        if zoomed:
+            inside = (t >= time_range[0]) & (t < time_range[1])
+            block_range = live.block_window(np.bincount(b[inside], minlength=nb))
+            zoomed = block_range != (0, nb - 1)
+        if not exact_cols:
+            cols = min(cols, block_range[1] - block_range[0] + 1)
+        return heatmap.compute(t, b, rows, cols, time_range, block_range,
+                               total_blocks=nb, zoomed=zoomed)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:
         ops = self.ops.ops
@@ -349,9 +361,9 @@ def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
         for r in range(hm.rows):
             ts = (hm.t0_ns + r * hm.ns_per_row) / 1e9
             for c in range(hm.cols):
-                lo = hm.b0 + c * hm.blocks_per_col
-                w.writerow([r, c, f"{ts:.6f}", f"{ts + hm.ns_per_row / 1e9:.6f}", lo,
-                            min(lo + hm.blocks_per_col, hm.b1) - 1, int(hm.cells[r, c])])
+                lo, hi = hm.col_blocks(c)
+                w.writerow([r, c, f"{ts:.6f}", f"{ts + hm.ns_per_row / 1e9:.6f}", lo, hi,
+                            int(hm.cells[r, c])])
 
 
 def _header(rep: Report) -> Text:
@@ -527,9 +539,7 @@ def run(args) -> int:
         rows, cols = args.resol
     else:
         rows, cols = 20, width - heatmap.LABEL_WIDTH
-    if args.format == "text":
-        cols = min(cols, console.width - heatmap.LABEL_WIDTH)  # never wrap
-    hm = rep.heatmap(rows, cols, args.time_range, args.block_range)
+    hm = rep.heatmap(rows, cols, args.time_range, args.block_range, exact_cols=bool(args.resol))
     rates = rep.op_rates(time_range=args.time_range)
     if args.format == "json":
         # compact: the C encoder, one write (indenting is Python-speed)
@@ -537,5 +547,9 @@ def run(args) -> int:
     elif args.format == "csv":
         write_csv(rep, args.table, hm, sys.stdout)
     else:
+        if hm.cols + heatmap.LABEL_WIDTH > console.width:
+            # --resol is honoured exactly, even wider than the terminal
+            # (without it the map is never wider: cols come from the width)
+            console = Console(highlight=False, width=hm.cols + heatmap.LABEL_WIDTH)
         console.print(render(rep, hm, rates, width, args.layer))
     return 0
