@@ -100,6 +100,12 @@ def test_round_trip_matches_truth(tmp_path, workload, extra):
     assert t["target"]["command"][0] == str(KVSIM)
     (proc,) = t["processes"]
     assert proc["pid"] == truth["pid"] and proc["comm"] == "kvsim"
+    # as attach --json has them: the root of the tree, its USDT probes
+    assert (proc["parent"], proc["tier"]) == (0, "usdt")
+    assert set(truth["ops"]) <= set(proc["probed_ops"])
+    (agg_proc,) = doc["blocks"]["processes"]
+    assert (agg_proc["parent"], agg_proc["tier"]) == (0, "usdt")
+    assert agg_proc["probed_ops"] == proc["probed_ops"]
     (lib,) = proc["probe_files"]
     assert lib["path"] == os.path.realpath(KVSIM_LIB)
     readelf = subprocess.run(["readelf", "-n", str(KVSIM_LIB)], capture_output=True, text=True)

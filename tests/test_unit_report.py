@@ -135,7 +135,10 @@ def test_report_terminal_fits_its_width(tmp_path):
         lines = r.stdout.splitlines()
         assert all(len(line) <= width for line in lines), max(lines, key=len)
         assert any("per column" in line for line in lines)
-        assert any("true occupancy" in line for line in lines)
+        assert any("occupancy from writes" in line for line in lines)
+        # the caveat stands beside the figures it qualifies
+        words = " ".join(re.sub(r"[│╭╮╰╯─]", " ", r.stdout).split())
+        assert "from writes only: frees and held-but-unwritten blocks are not seen" in words
 
 
 def test_report_csv_tables(tmp_path):
@@ -200,3 +203,55 @@ def test_report_resol_is_honoured_exactly(tmp_path):
     r = run_kvtrace("report", path, *args, "--format", "csv", "--table", "heatmap")
     cells = [line.split(",") for line in r.stdout.splitlines()[1:]]
     assert len(cells) == 800 and cells[79][4:6] == ["79", "80"]
+
+
+def _trace_with_process(path, process_extra, end_processes=None):
+    """One write process whose process document has process_extra."""
+    from test_unit_tracefile import CACHE_ID, PID
+    from tracer import tracefile
+    w = tracefile.TraceWriter(str(path), tracefile.trace_meta({"pid": PID}))
+    w.meta("process", {"pid": PID, "comm": "worker", "cmdline": [], "probe_files": [
+        {"path": "/x/_C.abi3.so", "build_id": None}], **process_extra})
+    w.meta("caches", {"caches": [{"pid": PID, "cache_id": CACHE_ID, "index": 0,
+                                  "op": "reshape_and_cache", "block_size": BS,
+                                  "num_blocks": 64}]})
+    w.batch(synthetic_ops(5, 16, 8))
+    agg = {"lost_records": 0, "inexact_reasons": [], "duration_s": 1.0}
+    if end_processes is not None:
+        agg["processes"] = end_processes
+    w.end({"aggregate": agg, "stacks": {}, "records": {}})
+    w.close()
+    return path, PID
+
+
+def test_report_keeps_parent_tier_and_probed_ops(tmp_path):
+    path, pid = _trace_with_process(tmp_path / "p.kvt", {
+        "parent": 77, "tier": "uprobe", "probed_ops": ["reshape_and_cache"]})
+    r = run_kvtrace("report", path, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    proc = json.loads(r.stdout)["blocks"]["processes"][0]
+    assert (proc["pid"], proc["parent"], proc["tier"], proc["probed_ops"]) == \
+        (pid, 77, "uprobe", ["reshape_and_cache"])
+    r = run_kvtrace("report", path, env={**os.environ, "COLUMNS": "120"})
+    assert f"pid {pid} (worker), child of 77, stock uprobe: 1 layer" in r.stdout
+    assert "not probed on this build: reshape_and_cache_flash" in r.stdout
+
+
+def test_report_of_an_older_trace_takes_parent_and_tier_from_its_end(tmp_path):
+    from test_unit_tracefile import PID
+    path, pid = _trace_with_process(tmp_path / "o.kvt", {}, end_processes=[
+        {"pid": PID, "parent": 12, "tier": "usdt"}])
+    r = run_kvtrace("report", path, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    proc = json.loads(r.stdout)["blocks"]["processes"][0]
+    # probed ops unknown: null, and nothing is called "not probed"
+    assert (proc["parent"], proc["tier"], proc["probed_ops"]) == (12, "usdt", None)
+    assert "not probed" not in run_kvtrace("report", path).stdout
+
+
+def test_report_json_occupancy_names_its_source(tmp_path):
+    path = write_trace(tmp_path / "s.kvt", [synthetic_ops(3, 40, 8)])
+    r = run_kvtrace("report", path, "--format", "json")
+    (occ,) = json.loads(r.stdout)["occupancy"]
+    assert occ["source"] == "writes"
+    assert occ["caveat"] == "from writes only: frees and held-but-unwritten blocks are not seen"

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 
 from . import abi, discover, follow, live, target as target_mod
-from .aggregate import Aggregate
+from .aggregate import Aggregate, probed_ops
 from .errors import TargetError, UsageError
 from .export import folded_lines
 from .files import check_writable, open_private
@@ -277,14 +277,6 @@ def _aggregate(tracer, raw=None) -> Aggregate:
         proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only,
                          "probed_ops": probed_ops(p)}
                    for pid, p in tracer.procs.items()})
-
-
-def probed_ops(proc) -> list:
-    """The op names with a probe site attached in a TracedProcess: those of
-    its probe files, less the probes it skipped (unmapped, undecodable)."""
-    skipped = [probe for probe, _ in proc.skipped]
-    return sorted({probe.name for probes in proc.probe_files.values() for probe in probes
-                   if probe.name in abi.OPS and probe not in skipped})
 
 
 def _title(tracer, target) -> str:
