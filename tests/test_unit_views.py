@@ -11,6 +11,7 @@ from rich.console import Console
 
 from tracer import abi, live
 from tracer.aggregate import Aggregate, Layer, Process
+from tracer import export
 from tracer.export import folded_lines
 
 # -- folded stacks -----------------------------------------------------------
@@ -47,30 +48,54 @@ def test_identical_stacks_merged_and_zero_skipped():
                   (100, 1, "reshape_and_cache", 0, 7),
                   (100, 1, "reshape_and_cache", 1, 3),
                   (100, 1, "copy_blocks", 0, 0)])     # weight 0: no line
-    assert lines == ["vllm;main;step;reshape;reshape_and_cache;layer_00 12",
-                     "vllm;main;step;reshape;reshape_and_cache;layer_01 3"]
+    assert lines == ["vllm-100;main;step;reshape;reshape_and_cache;layer_00 12",
+                     "vllm-100;main;step;reshape;reshape_and_cache;layer_01 3"]
     check_grammar(lines)
 
 
 def test_frame_names_cleaned():
     lines = fold([(100, 2, "copy_blocks", 12, 1), (100, 3, "copy_blocks", 12, 2),
                   (200, 1, "swap_blocks", 0, 4)])
-    assert lines == ["my:proc;main;step;reshape;swap_blocks;all_layers 4",
-                     "vllm;main;[unknown];[unknown];copy_blocks;layer_12 2",
-                     "vllm;main;a:b;x:y;copy_blocks;layer_12 1"]
+    assert lines == ["my:proc-200;main;step;reshape;swap_blocks;all_layers 4",
+                     "vllm-100;main;[unknown];[unknown];copy_blocks;layer_12 2",
+                     "vllm-100;main;a:b;x:y;copy_blocks;layer_12 1"]
     check_grammar(lines)
 
 
 def test_no_stack_and_unknown_layer():
     # stack id -1: the kernel could not take the stack; cache index 999: no layer
     lines = fold([(100, -1, "swap_blocks_batch", 999, 6), (300, -1, "copy_blocks", 0, 1)])
-    assert lines == ["[unknown];[no stack];copy_blocks;all_layers 1",
-                     "vllm;[no stack];swap_blocks_batch;all_layers 6"]
+    assert lines == ["[unknown]-300;[no stack];copy_blocks;all_layers 1",
+                     "vllm-100;[no stack];swap_blocks_batch;all_layers 6"]
     check_grammar(lines)
 
 
 def test_no_stacks_no_lines():
     assert fold([]) == []
+
+
+def test_layers_zero_padded_to_the_widest():
+    # 100 layers: layer_005 sorts before layer_100 in flamegraph.pl's string order
+    lines = fold([(100, 1, "reshape_and_cache", 5, 1), (100, 1, "reshape_and_cache", 100, 1)],
+                 layers={(100, 5): 5, (100, 100): 100})
+    assert [l.split(";")[-1] for l in lines] == ["layer_005 1", "layer_100 1"]
+    assert lines == sorted(lines)
+
+
+def test_block_lines_hierarchy_and_padding():
+    rows = [("vllm-9", "reshape_and_cache", 0, 5, 3), ("vllm-9", "reshape_and_cache", 0, 12, 4),
+            ("vllm-9", "reshape_and_cache", 0, 130, 1), ("vllm-9", "copy_blocks", 1, 7, 2),
+            ("vllm-9", "reshape_and_cache", 1, 5, 0)]  # weight 0: no line
+    lines = export.block_lines(rows, group=64)
+    assert lines == [
+        "vllm-9;copy_blocks;layer_01;blocks_000-063;block_007 2",
+        "vllm-9;reshape_and_cache;layer_00;blocks_000-063;block_005 3",
+        "vllm-9;reshape_and_cache;layer_00;blocks_000-063;block_012 4",
+        "vllm-9;reshape_and_cache;layer_00;blocks_128-191;block_130 1"]
+    # flamegraph.pl sorts lines as strings: that order is the cache's order
+    assert lines == sorted(lines)
+    check_grammar(lines)
+    assert export.block_lines([], 64) == []
 
 
 # -- live view -------------------------------------------------------------------
