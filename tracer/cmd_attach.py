@@ -432,6 +432,7 @@ def _finish_recording(recorder, tracer, raw, doc):
     c = tracer.stream
     lost = raw["globals"]["records_lost"] + raw["globals"]["chunks_lost"]
     print(f"kvtrace-bpf: recorded {c.op_records:,} ops and {c.chunk_records:,} slot chunks "
+          f"(records of their raw slot numbers or block pairs, up to {abi.RECORD_VALUES} each) "
           f"to {recorder.writer.path} ({recorder.writer.bytes / 2**20:.1f} MiB)"
           + (f"; {lost:,} records lost (raise --perf-pages)" if lost else ""),
           file=sys.stderr)

@@ -422,8 +422,8 @@ def _moves_histograms(rep: Report, width: int) -> list:
     for p in sorted(rep.agg.processes.values(), key=lambda p: p.pid):
         for kind, arr in p.moves.items():
             if arr.any():
-                parts += [Text(f"pid {p.pid}: {kind} per block", style="bold"),
-                          live.histogram(arr, width, rows=4)]
+                parts += [Text(f"pid {p.pid}: {kind} per block, all layers", style="bold"),
+                          live.histogram(arr, width, rows=4, what=kind)]
     return parts
 
 
