@@ -258,3 +258,15 @@ def test_report_json_occupancy_names_its_source(tmp_path):
     (occ,) = json.loads(r.stdout)["occupancy"]
     assert occ["source"] == "writes"
     assert occ["caveat"] == "from writes only: frees and held-but-unwritten blocks are not seen"
+
+
+def test_heatmap_label_widens_for_long_traces():
+    # 12,345 s into a trace: the label is wider than 8 characters, and no
+    # digit of the map is cropped for it
+    t = np.array([12_345 * 10**9], np.int64)
+    h = heatmap.compute(t, np.array([3]), 1, 4, (12_345 * 10**9, 12_346 * 10**9), (0, 3))
+    assert heatmap.label_width(h.t0_ns, h.t1_ns) == len("12346.000 ")
+    console = Console(width=len("12346.000 ") + 4, file=io.StringIO(), record=True,
+                      color_system=None)
+    console.print(heatmap.render(h))
+    assert console.export_text().splitlines()[0] == "12345.000 0009"

@@ -584,7 +584,9 @@ def run(args) -> int:
     if args.resol:
         rows, cols = args.resol
     else:
-        rows, cols = 20, width - heatmap.LABEL_WIDTH
+        t0, t1 = rep.span_ns() if args.time_range is None else \
+            (int(args.time_range[0] * 1e9), int(args.time_range[1] * 1e9))
+        rows, cols = 20, width - heatmap.label_width(t0, t1)
     hm = rep.heatmap(rows, cols, args.time_range, args.block_range, exact_cols=bool(args.resol))
     rates = rep.op_rates(time_range=args.time_range)
     if args.format == "json":
@@ -593,9 +595,10 @@ def run(args) -> int:
     elif args.format == "csv":
         write_csv(rep, args.table, hm, sys.stdout)
     else:
-        if hm.cols + heatmap.LABEL_WIDTH > console.width:
+        wide = hm.cols + heatmap.label_width(hm.t0_ns, hm.t1_ns)
+        if wide > console.width:
             # --resol is honoured exactly, even wider than the terminal
             # (without it the map is never wider: cols come from the width)
-            console = Console(highlight=False, width=hm.cols + heatmap.LABEL_WIDTH)
+            console = Console(highlight=False, width=wide)
         console.print(render(rep, hm, rates, width, args.layer))
     return 0

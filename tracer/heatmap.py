@@ -14,7 +14,14 @@ from rich.text import Text
 # cold to hot, one style per digit
 COLOURS = ("grey35", "blue", "dodger_blue2", "cyan", "green", "chartreuse3", "yellow",
            "orange1", "dark_orange", "red")
-LABEL_WIDTH = 9  # "  12.345 " before each row
+LABEL_WIDTH = 9  # "  12.345 " before each row, at least
+
+
+def label_width(t0_ns: int, t1_ns: int) -> int:
+    """The width of the time label before each row (and its space): wider
+    than LABEL_WIDTH for a trace of 10,000 s or more, or times before the
+    trace's start."""
+    return max(LABEL_WIDTH, *(len(f"{t / 1e9:.3f}") + 1 for t in (t0_ns, t1_ns)))
 
 
 @dataclass
@@ -104,12 +111,13 @@ def _span(ns: float) -> str:
 
 def render(h: Heatmap) -> Text:
     """Rows of coloured digits with a time label, then damo's footer.  Every
-    line is at most LABEL_WIDTH + cols characters (and the footer at most
+    line is at most label_width() + cols characters (and the footer at most
     60 with 7-digit counts), so it fits a console that wide without wrapping."""
     text = Text(no_wrap=True, overflow="crop")
     digits = h.digits()
+    lw = label_width(h.t0_ns, h.t1_ns) - 1
     for i in range(h.rows):
-        text.append(f"{(h.t0_ns + i * h.ns_per_row) / 1e9:>8.3f} ", style="dim")
+        text.append(f"{(h.t0_ns + i * h.ns_per_row) / 1e9:>{lw}.3f} ", style="dim")
         row = digits[i]
         # runs of one digit share a style: fewer spans than characters
         edges = np.flatnonzero(np.diff(row)) + 1
