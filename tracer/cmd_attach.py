@@ -213,7 +213,7 @@ def run(args) -> int:
     finally:
         tracer.close()
     if args.cmd_output_path:
-        _say(f"{args.command[0]}'s output is in {args.cmd_output_path}")
+        _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
     return 0
 
 
@@ -306,7 +306,8 @@ def _announce(args, tracer, target, follower, t_start):
         notices.insert(0, f"following pid {target.pid} ({discover.comm(target.pid)}) and "
                           "its descendants")
     if getattr(args, "cmd_output_path", None):
-        notices.append(f"{args.command[0]}'s output goes to {args.cmd_output_path}")
+        notices.append(f"{os.path.basename(args.command[0])}'s output goes to "
+                       f"{args.cmd_output_path}")
     for line in notices:
         _say(line)
     for proc in tracer.procs.values():
@@ -359,7 +360,7 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
     next_scan = time.monotonic() + FOLLOW_INTERVAL
 
     out = getattr(args, "cmd_output_path", None)
-    note = f"{args.command[0]}'s output: {out}" if out else ""
+    note = f"{os.path.basename(args.command[0])}'s output: {out}" if out else ""
 
     def view():
         return live.render(agg, prev, title=_title(tracer, target),
