@@ -270,3 +270,12 @@ def test_heatmap_label_widens_for_long_traces():
                       color_system=None)
     console.print(heatmap.render(h))
     assert console.export_text().splitlines()[0] == "12345.000 0009"
+
+
+def test_heatmap_names_what_it_counts():
+    # the same map for another kind of event (reads): its footer and JSON key
+    h = heatmap.compute(np.array([0]), np.array([2]), 1, 4, (0, 1), (0, 3),
+                        what="block reads (once per step per group)", key="reads")
+    assert heatmap.render(h).plain.splitlines()[-1] == \
+        "# 0 none, 1-9 up to 1 block reads per cell (once per step per group)"
+    assert h.to_json()["reads"] == [[0, 0, 1, 0]] and "writes" not in h.to_json()

@@ -1,9 +1,11 @@
-"""A DAMON-style heatmap of slot writes: time (rows) x block range (columns).
+"""A DAMON-style heatmap: time (rows) x block range (columns), of slot
+writes by default (or any per-block event: Heatmap.what and .key).
 
 As damo's `report heatmap`: each cell is one character, a digit 0-9 for its
-write intensity (0 none, 1-9 scaled to the busiest cell), coloured, and a
-footer says how much time and how many blocks one character stands for.
-compute() is numpy over the raw arrays; render() is a pure rich Text.
+intensity (0 none, 1-9 scaled to the busiest cell), coloured, and a footer
+says which blocks are shown, and how much time and how many blocks one
+character stands for.  compute() is numpy over the raw arrays; render() is
+a pure rich Text.
 """
 
 from dataclasses import dataclass
@@ -33,6 +35,10 @@ class Heatmap:
     b1: int
     total_blocks: int = 0  # blocks the caches have (the range shown is part of them)
     zoomed: bool = False  # the range was chosen as the blocks written, not asked for
+    # what a cell counts, in the footer, and its key in JSON: a read heatmap
+    # is the same map with ("block reads (once per step per group)", "reads")
+    what: str = "slot writes (all layers)"
+    key: str = "writes"
 
     @property
     def rows(self) -> int:
@@ -65,7 +71,7 @@ class Heatmap:
         return {"rows": self.rows, "cols": self.cols, "t0_ns": self.t0_ns, "t1_ns": self.t1_ns,
                 "ns_per_row": self.ns_per_row, "block_lo": self.b0, "block_hi": self.b1 - 1,
                 "blocks_per_col": self.blocks_per_col, "total_blocks": self.total_blocks,
-                "zoomed": self.zoomed, "writes": self.cells.tolist()}
+                "zoomed": self.zoomed, self.key: self.cells.tolist()}
 
 
 def col_edges(nblocks: int, cols: int) -> tuple:
@@ -82,8 +88,9 @@ def col_edges(nblocks: int, cols: int) -> tuple:
 
 def compute(t_ns: np.ndarray, blocks: np.ndarray, rows: int, cols: int,
             time_range: tuple, block_range: tuple, total_blocks: int = 0,
-            zoomed: bool = False) -> Heatmap:
-    """Slot writes at times t_ns (relative to the trace start) into blocks.
+            zoomed: bool = False, **named) -> Heatmap:
+    """Events (slot writes, by default) at times t_ns (relative to the
+    trace start) on blocks.  named: Heatmap's `what` and `key`.
 
     time_range: (t0, t1) ns, t1 exclusive; block_range: (lo, hi) inclusive.
     The map has exactly rows x cols cells: rows split the time range
@@ -99,7 +106,7 @@ def compute(t_ns: np.ndarray, blocks: np.ndarray, rows: int, cols: int,
     # a prefix sum per row: each column is the difference at its edges
     csum = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(per_block, axis=1)], axis=1)
     cells = csum[:, hi + 1] - csum[:, lo]
-    return Heatmap(cells, t0, t1, b0, b1, total_blocks, zoomed)
+    return Heatmap(cells, t0, t1, b0, b1, total_blocks, zoomed, **named)
 
 
 def _span(ns: float) -> str:
@@ -131,7 +138,9 @@ def render(h: Heatmap) -> Text:
     text.append(f"# {shown(h)}, {per_column(h)}\n", style="dim")
     if h.zoomed:
         text.append("# zoomed to the blocks written (--block-range to choose)\n", style="dim")
-    text.append(f"# 0 none, 1-9 up to {top:,} slot writes per cell (all layers)", style="dim")
+    what = h.what.split(" (")
+    text.append(f"# 0 none, 1-9 up to {top:,} {what[0]} per cell"
+                + (f" ({what[1]}" if len(what) > 1 else ""), style="dim")
     return text
 
 
