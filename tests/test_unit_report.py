@@ -236,7 +236,9 @@ def test_report_keeps_parent_tier_and_probed_ops(tmp_path):
     assert (proc["pid"], proc["parent"], proc["tier"], proc["probed_ops"]) == \
         (pid, 77, "uprobe", ["reshape_and_cache"])
     r = run_kvtrace("report", path, env={**os.environ, "COLUMNS": "120"})
-    assert f"pid {pid} (worker), child of 77, stock uprobe: 1 layer" in r.stdout
+    assert f"pid {pid} (worker), child of 77, stock uprobe: 1 layer" in r.stdout  # panel
+    assert f"pid {pid} (worker), child of 77, stock uprobe: _C.abi3.so build-id ?" \
+        in r.stdout  # the header
     assert "not probed on this build: reshape_and_cache_flash" in r.stdout
 
 

@@ -406,7 +406,9 @@ def _header(rep: Report) -> Text:
     for pid, p in sorted(t.processes.items()):
         ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f['build_id'] or '?')[:12]}"
                         for f in p.get("probe_files", []))
-        text.append(f"pid {pid} ({p.get('comm', '?')}): {ids}\n")
+        proc = rep.agg.processes.get(pid)
+        who = live.describe(proc) if proc is not None else f"pid {pid} ({p.get('comm', '?')})"
+        text.append(f"{who}: {ids}\n")
     text.append("stream: ")
     text.append("complete" if not rep.reasons else "NOT complete: " + "; ".join(rep.reasons),
                 style="green" if not rep.reasons else "bold red")
@@ -428,7 +430,8 @@ def _moves_histograms(rep: Report, width: int) -> list:
 
 
 def _rates_table(rates: dict) -> Table:
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"calls/s per {rates['bin_s']:.3g} s",
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+              title=f"calls/s per {rates['bin_s']:.3g} s, all layers",
               title_justify="left", title_style="bold")
     t.add_column("from s", justify="right")
     ops = list(rates["calls_per_s"])
