@@ -354,6 +354,10 @@ class FakeGroup:
         self.distinct = int(np.count_nonzero(self.reads_per_block))
         self.null_entries = self.out_of_range = self.truncated = self.read_errors = 0
 
+    @property
+    def layers(self):  # as aggregate.ReadGroup: layer calls per step
+        return self.layer_calls / self.steps
+
 
 def test_reads_panel_from_groups():
     p = process(7)
@@ -363,7 +367,8 @@ def test_reads_panel_from_groups():
     last[5:9] = [10, 4, 10, 2]  # blocks 5 and 7 read at the latest step (10)
     p.groups = [FakeGroup(reads, last, 10)]
     text = flat(render_text(FakeAggregate({7: p}), 120))
-    assert "group 0: reads per block" in text and "10 steps, 21 block reads" in text
+    assert "reads per block, group 0: 10 steps, 21 block reads (once per step for the " \
+        "group's 2 layers)" in text
     assert "working set: 2 blocks read at the last step, 4 read at least once, of 64" in text
     assert "hottest block:reads 5:10, 7:7, 6:3, 8:1" in text
     assert "coldest read block:reads 8:1, 6:3, 7:7, 5:10" in text

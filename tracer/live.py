@@ -108,12 +108,13 @@ def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
         t.add_column(heads[col], justify="right", no_wrap=True)
     for op, st in totals.items():
         rr = r.get(op, {})
-        moves = op in MOVE_OPS
+        writes = op in abi.WRITE_OPS
+        # a write op moves nothing, a move (or a read op) writes no slots:
+        # "-", not a 0 that reads as "measured, none"
         cells = {"calls": _n(st["calls"]), "calls/s": _rate(rr.get("calls", 0)),
-                 # a write op moves nothing, a move writes no slots: "-", not 0
-                 "slots": "-" if moves else _n(st["slots"]),
-                 "padding": "-" if moves else _n(st["padding"]),
-                 "pairs": _n(st["items"]) if moves else "-",
+                 "slots": _n(st["slots"]) if writes else "-",
+                 "padding": _n(st["padding"]) if writes else "-",
+                 "pairs": _n(st["items"]) if op in MOVE_OPS else "-",
                  "bytes": _bytes(st["bytes"]) if op in BYTES_OPS else "-"}
         t.add_row(op, *(cells[c] for c in cols))
     if not t.row_count:
@@ -309,8 +310,11 @@ def reads_panel(proc, width: int) -> list:
         # (whatever base last_read_step counts from, the latest is the max)
         now = int(np.count_nonzero((reads > 0) & (last == last[reads > 0].max()))) \
             if read_ever else 0
-        head = (f"group {g.group}: reads per block (once per step for all layers of the "
-                f"group; per layer the same), {_n(g.steps)} steps, {_n(g.reads)} block reads")
+        # a group's layers all read the same blocks at a step: counted once
+        layers = getattr(g, "layers", 0)
+        per = (f"the group's {layers:g} layers" if layers else "all the group's layers")
+        head = (f"reads per block, group {g.group}: {_n(g.steps)} steps, {_n(g.reads)} "
+                f"block reads (once per step for {per})")
         body += [Text(head, style="bold"),
                  histogram(reads, max(10, width - 12), rows=4, what="reads"),
                  Text(f"working set: {_n(now)} blocks read at the last step, "
