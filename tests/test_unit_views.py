@@ -264,6 +264,8 @@ def test_rates_shown_against_previous():
     assert op_row(text, "swap_blocks").split()[:3] == ["swap_blocks", "5", "2"]
     # the header says the rate is over the last interval, not a mean
     assert "last 2.0s" in text and "mean" not in text.split("─")[0]
+    # a live frame keeps its rows: one line of legend, not the summary's
+    assert live.SHORT_LEGEND in flat(text) and live.EXACT_MEANS not in flat(text)
 
 
 def test_histogram_text():

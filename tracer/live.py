@@ -45,6 +45,9 @@ LEGEND = ("tokens: per layer (the busiest layer; each token once). slots, paddin
           "padding), nothing written. pairs: blocks moved (swap_blocks_batch: entries). "
           "items per op: tokens of one call (one layer), or its pairs.")
 
+SHORT_LEGEND = ("tokens: per layer; slots, padding, pairs: all layers; exact: every slot "
+                "of every probe hit (the summary and docs/glossary.md say more)")
+
 
 def _n(x) -> str:
     return f"{int(x):,}"
@@ -399,5 +402,8 @@ def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float
     if agg.log2:
         parts.append(log2_table(agg))
     if traced_anything(agg):
-        parts.append(Text(LEGEND + "\n" + EXACT_MEANS, style="dim"))
+        # the summary explains its words in full; a live frame keeps its rows
+        # for the figures (a 55-row terminal), with one line saying where
+        parts.append(Text(LEGEND + "\n" + EXACT_MEANS if prev is None else SHORT_LEGEND,
+                          style="dim"))
     return Group(*parts)
