@@ -401,3 +401,23 @@ def test_probed_ops_of_a_traced_process():
     proc.skipped = [(skipped, "not mapped")]
     # attached: known op names, less what was skipped
     assert probed_ops(proc) == ["copy_blocks", "reshape_and_cache"]
+
+
+def test_cmd_output_path_choice():
+    import argparse
+    import os
+    from tracer.cmd_attach import cmd_output_path
+
+    def args(**kw):
+        return argparse.Namespace(**{"command": ["x"], "cmd_output": None, **kw})
+
+    assert cmd_output_path(args(command=[]), live_view=True) is None  # -p: not ours
+    assert cmd_output_path(args(cmd_output="-"), live_view=True) is None  # the terminal
+    assert cmd_output_path(args(cmd_output="/some/f.log"), live_view=False) == "/some/f.log"
+    assert cmd_output_path(args(), live_view=False) is None  # no view to tear
+    path = cmd_output_path(args(), live_view=True)  # a view: a new private file
+    try:
+        assert os.path.basename(path).startswith("kvtrace-cmd-") and path.endswith(".log")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        os.unlink(path)

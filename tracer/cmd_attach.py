@@ -180,8 +180,6 @@ def run(args) -> int:
     def on_signal(signum, frame):
         stop["reason"] = signal.Signals(signum).name
 
-    args.cmd_output_path = cmd_output_path(
-        args, Console().is_terminal and not args.quiet)
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     tracer = target = recorder = None
     try:
@@ -212,7 +210,7 @@ def run(args) -> int:
         _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
         tracer.close()
-    if args.cmd_output_path:
+    if getattr(args, "cmd_output_path", None):
         _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
     return 0
 
@@ -241,6 +239,8 @@ def _start(args, tracer, follower):
                 raise TargetError(f"process {args.pid}: {e}") from None
             raise
     else:
+        # chosen (a new file made) only now, once the tracer is ready to start it
+        args.cmd_output_path = cmd_output_path(args, Console().is_terminal and not args.quiet)
         with _command_output(args):
             target = target_mod.launch(args.command, tracer)
         follower = follow.Follower(target.pid, calls_only=args.calls_only)
