@@ -134,8 +134,11 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
         w = np.ones(len(block), np.int64)
     # one int64 key per (process, op, layer, block): 7 + 16 + 16 + 24 bits
     # (blocks are below MAX_BLOCKS = 2**24; processes are numbered here)
-    pids, pidx = np.unique(o["pid"][op_of], return_inverse=True)
-    key = (o["op"][op_of].astype(np.int64) << 56) | (pidx.reshape(-1).astype(np.int64) << 40) \
+    # numbered per op record, then spread to its values: a sort of the ops,
+    # not of the (maybe 10 million) values
+    pids, pidx = np.unique(o["pid"], return_inverse=True)
+    pidx = pidx.reshape(-1).astype(np.int64)
+    key = (o["op"][op_of].astype(np.int64) << 56) | (pidx[op_of] << 40) \
         | (layer[op_of].astype(np.int64) << 24) | block
     uniq, inv = np.unique(key, return_inverse=True)
     sums = np.bincount(inv.reshape(-1), weights=w, minlength=len(uniq)).astype(np.int64)
