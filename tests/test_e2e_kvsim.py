@@ -110,7 +110,7 @@ def test_folded_stacks_parse_and_sum_to_totals(tmp_path):
         assert m, line
         frames = m.group(1).split(";")
         assert all(f.strip() for f in frames), line
-        assert frames[0] == "kvsim"
+        assert frames[0] == f"kvsim-{truth['pid']}"  # the process frame: comm-PID
         op, layer = frames[-2], frames[-1]
         assert re.fullmatch(r"layer_\d\d|all_layers", layer), line
         weights[op] = weights.get(op, 0) + int(m.group(2))

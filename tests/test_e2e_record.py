@@ -100,6 +100,12 @@ def test_round_trip_matches_truth(tmp_path, workload, extra):
     assert t["target"]["command"][0] == str(KVSIM)
     (proc,) = t["processes"]
     assert proc["pid"] == truth["pid"] and proc["comm"] == "kvsim"
+    # as attach --json has them: the root of the tree, its USDT probes
+    assert (proc["parent"], proc["tier"]) == (0, "usdt")
+    assert set(truth["ops"]) <= set(proc["probed_ops"])
+    (agg_proc,) = doc["blocks"]["processes"]
+    assert (agg_proc["parent"], agg_proc["tier"]) == (0, "usdt")
+    assert agg_proc["probed_ops"] == proc["probed_ops"]
     (lib,) = proc["probe_files"]
     assert lib["path"] == os.path.realpath(KVSIM_LIB)
     readelf = subprocess.run(["readelf", "-n", str(KVSIM_LIB)], capture_output=True, text=True)
@@ -171,26 +177,28 @@ def test_folded_both_ways_sum_to_the_totals(tmp_path):
 
     for tr, t in ((trace, truth), (swap_trace, swap_truth)):
         ops = {op: v for op, v in t["ops"].items() if v["calls"]}
-        # by stack: comm;frames...;op;layer_NN
+        # by stack: comm-PID;frames...;op;layer_NN
         rows = folded(tr, "--by", "stack")
-        assert all(f[0] == "kvsim" and re.fullmatch(r"layer_\d\d|all_layers", f[-1])
+        assert all(f[0] == f"kvsim-{t['pid']}" and re.fullmatch(r"layer_\d\d|all_layers", f[-1])
                    for f, _ in rows)
         assert any("kv_write_slots [libkvsim_ops.so]" in f for fr, _ in rows for f in fr)
         want = {op: v["slots"] if op in WRITE_OPS else v["pairs"] for op, v in ops.items()}
         assert by_op(rows, -2) == want
-        # by block: op;layer_NN;blocks_LO-HI;block_N
+        # by block: comm-PID;op;layer_NN;blocks_LO-HI;block_N, zero-padded
         rows = folded(tr, "--by", "block")
         for f, _ in rows:
-            assert len(f) == 4 and re.fullmatch(r"layer_\d\d", f[1]), f
-            lo, hi = map(int, re.fullmatch(r"blocks_(\d+)-(\d+)", f[2]).groups())
-            assert lo <= int(re.fullmatch(r"block_(\d+)", f[3])[1]) <= hi
+            assert len(f) == 5 and f[0] == f"kvsim-{t['pid']}", f
+            assert re.fullmatch(r"layer_\d\d", f[2]), f
+            lo, hi = map(int, re.fullmatch(r"blocks_(\d+)-(\d+)", f[3]).groups())
+            assert lo <= int(re.fullmatch(r"block_(\d+)", f[4])[1]) <= hi
+        assert len({len(f[4]) for f, _ in rows}) == 1  # one width: string order is block order
         want.pop("swap_blocks_batch", None)  # no block numbers in its probe
-        assert by_op(rows, 0) == want
+        assert by_op(rows, 1) == want
         # bytes: copies and swaps only
         want_bytes = {op: v["bytes"] for op, v in ops.items() if op not in WRITE_OPS}
         assert by_op(folded(tr, "--by", "stack", "--weight", "bytes"), -2) == want_bytes
         want_bytes.pop("swap_blocks_batch", None)
-        assert by_op(folded(tr, "--by", "block", "--weight", "bytes"), 0) == want_bytes
+        assert by_op(folded(tr, "--by", "block", "--weight", "bytes"), 1) == want_bytes
 
 
 def test_killed_recorder_leaves_a_readable_prefix(tmp_path):

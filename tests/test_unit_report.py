@@ -29,16 +29,38 @@ def test_heatmap_cells_and_footer():
     assert d.max() == 9 and d[h.cells == 0].max() == 0 and d[h.cells > 0].min() >= 1
     text = heatmap.render(h).plain.splitlines()
     assert text[-3:] == ["# time 0.000-1.000 s, 100 ms per row", "# blocks 0-511, 8 per column",
-                         "# 0 no writes, 1-9 up to 8 slot writes per cell"]
+                         "# 0 none, 1-9 up to 8 slot writes per cell (all layers)"]
 
 
-def test_heatmap_blocks_per_column_is_whole_and_ranges_filter():
+def test_heatmap_columns_are_exactly_as_asked_and_ranges_filter():
     t = np.zeros(100, np.int64)
     b = np.arange(100)
     h = heatmap.compute(t, b, rows=1, cols=30, time_range=(0, 1), block_range=(10, 59))
-    # 50 blocks in at most 30 columns: 2 per column, 25 columns
-    assert (h.cols, h.blocks_per_col) == (25, 2)
+    # 50 blocks in exactly 30 columns: 20 columns of 2 blocks, 10 of 1
+    assert h.cols == 30 and h.blocks_per_col == 50 / 30
     assert h.cells.sum() == 50
+    spans = [h.col_blocks(c) for c in range(30)]
+    assert spans[0] == (10, 10) and spans[-1] == (58, 59)
+    assert [lo for lo, _ in spans[1:]] == [hi + 1 for _, hi in spans[:-1]]  # no gap, no overlap
+    assert sorted({hi - lo + 1 for lo, hi in spans}) == [1, 2]
+    assert h.cells[0].tolist() == [hi - lo + 1 for lo, hi in spans]
+
+
+def test_heatmap_resol_80_on_81_blocks_gives_80_columns():
+    # the issue's case: --resol 10 80 --block-range 0 80 gave 41 columns
+    t = np.arange(81, dtype=np.int64)
+    h = heatmap.compute(t, np.arange(81), 10, 80, (0, 81), (0, 80))
+    assert h.cells.shape == (10, 80) and h.cells.sum() == 81
+    assert h.col_blocks(79) == (79, 80)
+
+
+def test_heatmap_fewer_blocks_than_columns_spans_each_block():
+    # 4 blocks over 10 columns: each block over 2 or 3 columns, each showing its count
+    t = np.zeros(10, np.int64)
+    b = np.array([0, 1, 1, 2, 2, 2, 3, 3, 3, 3])
+    h = heatmap.compute(t, b, 1, 10, (0, 1), (0, 3))
+    assert h.cells[0].tolist() == [1, 1, 1, 2, 2, 3, 3, 3, 4, 4]
+    assert heatmap.per_column(h) == "1 block per 2.5 columns"
 
 
 def test_heatmap_fits_a_fixed_width_console():
@@ -53,7 +75,7 @@ def test_heatmap_fits_a_fixed_width_console():
     assert len(lines) == 12 + 3  # one per row and the footer: nothing wrapped
     assert all(len(line) <= width for line in lines)
     assert all(re.fullmatch(r" *\d+\.\d{3} [0-9]{51}", line) for line in lines[:12])
-    assert lines[-2] == "# blocks 0-4095, 81 per column"  # ceil(4096 / 51)
+    assert lines[-2] == "# blocks 0-4095, 80.3 per column"  # 4096 / 51, exactly 51 columns
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +105,7 @@ def test_report_json_on_ten_million_slot_writes(big_trace):
     assert np.array_equal(tokens, want)
     hm = doc["heatmap"]
     assert (hm["rows"], hm["cols"], hm["blocks_per_col"]) == (8, 256, 256)
+    assert (hm["block_lo"], hm["block_hi"], hm["total_blocks"]) == (0, blocks - 1, blocks)
     assert sum(map(sum, hm["writes"])) == nslots
     occ = doc["occupancy"][0]
     assert occ["generations"] == nslots // BS and occ["fill_hist"][BS] == nslots // BS
@@ -95,13 +118,16 @@ def test_export_by_block_on_ten_million_slot_writes(big_trace):
     assert r.returncode == 0, r.stderr
     total, n = 0, 0
     for line in r.stdout.splitlines():
-        m = re.fullmatch(r"reshape_and_cache;layer_00;blocks_(\d+)-(\d+);block_(\d+) (\d+)", line)
+        m = re.fullmatch(r"synthetic-4242;reshape_and_cache;layer_00;"
+                         r"blocks_(\d{5})-(\d{5});block_(\d{5}) (\d+)", line)
         assert m, line
         lo, hi, b = int(m[1]), int(m[2]), int(m[3])
         assert lo <= b <= hi and hi - lo == 1023 and lo % 1024 == 0
         total += int(m[4])
         n += 1
     assert total == nslots and n == blocks
+    # zero-padded: flamegraph.pl's string sort is the cache's order
+    assert r.stdout.splitlines() == sorted(r.stdout.splitlines())
 
 
 def test_report_terminal_fits_its_width(tmp_path):
@@ -112,7 +138,10 @@ def test_report_terminal_fits_its_width(tmp_path):
         lines = r.stdout.splitlines()
         assert all(len(line) <= width for line in lines), max(lines, key=len)
         assert any("per column" in line for line in lines)
-        assert any("true occupancy" in line for line in lines)
+        assert any("occupancy from writes" in line for line in lines)
+        # the caveat stands beside the figures it qualifies
+        words = " ".join(re.sub(r"[│╭╮╰╯─]", " ", r.stdout).split())
+        assert "from writes only: frees and held-but-unwritten blocks are not seen" in words
 
 
 def test_report_csv_tables(tmp_path):
@@ -136,3 +165,119 @@ def test_report_bad_arguments(tmp_path, args, words):
     path = write_trace(tmp_path / "s.kvt", [synthetic_ops(3, 40, 8)])
     r = run_kvtrace("report", path, *args)
     assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def heatmap_lines(stdout):
+    return [l for l in stdout.splitlines() if re.fullmatch(r" *-?\d+\.\d{3} [0-9]+", l)]
+
+
+def test_report_heatmap_zooms_to_blocks_written(tmp_path):
+    # 12 of 2048 blocks written: the map covers them (padded), one per column
+    path = write_trace(tmp_path / "z.kvt", [synthetic_ops(30, 16, 12)], blocks=2048)
+    r = run_kvtrace("report", path, env={**os.environ, "COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    assert "# blocks 0-13 of 2048, 1 per column" in r.stdout
+    assert "# zoomed to the blocks written (--block-range to choose)" in r.stdout
+    rows = heatmap_lines(r.stdout)
+    assert len(rows) == 20 and {len(l.split()[1]) for l in rows} == {14}
+    # the live-style histogram above it zooms the same way
+    assert "blocks 0-13 of 2048 (zoomed to those in use)" in r.stdout
+    r = run_kvtrace("report", path, "--format", "json")
+    hm = json.loads(r.stdout)["heatmap"]
+    assert (hm["block_lo"], hm["block_hi"], hm["cols"], hm["zoomed"]) == (0, 13, 14, True)
+    assert sum(map(sum, hm["writes"])) == 30 * 16
+
+
+def test_report_resol_is_honoured_exactly(tmp_path):
+    # the issue's case: --resol 10 80 --block-range 0 80 gave 41 columns
+    path = write_trace(tmp_path / "r.kvt", [synthetic_ops(60, 32, 81)], blocks=2048)
+    args = ("--resol", 10, 80, "--block-range", 0, 80)
+    r = run_kvtrace("report", path, *args, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    hm = json.loads(r.stdout)["heatmap"]
+    assert (hm["rows"], hm["cols"], hm["block_lo"], hm["block_hi"]) == (10, 80, 0, 80)
+    assert not hm["zoomed"] and sum(map(sum, hm["writes"])) == 60 * 32
+    # the terminal too, even one narrower than the map asked for
+    r = run_kvtrace("report", path, *args, env={**os.environ, "COLUMNS": "72"})
+    assert r.returncode == 0, r.stderr
+    rows = heatmap_lines(r.stdout)
+    assert len(rows) == 10 and {len(l.split()[1]) for l in rows} == {80}
+    assert "# blocks 0-80 of 2048, 1.01 per column" in r.stdout
+    r = run_kvtrace("report", path, *args, "--format", "csv", "--table", "heatmap")
+    cells = [line.split(",") for line in r.stdout.splitlines()[1:]]
+    assert len(cells) == 800 and cells[79][4:6] == ["79", "80"]
+
+
+def _trace_with_process(path, process_extra, end_processes=None):
+    """One write process whose process document has process_extra."""
+    from test_unit_tracefile import CACHE_ID, PID
+    from tracer import tracefile
+    w = tracefile.TraceWriter(str(path), tracefile.trace_meta({"pid": PID}))
+    w.meta("process", {"pid": PID, "comm": "worker", "cmdline": [], "probe_files": [
+        {"path": "/x/_C.abi3.so", "build_id": None}], **process_extra})
+    w.meta("caches", {"caches": [{"pid": PID, "cache_id": CACHE_ID, "index": 0,
+                                  "op": "reshape_and_cache", "block_size": BS,
+                                  "num_blocks": 64}]})
+    w.batch(synthetic_ops(5, 16, 8))
+    agg = {"lost_records": 0, "inexact_reasons": [], "duration_s": 1.0}
+    if end_processes is not None:
+        agg["processes"] = end_processes
+    w.end({"aggregate": agg, "stacks": {}, "records": {}})
+    w.close()
+    return path, PID
+
+
+def test_report_keeps_parent_tier_and_probed_ops(tmp_path):
+    path, pid = _trace_with_process(tmp_path / "p.kvt", {
+        "parent": 77, "tier": "uprobe", "probed_ops": ["reshape_and_cache"]})
+    r = run_kvtrace("report", path, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    proc = json.loads(r.stdout)["blocks"]["processes"][0]
+    assert (proc["pid"], proc["parent"], proc["tier"], proc["probed_ops"]) == \
+        (pid, 77, "uprobe", ["reshape_and_cache"])
+    r = run_kvtrace("report", path, env={**os.environ, "COLUMNS": "120"})
+    assert f"pid {pid} (worker), child of 77, stock uprobe: 1 layer" in r.stdout  # panel
+    assert f"pid {pid} (worker), child of 77, stock uprobe: _C.abi3.so build-id ?" \
+        in r.stdout  # the header
+    assert "not probed on this build: reshape_and_cache_flash" in r.stdout
+
+
+def test_report_of_an_older_trace_takes_parent_and_tier_from_its_end(tmp_path):
+    from test_unit_tracefile import PID
+    path, pid = _trace_with_process(tmp_path / "o.kvt", {}, end_processes=[
+        {"pid": PID, "parent": 12, "tier": "usdt"}])
+    r = run_kvtrace("report", path, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    proc = json.loads(r.stdout)["blocks"]["processes"][0]
+    # probed ops unknown: null, and nothing is called "not probed"
+    assert (proc["parent"], proc["tier"], proc["probed_ops"]) == (12, "usdt", None)
+    assert "not probed" not in run_kvtrace("report", path).stdout
+
+
+def test_report_json_occupancy_names_its_source(tmp_path):
+    path = write_trace(tmp_path / "s.kvt", [synthetic_ops(3, 40, 8)])
+    r = run_kvtrace("report", path, "--format", "json")
+    (occ,) = json.loads(r.stdout)["occupancy"]
+    assert occ["source"] == "writes"
+    assert occ["caveat"] == "from writes only: frees and held-but-unwritten blocks are not seen"
+
+
+def test_heatmap_label_widens_for_long_traces():
+    # 12,345 s into a trace: the label is wider than 8 characters, and no
+    # digit of the map is cropped for it
+    t = np.array([12_345 * 10**9], np.int64)
+    h = heatmap.compute(t, np.array([3]), 1, 4, (12_345 * 10**9, 12_346 * 10**9), (0, 3))
+    assert heatmap.label_width(h.t0_ns, h.t1_ns) == len("12346.000 ")
+    console = Console(width=len("12346.000 ") + 4, file=io.StringIO(), record=True,
+                      color_system=None)
+    console.print(heatmap.render(h))
+    assert console.export_text().splitlines()[0] == "12345.000 0009"
+
+
+def test_heatmap_names_what_it_counts():
+    # the same map for another kind of event (reads): its footer and JSON key
+    h = heatmap.compute(np.array([0]), np.array([2]), 1, 4, (0, 1), (0, 3),
+                        what="block reads (once per step per group)", key="reads")
+    assert heatmap.render(h).plain.splitlines()[-1] == \
+        "# 0 none, 1-9 up to 1 block reads per cell (once per step per group)"
+    assert h.to_json()["reads"] == [[0, 0, 1, 0]] and "writes" not in h.to_json()

@@ -9,8 +9,9 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from tracer import live
+from tracer import abi, live
 from tracer.aggregate import Aggregate, Layer, Process
+from tracer import export
 from tracer.export import folded_lines
 
 # -- folded stacks -----------------------------------------------------------
@@ -47,30 +48,54 @@ def test_identical_stacks_merged_and_zero_skipped():
                   (100, 1, "reshape_and_cache", 0, 7),
                   (100, 1, "reshape_and_cache", 1, 3),
                   (100, 1, "copy_blocks", 0, 0)])     # weight 0: no line
-    assert lines == ["vllm;main;step;reshape;reshape_and_cache;layer_00 12",
-                     "vllm;main;step;reshape;reshape_and_cache;layer_01 3"]
+    assert lines == ["vllm-100;main;step;reshape;reshape_and_cache;layer_00 12",
+                     "vllm-100;main;step;reshape;reshape_and_cache;layer_01 3"]
     check_grammar(lines)
 
 
 def test_frame_names_cleaned():
     lines = fold([(100, 2, "copy_blocks", 12, 1), (100, 3, "copy_blocks", 12, 2),
                   (200, 1, "swap_blocks", 0, 4)])
-    assert lines == ["my:proc;main;step;reshape;swap_blocks;all_layers 4",
-                     "vllm;main;[unknown];[unknown];copy_blocks;layer_12 2",
-                     "vllm;main;a:b;x:y;copy_blocks;layer_12 1"]
+    assert lines == ["my:proc-200;main;step;reshape;swap_blocks;all_layers 4",
+                     "vllm-100;main;[unknown];[unknown];copy_blocks;layer_12 2",
+                     "vllm-100;main;a:b;x:y;copy_blocks;layer_12 1"]
     check_grammar(lines)
 
 
 def test_no_stack_and_unknown_layer():
     # stack id -1: the kernel could not take the stack; cache index 999: no layer
     lines = fold([(100, -1, "swap_blocks_batch", 999, 6), (300, -1, "copy_blocks", 0, 1)])
-    assert lines == ["[unknown];[no stack];copy_blocks;all_layers 1",
-                     "vllm;[no stack];swap_blocks_batch;all_layers 6"]
+    assert lines == ["[unknown]-300;[no stack];copy_blocks;all_layers 1",
+                     "vllm-100;[no stack];swap_blocks_batch;all_layers 6"]
     check_grammar(lines)
 
 
 def test_no_stacks_no_lines():
     assert fold([]) == []
+
+
+def test_layers_zero_padded_to_the_widest():
+    # 100 layers: layer_005 sorts before layer_100 in flamegraph.pl's string order
+    lines = fold([(100, 1, "reshape_and_cache", 5, 1), (100, 1, "reshape_and_cache", 100, 1)],
+                 layers={(100, 5): 5, (100, 100): 100})
+    assert [l.split(";")[-1] for l in lines] == ["layer_005 1", "layer_100 1"]
+    assert lines == sorted(lines)
+
+
+def test_block_lines_hierarchy_and_padding():
+    rows = [("vllm-9", "reshape_and_cache", 0, 5, 3), ("vllm-9", "reshape_and_cache", 0, 12, 4),
+            ("vllm-9", "reshape_and_cache", 0, 130, 1), ("vllm-9", "copy_blocks", 1, 7, 2),
+            ("vllm-9", "reshape_and_cache", 1, 5, 0)]  # weight 0: no line
+    lines = export.block_lines(rows, group=64)
+    assert lines == [
+        "vllm-9;copy_blocks;layer_01;blocks_000-063;block_007 2",
+        "vllm-9;reshape_and_cache;layer_00;blocks_000-063;block_005 3",
+        "vllm-9;reshape_and_cache;layer_00;blocks_000-063;block_012 4",
+        "vllm-9;reshape_and_cache;layer_00;blocks_128-191;block_130 1"]
+    # flamegraph.pl sorts lines as strings: that order is the cache's order
+    assert lines == sorted(lines)
+    check_grammar(lines)
+    assert export.block_lines([], 64) == []
 
 
 # -- live view -------------------------------------------------------------------
@@ -130,14 +155,18 @@ def test_render_fits_width_and_says_exact(width):
     assert len(lines) > 20
     assert max(cell_len(l) for l in lines) <= width
     assert "counts: exact" in flat(text) and "NOT exact" not in text
-    # each histogram is 6 bar rows and an axis, none wrapped by the panel
+    # what "exact" promises is said once something was traced
+    assert "exact: the per-block counters hold every slot of every probe hit" in flat(text)
+    # each histogram is 6 bar rows, an axis, the range line and the height
+    # line, none wrapped by the panel
     heads = [i for i, l in enumerate(lines) if "tokens written per block" in l]
-    feet = [i for i, l in enumerate(lines) if "per column, max column" in l]
-    assert len(heads) == 2 and [f - h for h, f in zip(heads, feet)] == [8, 8]
+    feet = [i for i, l in enumerate(lines) if "height: tokens summed over" in l]
+    assert len(heads) == 2 and [f - h for h, f in zip(heads, feet)] == [9, 9]
     for expected in ("pid 7 (VLLM::EngineCore_with_a_long_name)", "pid 9 (", "40000 blocks",
                      "reshape_and_cache", "swap_blocks",
                      "246,913,578", "6.0G",  # two processes' totals, whole
-                     "records 4,242", "lost 0", "items per op (log2)"):
+                     "records 4,242", "lost 0", "items per op (log2)",
+                     "blocks 0-299 of 300", "blocks 0-39999 of 40000"):
         assert expected in flat(text), expected
 
 
@@ -153,15 +182,76 @@ def test_render_not_exact_shows_reasons(width):
 @pytest.mark.parametrize("width", WIDTHS)
 def test_render_empty(width):
     text = render_text(FakeAggregate({}), width)
-    assert "(no ops yet)" in text and "counts: exact" in flat(text)
+    # nothing traced: no verdict on counts that do not exist yet
+    assert "(no ops yet)" in text and "counts: nothing traced yet" in flat(text)
+    assert "exact" not in text
     assert max(cell_len(l) for l in text.splitlines()) <= width
 
 
-def test_render_process_without_writes():
-    p = Process(3, "idle")
-    text = render_text(FakeAggregate({3: p}), 80)
-    assert "pid 3 (idle): 0 layers, 0 blocks" in flat(text)
-    assert "(nothing written yet)" in text
+def test_idle_processes_fold_into_one_line():
+    # vLLM's API server maps the library too: traced, but its probes never fire
+    idle = [Process(3, "idle"), Process(4, "api_server", tier="uprobe", parent=2),
+            Process(5, "other", moves={"copy_src": np.zeros(8, np.uint64)})]
+    agg = FakeAggregate({p.pid: p for p in idle} | {7: process(7)})
+    text = render_text(agg, 100)
+    assert "3 traced processes with no probe hit yet: pid 3 (idle); pid 4 (api_server), " \
+        "child of 2, stock uprobe; pid 5 (other)" in flat(text)
+    # one panel (pid 7's), none for the idle ones
+    assert text.count("╭─") == 1 and "pid 7 (" in text
+    assert "0 layers" not in text and "(no tokens yet)" not in text
+    one = render_text(FakeAggregate({3: Process(3, "idle")}), 80)
+    assert "1 traced process with no probe hit yet: pid 3 (idle)" in flat(one)
+    assert "╭─" not in one and "counts: nothing traced yet" in flat(one)
+
+
+def test_panel_title_has_parent_and_tier():
+    p = process(9)
+    p.parent, p.tier = 7, "uprobe"
+    text = flat(render_text(FakeAggregate({9: p}), 120))
+    assert "pid 9 (VLLM::EngineCore_with_a_long_name), child of 7, stock uprobe: 2 layers" \
+        in text
+    p.parent, p.tier = 0, "usdt"
+    text = flat(render_text(FakeAggregate({9: p}), 120))
+    assert "pid 9 (VLLM::EngineCore_with_a_long_name), fork USDT: 2 layers" in text
+
+
+def op_row(text, op):
+    return next(l for l in text.splitlines() if l.strip().startswith(op + " "))
+
+
+def test_not_probed_ops_are_said_not_zero():
+    p = process(7)
+    # a stock CPU build: only the write op has a probe site
+    p.probed_ops = ["reshape_and_cache"]
+    del p.ops["swap_blocks"]
+    text = render_text(FakeAggregate({7: p}), 120)
+    missing = [op for op in abi.OPS if op != "reshape_and_cache"]
+    assert "not probed on this build: " + ", ".join(missing) in flat(text)
+    assert re.search(r"copies and swaps, all layers *│\n.* not probed on this build: *│\n"
+                     r".* copy_blocks, swap_blocks *│", text)
+    # no move column of zeros in the hottest blocks
+    assert "copy src/dst" not in text and "swap out/in" not in text
+    # half probed: the probed kinds in the table, the others named
+    p.probed_ops = ["reshape_and_cache", "swap_blocks"]
+    text = render_text(FakeAggregate({7: p}), 120)
+    assert "copy_src, copy_dst: not probed on this build" in flat(text)
+    assert re.search(r"swap_out +\d", text) and not re.search(r"copy_src +\d", text)
+    assert "swap out/in" in text and "copy src/dst" not in text
+    # unknown (an old trace file): shown as before, without a claim
+    p.probed_ops = None
+    text = render_text(FakeAggregate({7: p}), 120)
+    assert "not probed" not in text and "copy src/dst" in text
+
+
+def test_op_table_units():
+    text = render_text(FakeAggregate({7: process(7)}), 120)
+    # write ops: slots and padding summed over all layers, no pairs, no bytes
+    assert op_row(text, "reshape_and_cache").split() == \
+        ["reshape_and_cache", "123,456,789", "38.0M", "987,654,000", "321", "-", "-"]
+    # moves: pairs and bytes, no slots
+    assert op_row(text, "swap_blocks").split() == ["swap_blocks", "5", "2", "-", "-", "40", "3.0G"]
+    assert "all layers" in text and "pairs" in text and "mean" in text  # headers
+    # the summary's rate is the run's mean (5 calls / 3.25 s = 1.5 -> "2")
 
 
 def test_rates_shown_against_previous():
@@ -170,9 +260,12 @@ def test_rates_shown_against_previous():
     before.processes[7].ops["swap_blocks"] = dict(before.processes[7].ops["swap_blocks"],
                                                   calls=5 - 4, items=40 - 30)
     text = render_text(now, 120, prev=before)
-    row = next(l for l in text.splitlines() if l.strip().startswith("swap_blocks"))
     # op, calls, calls/s (4 more calls in 2 s)
-    assert row.split()[:3] == ["swap_blocks", "5", "2"]
+    assert op_row(text, "swap_blocks").split()[:3] == ["swap_blocks", "5", "2"]
+    # the header says the rate is over the last interval, not a mean
+    assert "last 2.0s" in text and "mean" not in text.split("─")[0]
+    # a live frame keeps its rows: one line of legend, not the summary's
+    assert live.SHORT_LEGEND in flat(text) and live.EXACT_MEANS not in flat(text)
 
 
 def test_histogram_text():
@@ -186,7 +279,8 @@ def test_histogram_text():
         "       ██  ",
         "       ██ ▆",
         "       0  3",
-        "       1 block per column, max column 8",
+        "       blocks 0-3 of 4",
+        "       height: tokens per block; top 8",
     ]
 
 
@@ -194,15 +288,41 @@ def test_histogram_buckets_blocks():
     # 10 blocks in at most 4 columns: 3 blocks per column, sums 3, 0, 0, 9
     text = live.histogram(np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 9], dtype=np.uint64),
                           width=4).plain
-    assert "3 blocks per column, max column 9" in text
+    assert "height: tokens summed over 3 blocks per column; top 9" in text
     assert text.split("\n")[0] == "     9    █"
     # first column: ceil(3/9 * 48) = 16 eighths, the two bottom rows
     assert text.split("\n")[3:6] == ["          █", "       █  █", "       █  █"]
 
 
+def test_histogram_zooms_to_blocks_in_use():
+    # 2048 blocks, 12 written (3..14): drawn 1 per column, not 19 per column
+    counts = np.zeros(2048, np.uint64)
+    counts[3:15] = 16
+    text = live.histogram(counts, width=100, what="tokens").plain.split("\n")
+    assert text[-2].strip() == "blocks 1-16 of 2048 (zoomed to those in use)"
+    assert text[-1].strip() == "height: tokens per block; top 16"
+    bars = text[0][live.LABEL + 1:]
+    assert bars == " " * 2 + "█" * 12 + " " * 2  # 16 columns: blocks 1..16
+    assert text[6].split() == ["1", "16"]
+    # an explicit range is honoured, and not called a zoom
+    text = live.histogram(counts, width=100, block_range=(0, 2047)).plain
+    assert "blocks 0-2047 of 2048\n" in text and "zoomed" not in text
+    assert "summed over 21 blocks per column" in text  # ceil(2048 / 100)
+
+
+@pytest.mark.parametrize("counts,window", [
+    ([0] * 10, (0, 9)),                 # nothing: everything
+    ([0, 0, 0, 0, 5, 0, 0, 0, 0, 0], (2, 6)),   # one block, padded by 2
+    ([1] + [0] * 98 + [1], (0, 99)),    # both ends
+    ([0] * 100 + [1] * 64 + [0] * 900, (96, 167)),  # 64 used: padded by 64 // 16 = 4
+])
+def test_block_window(counts, window):
+    assert live.block_window(np.array(counts, np.uint64)) == window
+
+
 def test_histogram_empty():
-    assert live.histogram(np.zeros(5, dtype=np.uint64), 40).plain == "(nothing written yet)"
-    assert live.histogram(np.zeros(0, dtype=np.uint64), 40).plain == "(nothing written yet)"
+    assert live.histogram(np.zeros(5, dtype=np.uint64), 40).plain == "(no tokens yet)"
+    assert live.histogram(np.zeros(0, dtype=np.uint64), 40).plain == "(no tokens yet)"
 
 
 def test_log2_table_ranges():
@@ -210,3 +330,94 @@ def test_log2_table_ranges():
     agg = FakeAggregate({}, log2={"copy_blocks": {1: 3, 4: 2}})
     text = render_text(agg, 120)
     assert "0 -> 1" in text and "8 -> 15" in text
+
+
+def test_json_bytes_null_where_not_measured():
+    p = process(7)
+    doc = Aggregate.to_json(FakeAggregate({7: p}))
+    assert doc["ops"]["reshape_and_cache"]["bytes"] is None
+    assert doc["ops"]["swap_blocks"]["bytes"] == 3 * 2**30
+    proc = doc["processes"][0]
+    assert proc["ops"]["reshape_and_cache"]["bytes"] is None
+    assert proc["ops"]["swap_blocks"]["bytes"] == 3 * 2**30
+    assert p.ops["reshape_and_cache"]["bytes"] == 0  # the aggregate itself is untouched
+
+
+# -- reads (Process.groups, filled by the reads aggregation) --------------------
+
+class FakeGroup:
+    def __init__(self, reads, last, steps):
+        self.pid, self.group, self.group_id, self.block_size = 7, 0, 0xabc, 16
+        self.num_blocks = len(reads)
+        self.steps, self.layer_calls, self.requests, self.tokens = steps, steps * 2, 3, 99
+        self.reads_per_block = np.array(reads, np.uint64)
+        self.last_read_step = np.array(last, np.uint64)
+        self.reads = int(self.reads_per_block.sum())
+        self.distinct = int(np.count_nonzero(self.reads_per_block))
+        self.null_entries = self.out_of_range = self.truncated = self.read_errors = 0
+
+    @property
+    def layers(self):  # as aggregate.ReadGroup: layer calls per step
+        return self.layer_calls / self.steps
+
+
+def test_reads_panel_from_groups():
+    p = process(7)
+    reads = [0] * 64
+    reads[5:9] = [10, 3, 7, 1]
+    last = [0] * 64
+    last[5:9] = [10, 4, 10, 2]  # blocks 5 and 7 read at the latest step (10)
+    p.groups = [FakeGroup(reads, last, 10)]
+    text = flat(render_text(FakeAggregate({7: p}), 120))
+    assert "reads per block, group 0: 10 steps, 21 block reads (once per step for the " \
+        "group's 2 layers)" in text
+    assert "working set: 2 blocks read at the last step, 4 read at least once, of 64" in text
+    assert "hottest block:reads 5:10, 7:7, 6:3, 8:1" in text
+    assert "coldest read block:reads 8:1, 6:3, 7:7, 5:10" in text
+    assert "blocks 3-10 of 64 (zoomed to those in use)" in text
+    assert "height: reads per block; top 10" in text
+    # a truncated table says so, in the panel
+    p.groups[0].truncated = 5
+    text = flat(render_text(FakeAggregate({7: p}), 120))
+    assert "reads NOT exact: 5 entries truncated" in text
+    # a process that has only reads is not idle
+    q = Process(8, "reader")
+    q.groups = [FakeGroup(reads, last, 10)]
+    assert not live.is_idle(q) and live.reads_panel(Process(9, "x"), 80) == []
+
+
+def test_probed_ops_of_a_traced_process():
+    from tracer.cmd_attach import probed_ops
+    from tracer.discover import Probe
+    from tracer.session import TracedProcess
+
+    def probe(name, path="/lib/a.so"):
+        return Probe(path, "vllm", name, 0x10, 0x10, 0, 0, "")
+
+    skipped = probe("swap_blocks")
+    proc = TracedProcess(5, 0, "w", probe_files={
+        "/lib/a.so": [probe("reshape_and_cache"), skipped, probe("not_an_op")],
+        "/lib/b.so": [probe("copy_blocks", "/lib/b.so")]})
+    proc.skipped = [(skipped, "not mapped")]
+    # attached: known op names, less what was skipped
+    assert probed_ops(proc) == ["copy_blocks", "reshape_and_cache"]
+
+
+def test_cmd_output_path_choice():
+    import argparse
+    import os
+    from tracer.cmd_attach import cmd_output_path
+
+    def args(**kw):
+        return argparse.Namespace(**{"command": ["x"], "cmd_output": None, **kw})
+
+    assert cmd_output_path(args(command=[]), live_view=True) is None  # -p: not ours
+    assert cmd_output_path(args(cmd_output="-"), live_view=True) is None  # the terminal
+    assert cmd_output_path(args(cmd_output="/some/f.log"), live_view=False) == "/some/f.log"
+    assert cmd_output_path(args(), live_view=False) is None  # no view to tear
+    path = cmd_output_path(args(), live_view=True)  # a view: a new private file
+    try:
+        assert os.path.basename(path).startswith("kvtrace-cmd-") and path.endswith(".log")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        os.unlink(path)

@@ -15,6 +15,10 @@ from . import abi
 JSON_SCHEMA = "kvtrace-bpf/aggregate"
 JSON_VERSION = 1
 
+# the ops whose probes carry a byte count (copies and swaps); elsewhere
+# "bytes" is not measured
+BYTES_OPS = frozenset(("copy_blocks", "swap_blocks", "swap_blocks_batch"))
+
 OP_COUNTERS = ("calls", "items", "slots", "padding", "bytes", "truncated",
                "read_errors", "out_of_range")
 
@@ -85,6 +89,10 @@ class Process:
     tier: str = ""  # 'usdt', 'uprobe' (stock vLLM) or 'none'
     parent: int = 0  # the traced process's parent pid (0: the root)
     calls_only: bool = False  # stock uprobes without a tensor layout
+    # op names with a probe site attached in this process; None: not known
+    # (a trace file from before they were kept).  An op outside it shows
+    # "not probed on this build", not a 0 that reads as "did not happen".
+    probed_ops: list = None
     groups: list = field(default_factory=list)  # ReadGroup: reads per KV-cache group
 
     @property
@@ -111,6 +119,15 @@ class Process:
         for layer in self.layers:
             out[:len(layer.writes)] += layer.writes
         return out
+
+
+def probed_ops(traced) -> list:
+    """Process.probed_ops of a traced process (session.TracedProcess): the
+    op names of its probe files, less the probes it skipped (unmapped,
+    undecodable)."""
+    skipped = [probe for probe, _ in traced.skipped]
+    return sorted({probe.name for probes in traced.probe_files.values() for probe in probes
+                   if probe.name in abi.OPS and probe not in skipped})
 
 
 def _trim(arr: np.ndarray, length: int) -> np.ndarray:
@@ -230,12 +247,19 @@ class Aggregate:
         def log2_rows(hist):
             return [[*log2_range(s), int(hist[s])] for s in sorted(hist)]
 
+        def measured(ops):
+            # only moves carry a byte count: a write op's bytes are unknown
+            # (null), not zero
+            return {op: {k: (v if k != "bytes" or op in BYTES_OPS else None)
+                          for k, v in st.items()} for op, st in ops.items()}
+
         procs = []
         for p in sorted(self.processes.values(), key=lambda p: p.pid):
             procs.append({
                 "pid": p.pid, "comm": p.comm, "parent": p.parent, "tier": p.tier,
                 "calls_only": p.calls_only, "probe_files": p.probe_files,
-                "ops": p.ops,
+                "probed_ops": sorted(p.probed_ops) if p.probed_ops is not None else None,
+                "ops": measured(p.ops),
                 "layers": [{
                     "layer": l.layer, "cache_id": l.cache_id, "op": l.op,
                     "block_size": l.block_size, "num_blocks": l.num_blocks,
@@ -259,7 +283,7 @@ class Aggregate:
             "exact": not reasons, "inexact_reasons": reasons,
             "dropped": {"foreign_process_hits": self.globals.get("foreign", 0),
                         "unknown_site_hits": self.globals.get("no_site", 0)},
-            "ops": self.op_totals(),
+            "ops": measured(self.op_totals()),
             "items_log2": {op: log2_rows(h) for op, h in sorted(self.log2.items())},
             "processes": procs,
         }

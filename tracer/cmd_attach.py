@@ -1,17 +1,19 @@
 """`kvtrace-bpf attach`: trace a process live, print a summary on exit."""
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 
 from rich.console import Console
 from rich.live import Live
 
 from . import abi, discover, follow, live, target as target_mod
-from .aggregate import Aggregate
+from .aggregate import Aggregate, probed_ops
 from .errors import TargetError, UsageError
 from .export import folded_lines
 from .files import check_writable, open_private
@@ -71,7 +73,12 @@ def add_parser(sub):
                     "histograms live, and print a summary when tracing ends (Ctrl-C,\n"
                     "SIGTERM, --duration, or the target's exit). A command runs in its own\n"
                     "process group, which the tracer ends (SIGTERM, then SIGKILL after 5 s)\n"
-                    "when tracing stops; a -p process is never signalled. Needs root.",
+                    "when tracing stops; a -p process is never signalled. Needs root.\n"
+                    "'counts: exact' means the kernel's per-block counters hold every\n"
+                    "slot of every probe hit; the view says why when they do not (an op\n"
+                    "truncated, an array unreadable, blocks or layers beyond --max-blocks\n"
+                    "or --max-layers, hits the kernel skipped). Lost perf records never\n"
+                    "change the counts. Words on screen: docs/glossary.md.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--pid", type=positive_int, help="trace this running process")
     p.add_argument("-d", "--duration", type=positive_float, metavar="S",
@@ -105,6 +112,11 @@ def add_parser(sub):
                    help="per-op records through the per-CPU perf buffer or one BPF "
                    f"ring buffer of the same total size (default {DEFAULT_TRANSPORT}; "
                    "docs/bench.md)")
+    p.add_argument("--cmd-output", metavar="FILE",
+                   help="-- CMD: where the command's stdout and stderr go, so its log "
+                   "lines do not tear the live view (created 0600). Default: with the "
+                   "live view, a new file /tmp/kvtrace-cmd-*.log, named on screen; "
+                   "otherwise, or with '-', the tracer's own terminal")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -130,6 +142,11 @@ def _validate(args):
     for path in (args.json, args.folded, args.output):
         if path:
             check_writable(path)
+    cmd_output = getattr(args, "cmd_output", None)
+    if cmd_output and not args.command:
+        raise UsageError("--cmd-output goes with -- CMD (a -p process keeps its own output)")
+    if cmd_output and cmd_output != "-":
+        check_writable(cmd_output)
 
 
 def stream_perf_pages() -> int:
@@ -172,7 +189,7 @@ def run(args) -> int:
                         transport=args.transport)
         target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
-        _announce(tracer, target, follower, t_start)
+        _announce(args, tracer, target, follower, t_start)
         _trace_loop(args, tracer, target, follower, stop,
                     on_poll=recorder.tick if recorder else None)
     except BaseException:
@@ -193,6 +210,8 @@ def run(args) -> int:
         _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
         tracer.close()
+    if getattr(args, "cmd_output_path", None):
+        _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
     return 0
 
 
@@ -220,7 +239,10 @@ def _start(args, tracer, follower):
                 raise TargetError(f"process {args.pid}: {e}") from None
             raise
     else:
-        target = target_mod.launch(args.command, tracer)
+        # chosen (a new file made) only now, once the tracer is ready to start it
+        args.cmd_output_path = cmd_output_path(args, Console().is_terminal and not args.quiet)
+        with _command_output(args):
+            target = target_mod.launch(args.command, tracer)
         follower = follow.Follower(target.pid, calls_only=args.calls_only)
         try:
             follower.step(tracer, wait=True)
@@ -231,16 +253,61 @@ def _start(args, tracer, follower):
     return target, follower
 
 
+def cmd_output_path(args, live_view: bool):
+    """Where -- CMD's output goes: a file (its path), or None for the
+    tracer's own stdout and stderr.  With the live view on, a command that
+    logs (vLLM does, every few seconds) would tear the screen, so by default
+    its output goes to a new private file instead."""
+    if not args.command:
+        return None
+    chosen = getattr(args, "cmd_output", None)
+    if chosen == "-":
+        return None
+    if chosen:
+        return chosen
+    if not live_view:
+        return None
+    fd, path = tempfile.mkstemp(prefix="kvtrace-cmd-", suffix=".log")  # 0600
+    os.close(fd)
+    return path
+
+
+@contextlib.contextmanager
+def _command_output(args):
+    """The command inherits fds 1 and 2 at its fork: point them at
+    args.cmd_output_path for the fork, then back at the tracer's."""
+    path = getattr(args, "cmd_output_path", None)
+    if path is None:
+        yield
+        return
+    with open_private(path, binary=True) as out:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
 def _say(line):
     print(f"kvtrace-bpf: {line}", file=sys.stderr, flush=True)
 
 
-def _announce(tracer, target, follower, t_start):
+def _announce(args, tracer, target, follower, t_start):
     notices = follower.take_notices()
     root = tracer.procs.get(target.pid)
     if root is None or not root.uprobes:
         notices.insert(0, f"following pid {target.pid} ({discover.comm(target.pid)}) and "
                           "its descendants")
+    if getattr(args, "cmd_output_path", None):
+        notices.append(f"{os.path.basename(args.command[0])}'s output goes to "
+                       f"{args.cmd_output_path}")
     for line in notices:
         _say(line)
     for proc in tracer.procs.values():
@@ -274,7 +341,8 @@ def _aggregate(tracer, raw=None) -> Aggregate:
         raw if raw is not None else tracer.read_maps(),
         comms={pid: p.comm for pid, p in tracer.procs.items()},
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()},
-        proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only}
+        proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only,
+                         "probed_ops": probed_ops(p)}
                    for pid, p in tracer.procs.items()})
 
 
@@ -291,9 +359,12 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
     next_refresh = time.monotonic() + args.interval
     next_scan = time.monotonic() + FOLLOW_INTERVAL
 
+    out = getattr(args, "cmd_output_path", None)
+    note = f"{os.path.basename(args.command[0])}'s output: {out}" if out else ""
+
     def view():
         return live.render(agg, prev, title=_title(tracer, target),
-                           width=min(console.width, 120),
+                           width=min(console.width, 120), note=note,
                            elapsed=time.monotonic() - tracer.started)
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
@@ -362,6 +433,7 @@ def _finish_recording(recorder, tracer, raw, doc):
     c = tracer.stream
     lost = raw["globals"]["records_lost"] + raw["globals"]["chunks_lost"]
     print(f"kvtrace-bpf: recorded {c.op_records:,} ops and {c.chunk_records:,} slot chunks "
+          f"(records of their raw slot numbers or block pairs, up to {abi.RECORD_VALUES} each) "
           f"to {recorder.writer.path} ({recorder.writer.bytes / 2**20:.1f} MiB)"
           + (f"; {lost:,} records lost (raise --perf-pages)" if lost else ""),
           file=sys.stderr)

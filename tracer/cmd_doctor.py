@@ -357,13 +357,20 @@ def check_target(pid: int) -> list:
         checks.append(_no_probes(pid, tree))
         return checks
     tier = "usdt" if "usdt" in tiers.values() else "uprobe"
-    where = []
-    for p, files in found.items():
-        what = "stock cache op(s)" if tiers[p] == "uprobe" else f"{abi.PROVIDER}:* probe(s)"
-        where.append(f"{_proc(p)}{', a descendant' if p != pid else ''}: "
-                     + ", ".join(f"{len(probes)} {what} in {path}" for path, probes in files.items()))
+    where = [f"{_proc(p)}{', a descendant' if p != pid else ''}: "
+             + describe_probes(files, tiers[p] == "uprobe") for p, files in found.items()]
     checks.append(Check("probe tier", PASS, f"{TIER_NAMES[tier]}: {'; '.join(where)}"))
     return checks
+
+
+def describe_probes(files: dict, stock: bool) -> str:
+    """{path: [Probe]} in words: how many sites in each file, and which ops
+    they are, so that an op missing from the list reads as "not on this
+    build" before anyone wonders why its count stays 0."""
+    what = "stock cache op(s)" if stock else f"{abi.PROVIDER}:* probe(s)"
+    return ", ".join(
+        f"{len(probes)} {what} in {path} ({', '.join(sorted({p.name for p in probes}))})"
+        for path, probes in files.items())
 
 
 def _vllm_libraries(tree: list) -> dict:

@@ -1,9 +1,18 @@
 """`kvtrace-bpf export --folded FILE`: folded stacks from a recorded trace.
 
-Two shapes, both in flamegraph.pl's line grammar (`frame;frame;... COUNT`):
+Two hierarchies in flamegraph.pl's line grammar (`frame;frame;... COUNT`),
+root first (tracer/export.py):
 
-  --by stack   comm;user stack...;op;layer_NN           (the target's code paths)
-  --by block   op;layer_NN;blocks_LO-HI;block_N         (where the writes land)
+  --by stack   comm-PID;user stack...;op;layer_NN
+               which code paths of the target issue the cache ops, and how
+               much each moves (short where the target's libraries were built
+               without frame pointers, as torch's and vLLM's wheels are)
+  --by block   comm-PID;op;layer_NN;blocks_LO-HI;block_N
+               where in the cache the writes land: per process, op and layer,
+               which ranges of --group blocks, and which blocks in them, took
+               the most slots (copies: the destination; swaps: the device
+               block).  Numbers are zero-padded, so the graph's order is
+               the cache's order.
 
 Weights (--weight): `slots` (default) counts slots written by write ops and
 block pairs (or batch entries) moved by copies and swaps; `bytes` counts the
@@ -19,7 +28,7 @@ import numpy as np
 
 from . import abi, stream, tracefile
 from .errors import UsageError
-from .export import clean_frame, folded_lines, layer_frame
+from .export import block_lines, folded_lines, process_frame
 from .files import check_writable, open_private
 
 EXAMPLES = """\
@@ -37,8 +46,11 @@ def add_parser(sub):
     p = sub.add_parser(
         "export", help="export a recorded trace as folded stacks",
         description="Folded stacks from a trace file (`record`, `attach -o`), for\n"
-                    "flamegraph.pl and speedscope: by the target's user stacks, or by\n"
-                    "block (op;layer;block range;block).",
+                    "flamegraph.pl and speedscope.\n"
+                    "  --by stack  process;user stack;op;layer: which code paths issue\n"
+                    "              the cache ops, and how much each moves\n"
+                    "  --by block  process;op;layer;block range;block: where in the\n"
+                    "              cache the writes land (zero-padded: cache order)",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--folded", action="store_true", required=True,
                    help="folded-stack output (the one format so far)")
@@ -120,18 +132,22 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
         w = (o["bytes"][op_of] // np.maximum(o["items"][op_of], 1)).astype(np.int64)
     else:
         w = np.ones(len(block), np.int64)
-    # one int64 key per (op, layer, block): 4 + 12 + 47 bits
-    key = (o["op"][op_of].astype(np.int64) << 59) | (layer[op_of] << 47) | block
+    # one int64 key per (process, op, layer, block): 7 + 16 + 16 + 24 bits
+    # (blocks are below MAX_BLOCKS = 2**24; processes are numbered here)
+    # numbered per op record, then spread to its values: a sort of the ops,
+    # not of the (maybe 10 million) values
+    pids, pidx = np.unique(o["pid"], return_inverse=True)
+    pidx = pidx.reshape(-1).astype(np.int64)
+    key = (o["op"][op_of].astype(np.int64) << 56) | (pidx[op_of] << 40) \
+        | (layer[op_of].astype(np.int64) << 24) | block
     uniq, inv = np.unique(key, return_inverse=True)
     sums = np.bincount(inv.reshape(-1), weights=w, minlength=len(uniq)).astype(np.int64)
-    lines = []
-    for k, s in zip(uniq.tolist(), sums.tolist()):
-        op, lay, b = k >> 59, (k >> 47) & 0xFFF, k & ((1 << 47) - 1)
-        if s:
-            lo = b // group * group
-            lines.append(f"{clean_frame(abi.OP_NAMES.get(op, str(op)))};{layer_frame(lay)};"
-                         f"blocks_{lo}-{lo + group - 1};block_{b} {s}")
-    return lines, left_out
+    procs = trace.processes
+    names = [process_frame(procs.get(int(p), {}).get("comm", str(p)), int(p)) for p in pids]
+    rows = [(names[(k >> 40) & 0xFFFF], abi.OP_NAMES.get(k >> 56, str(k >> 56)),
+             (k >> 24) & 0xFFFF, k & 0xFFFFFF, s)
+            for k, s in zip(uniq.tolist(), sums.tolist())]
+    return block_lines(rows, group), left_out
 
 
 def run(args) -> int:

@@ -3,9 +3,9 @@
 
 Everything is computed from the trace's stream (the ops with their raw slot
 numbers and block pairs) with numpy over the flat arrays: per-block
-histograms, a heatmap of time x blocks, op sizes and rates, and true
-occupancy (tracer/occupancy.py).  Only complete ops are used for per-block
-figures; what was left out is said (`exact`, `inexact_reasons`).
+histograms, a heatmap of time x blocks, op sizes and rates, and occupancy
+from writes (tracer/occupancy.py).  Only complete ops are used for
+per-block figures; what was left out is said (`exact`, `inexact_reasons`).
 """
 
 import argparse
@@ -39,23 +39,27 @@ examples:
 
 def add_parser(sub):
     p = sub.add_parser(
-        "report", help="report a recorded trace: histograms, heatmap, true fill",
+        "report", help="report a recorded trace: histograms, heatmap, fill from writes",
         description="Per-block histograms (writes, copies, swaps), a heatmap of time x\n"
-                    "block range, op size and rate histograms, and true occupancy (fill\n"
-                    "at each block generation's end, internal fragmentation over time,\n"
-                    "block lifetime and reuse distance) of a trace file written by\n"
-                    "`record` or `attach -o`. Definitions: docs/occupancy.md.",
+                    "block range (zoomed to the blocks written), op size and rate\n"
+                    "histograms, and occupancy from writes (written fill at each block\n"
+                    "generation's end, the unwritten share of the blocks being written,\n"
+                    "write span and write gap) of a trace file written by `record` or\n"
+                    "`attach -o`. Writes alone do not show frees or blocks held but not\n"
+                    "written. Definitions: docs/occupancy.md, docs/glossary.md.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", help="trace file")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
     p.add_argument("--table", choices=TABLES, default="blocks",
                    help="with --format csv: which table (default blocks)")
     p.add_argument("--resol", nargs=2, type=int, metavar=("ROWS", "COLS"),
-                   help="heatmap resolution (default 20 rows, the terminal's width)")
+                   help="heatmap resolution, exactly (default 20 rows, and the "
+                   "terminal's width or one column per block, whichever is fewer)")
     p.add_argument("--time-range", nargs=2, type=float, metavar=("START", "END"),
                    help="heatmap and rates: seconds from the start of the trace")
     p.add_argument("--block-range", nargs=2, type=int, metavar=("LO", "HI"),
-                   help="heatmap: blocks LO to HI, inclusive")
+                   help="heatmap: blocks LO to HI, inclusive (default: the blocks "
+                   "written, a little padded)")
     p.add_argument("--pid", type=int, help="only this process")
     p.add_argument("--layer", type=int, default=0,
                    help="layer shown in the terminal's occupancy section (default 0; "
@@ -85,6 +89,8 @@ class Report:
         self.layers = trace.layers()
         self.agg = stream_aggregate(ops, self.caches, trace)
         self.gens = occupancy.by_cache(ops, trace.block_sizes())
+        # what the generations were computed from (a live set may replace it)
+        self.occupancy_source = occupancy.FROM_WRITES
         self.reasons = stream_reasons(ops, trace, self.agg)
 
     def duration_ns(self) -> int:
@@ -116,16 +122,28 @@ class Report:
         valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
         return t[valid], b[valid]
 
-    def heatmap(self, rows, cols, time_range=None, block_range=None) -> heatmap.Heatmap:
+    def heatmap(self, rows, cols, time_range=None, block_range=None,
+                exact_cols=True) -> heatmap.Heatmap:
+        """The write heatmap.  Without a block_range it zooms to the blocks
+        written in the time range (live.block_window): vLLM may have 2048
+        blocks and write a dozen.  exact_cols=False (no --resol) lets a
+        narrow range have fewer columns than cols, one block per column,
+        rather than stretch a block over several."""
         t, b = self.write_events()
         if time_range is None:
             time_range = self.span_ns()
         else:
             time_range = (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
-        if block_range is None:
-            nb = max([c["num_blocks"] for c in self.caches] + [int(b.max()) + 1 if len(b) else 1])
-            block_range = (0, nb - 1)
-        return heatmap.compute(t, b, rows, cols, time_range, block_range)
+        nb = max([c["num_blocks"] for c in self.caches] + [int(b.max()) + 1 if len(b) else 1])
+        zoomed = block_range is None
+        if zoomed:
+            inside = (t >= time_range[0]) & (t < time_range[1])
+            block_range = live.block_window(np.bincount(b[inside], minlength=nb))
+            zoomed = block_range != (0, nb - 1)
+        if not exact_cols:
+            cols = min(cols, block_range[1] - block_range[0] + 1)
+        return heatmap.compute(t, b, rows, cols, time_range, block_range,
+                               total_blocks=nb, zoomed=zoomed)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:
         ops = self.ops.ops
@@ -231,7 +249,30 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
     procs = trace.processes
     return Aggregate.from_maps(raw, comms={p: d.get("comm", "?") for p, d in procs.items()},
                                probe_files={p: [f["path"] for f in d.get("probe_files", [])]
-                                            for p, d in procs.items()})
+                                            for p, d in procs.items()},
+                               proc_info=process_info(trace))
+
+
+def process_info(trace) -> dict:
+    """{pid: parent, tier, probed_ops} as attach had them: from the process
+    documents, or for a trace written before they held them, the END
+    record's aggregate (parent and tier only).  probed_ops stays None where
+    unknown, so no op is called "not probed" without evidence."""
+    end = ((trace.end or {}).get("aggregate") or {}).get("processes") or []
+    out = {}
+    for e in end:
+        if isinstance(e, dict) and isinstance(e.get("pid"), int):
+            info = out.setdefault(e["pid"], {})
+            if isinstance(e.get("parent"), int):
+                info["parent"] = e["parent"]
+            if isinstance(e.get("tier"), str):
+                info["tier"] = e["tier"]
+    for pid, d in trace.processes.items():
+        info = out.setdefault(pid, {})
+        for key in ("parent", "tier", "probed_ops"):
+            if key in d:
+                info[key] = d[key]
+    return out
 
 
 def stream_reasons(ops: stream.OpStream, trace, agg: Aggregate) -> list:
@@ -275,6 +316,7 @@ def _occupancy_json(rep: Report) -> list:
         frag = g.fragmentation
         out.append({
             "pid": c["pid"], "layer": rep.layers[key], "cache_id": c["cache_id"],
+            "source": rep.occupancy_source.name, "caveat": rep.occupancy_source.caveat,
             "block_size": g.block_size, "generations": len(g),
             "started_by": {k: int(np.count_nonzero(g.kind == i))
                            for i, k in enumerate(occupancy.KINDS)},
@@ -349,9 +391,9 @@ def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
         for r in range(hm.rows):
             ts = (hm.t0_ns + r * hm.ns_per_row) / 1e9
             for c in range(hm.cols):
-                lo = hm.b0 + c * hm.blocks_per_col
-                w.writerow([r, c, f"{ts:.6f}", f"{ts + hm.ns_per_row / 1e9:.6f}", lo,
-                            min(lo + hm.blocks_per_col, hm.b1) - 1, int(hm.cells[r, c])])
+                lo, hi = hm.col_blocks(c)
+                w.writerow([r, c, f"{ts:.6f}", f"{ts + hm.ns_per_row / 1e9:.6f}", lo, hi,
+                            int(hm.cells[r, c])])
 
 
 def _header(rep: Report) -> Text:
@@ -364,7 +406,9 @@ def _header(rep: Report) -> Text:
     for pid, p in sorted(t.processes.items()):
         ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f['build_id'] or '?')[:12]}"
                         for f in p.get("probe_files", []))
-        text.append(f"pid {pid} ({p.get('comm', '?')}): {ids}\n")
+        proc = rep.agg.processes.get(pid)
+        who = live.describe(proc) if proc is not None else f"pid {pid} ({p.get('comm', '?')})"
+        text.append(f"{who}: {ids}\n")
     text.append("stream: ")
     text.append("complete" if not rep.reasons else "NOT complete: " + "; ".join(rep.reasons),
                 style="green" if not rep.reasons else "bold red")
@@ -380,13 +424,14 @@ def _moves_histograms(rep: Report, width: int) -> list:
     for p in sorted(rep.agg.processes.values(), key=lambda p: p.pid):
         for kind, arr in p.moves.items():
             if arr.any():
-                parts += [Text(f"pid {p.pid}: {kind} per block", style="bold"),
-                          live.histogram(arr, width, rows=4)]
+                parts += [Text(f"pid {p.pid}: {kind} per block, all layers", style="bold"),
+                          live.histogram(arr, width, rows=4, what=kind)]
     return parts
 
 
 def _rates_table(rates: dict) -> Table:
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"calls/s per {rates['bin_s']:.3g} s",
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+              title=f"calls/s per {rates['bin_s']:.3g} s, all layers",
               title_justify="left", title_style="bold")
     t.add_column("from s", justify="right")
     ops = list(rates["calls_per_s"])
@@ -424,8 +469,13 @@ def _mean(a: np.ndarray) -> float:
     return float(a.mean()) if len(a) else float("nan")
 
 
+GENERATION_MEANS = ("generation: one use of a block, from a write at its offset 0 (or a "
+                    "copy or swap into it) to the block's next such start")
+
+
 def _occupancy_view(rep: Report, layer: int, width: int) -> list:
     parts = []
+    src = rep.occupancy_source
     by_pid = {}
     for (pid, cache_id), g in rep.gens.items():
         by_pid.setdefault(pid, []).append((rep.layers[(pid, cache_id)], g))
@@ -438,46 +488,57 @@ def _occupancy_view(rep: Report, layer: int, width: int) -> list:
         g = chosen[0]
         same = sum(1 for _, o in layers if np.array_equal(o.fill, g.fill)
                    and np.array_equal(o.block, g.block))
-        fill = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="fill at generation end",
-                     title_justify="left", title_style="bold")
-        for col in ("tokens", "fill", "generations", ""):
-            fill.add_column(col, justify="right" if col != "" else "left")
-        hist = g.fill_hist
-        top = hist.max() if len(hist) else 0
-        for tok in np.flatnonzero(hist):
-            fill.add_row(str(tok), f"{tok / g.block_size:.0%}", f"{hist[tok]:,}",
-                         _bar(hist[tok], top))
-        frag = g.fragmentation
-        spark = Text()
-        if g.steps:
-            bins = min(g.steps, max(10, width - 20))
-            edges = np.linspace(0, g.steps, bins + 1).astype(int)
-            for a, b in zip(edges[:-1], edges[1:]):
-                seg = frag[a:max(b, a + 1)]
-                seg = seg[~np.isnan(seg)]
-                spark.append(live._BARS[int(round(seg.mean() * 8))] if len(seg) else " ",
-                             style="magenta")
-        mean = float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else float("nan")
-        body = [Text(f"{len(g):,} generations (" + ", ".join(
-                    f"{int(np.count_nonzero(g.kind == i)):,} by {k}"
-                    for i, k in enumerate(occupancy.KINDS) if np.any(g.kind == i)) +
-                    f"); mean fill {_mean(g.fill) / g.block_size:.1%} of {g.block_size}; "
-                    f"most writes in one generation: {g.max_writes}"
-                    + (" (more than block_size!)" if g.max_writes > g.block_size else "")),
-                Text(f"{same} of {len(layers)} layers have the same generations"),
-                fill,
-                Text(f"internal fragmentation over {g.steps:,} steps (mean {mean:.1%}; "
-                     "bar height 0-100%)", style="bold"), spark]
-        grid = Table.grid(padding=(0, 4))
-        grid.add_row(_distribution("lifetime", _value_counts(g.lifetime_steps), "steps"),
-                     _distribution("reuse distance", _value_counts(
-                         g.reuse_steps[g.reuse_steps >= 0]), "steps"))
-        body.append(grid)
-        if g.incomplete_ops:
-            body.append(Text(f"{g.incomplete_ops} ops left out (values lost)", style="red"))
-        parts.append(Panel(Group(*body), title=f"true occupancy: pid {pid}, layer {layer}",
-                           title_align="left", width=width))
+        parts.append(occupancy_panel(g, src, f"pid {pid}, layer {layer}",
+                                     f"{same} of {len(layers)} layers have the same generations",
+                                     width))
     return parts
+
+
+def occupancy_panel(g: occupancy.Generations, src: occupancy.Source, where: str, note: str,
+                    width: int) -> Panel:
+    """One layer's generations, named by src (occupancy.Source), its caveat
+    at the top: the figures mean what the source can see."""
+    fill = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=src.fill,
+                 title_justify="left", title_style="bold")
+    for col in ("tokens", "fill", "generations", ""):
+        fill.add_column(col, justify="right" if col != "" else "left")
+    hist = g.fill_hist
+    top = hist.max() if len(hist) else 0
+    for tok in np.flatnonzero(hist):
+        fill.add_row(str(tok), f"{tok / g.block_size:.0%}", f"{hist[tok]:,}",
+                     _bar(hist[tok], top))
+    frag = g.fragmentation
+    spark = Text()
+    if g.steps:
+        bins = min(g.steps, max(10, width - 20))
+        edges = np.linspace(0, g.steps, bins + 1).astype(int)
+        for a, b in zip(edges[:-1], edges[1:]):
+            seg = frag[a:max(b, a + 1)]
+            seg = seg[~np.isnan(seg)]
+            spark.append(live._BARS[int(round(seg.mean() * 8))] if len(seg) else " ",
+                         style="magenta")
+    mean = float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else float("nan")
+    body = []
+    if src.caveat:
+        body.append(Text(src.caveat + " (docs/occupancy.md)", style="yellow"))
+    body += [Text(f"{len(g):,} generations (" + ", ".join(
+                f"{int(np.count_nonzero(g.kind == i)):,} by {k}"
+                for i, k in enumerate(occupancy.KINDS) if np.any(g.kind == i)) +
+                f"); mean {src.fill} {_mean(g.fill) / g.block_size:.1%} of {g.block_size} "
+                f"tokens; most writes in one generation: {g.max_writes}"
+                + (" (more than block_size!)" if g.max_writes > g.block_size else "")),
+             Text(note), fill,
+             Text(f"{src.fragmentation}, over {g.steps:,} steps (mean {mean:.1%}; "
+                  "bar height 0-100%)", style="bold"), spark]
+    grid = Table.grid(padding=(0, 4))
+    span, gap = (x.split(" (")[0] for x in (src.span, src.gap))
+    grid.add_row(_distribution(span, _value_counts(g.lifetime_steps), "steps"),
+                 _distribution(gap, _value_counts(g.reuse_steps[g.reuse_steps >= 0]), "steps"))
+    body.append(grid)
+    body.append(Text(f"{GENERATION_MEANS}. {src.span}; {src.gap}.", style="dim"))
+    if g.incomplete_ops:
+        body.append(Text(f"{g.incomplete_ops} ops left out (values lost)", style="red"))
+    return Panel(Group(*body), title=f"{src.title}: {where}", title_align="left", width=width)
 
 
 def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int) -> Group:
@@ -526,10 +587,10 @@ def run(args) -> int:
     if args.resol:
         rows, cols = args.resol
     else:
-        rows, cols = 20, width - heatmap.LABEL_WIDTH
-    if args.format == "text":
-        cols = min(cols, console.width - heatmap.LABEL_WIDTH)  # never wrap
-    hm = rep.heatmap(rows, cols, args.time_range, args.block_range)
+        t0, t1 = rep.span_ns() if args.time_range is None else \
+            (int(args.time_range[0] * 1e9), int(args.time_range[1] * 1e9))
+        rows, cols = 20, width - heatmap.label_width(t0, t1)
+    hm = rep.heatmap(rows, cols, args.time_range, args.block_range, exact_cols=bool(args.resol))
     rates = rep.op_rates(time_range=args.time_range)
     if args.format == "json":
         # compact: the C encoder, one write (indenting is Python-speed)
@@ -537,5 +598,10 @@ def run(args) -> int:
     elif args.format == "csv":
         write_csv(rep, args.table, hm, sys.stdout)
     else:
+        wide = hm.cols + heatmap.label_width(hm.t0_ns, hm.t1_ns)
+        if wide > console.width:
+            # --resol is honoured exactly, even wider than the terminal
+            # (without it the map is never wider: cols come from the width)
+            console = Console(highlight=False, width=wide)
         console.print(render(rep, hm, rates, width, args.layer))
     return 0

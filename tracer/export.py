@@ -1,9 +1,17 @@
 """Exporters: perf-style folded stacks (flamegraph.pl, speedscope).
 
-One line per distinct stack: `comm;outer;...;inner;op;layer_NN WEIGHT`,
-weights in slots written (write ops) or pairs/entries moved (copy, swap,
-swap_blocks_batch).  The weights come from an exact in-kernel map, not from
-the perf buffer, so they sum to the op totals even when records were lost.
+Two hierarchies, root first, one line per distinct path with its weight:
+
+  by stack:  comm-PID;outer;...;inner;op;layer_NN      which code paths in the
+             target issue the cache ops, and how much each moves
+  by block:  comm-PID;op;layer_NN;blocks_LO-HI;block_N  where in the cache the
+             writes (and copies and swaps) land, per process and layer
+
+Weights are slots written (write ops) or pairs/entries moved (copy, swap,
+swap_blocks_batch), or bytes moved (export --weight bytes).  flamegraph.pl
+sorts sibling frames by name, so numbers in frames are zero-padded to one
+width per graph: block_0005 before block_0012, layer_02 before layer_10.
+The process frame carries the pid: vLLM's workers share one name.
 """
 
 import re
@@ -18,20 +26,47 @@ def clean_frame(name: str) -> str:
     return name or UNKNOWN
 
 
-def layer_frame(layer) -> str:
-    return "all_layers" if layer is None else f"layer_{layer:02d}"
+def digits(largest: int, at_least: int = 1) -> int:
+    """The width that zero-pads numbers up to `largest` to one length."""
+    return max(at_least, len(str(max(0, int(largest)))))
+
+
+def layer_frame(layer, width: int = 2) -> str:
+    return "all_layers" if layer is None else f"layer_{layer:0{width}d}"
+
+
+def process_frame(comm: str, pid: int) -> str:
+    return f"{clean_frame(comm)}-{pid}"
 
 
 def folded_lines(stacks, frames_of, comm_of, layer_of) -> list:
     """stacks: (pid, stack_id, op, cache_index, weight) tuples.
     frames_of(stack_id, pid) -> frames outermost first ([] if none);
     comm_of(pid) -> process name; layer_of(pid, cache_index) -> int or None."""
+    rows = [(pid, stack_id, op, layer_of(pid, cache_index), int(weight))
+            for pid, stack_id, op, cache_index, weight in stacks if weight]
+    width = digits(max([r[3] for r in rows if r[3] is not None] + [0]), 2)
     merged = {}
-    for pid, stack_id, op, cache_index, weight in stacks:
-        if not weight:
-            continue
+    for pid, stack_id, op, layer, weight in rows:
         frames = [clean_frame(f) for f in frames_of(stack_id, pid)] or [NO_STACK]
-        line = ";".join([clean_frame(comm_of(pid)), *frames, op,
-                         layer_frame(layer_of(pid, cache_index))])
-        merged[line] = merged.get(line, 0) + int(weight)
+        line = ";".join([process_frame(comm_of(pid), pid), *frames, op,
+                         layer_frame(layer, width)])
+        merged[line] = merged.get(line, 0) + weight
     return [f"{line} {w}" for line, w in sorted(merged.items())]
+
+
+def block_lines(rows, group: int) -> list:
+    """rows: (process frame, op, layer, block, weight); blocks grouped in
+    ranges of `group` (blocks_LO-HI), all numbers zero-padded per graph.
+    Sorted as flamegraph.pl will draw them: process, op, layer, block."""
+    rows = [r for r in rows if r[4]]
+    if not rows:
+        return []
+    bw = digits(max(r[3] // group * group + group - 1 for r in rows))
+    lw = digits(max(r[2] for r in rows), 2)
+    out = []
+    for proc, op, layer, block, weight in sorted(rows, key=lambda r: r[:4]):
+        lo = block // group * group
+        out.append(f"{proc};{clean_frame(op)};{layer_frame(layer, lw)};"
+                   f"blocks_{lo:0{bw}d}-{lo + group - 1:0{bw}d};block_{block:0{bw}d} {weight}")
+    return out

@@ -1,9 +1,11 @@
-"""A DAMON-style heatmap of slot writes: time (rows) x block range (columns).
+"""A DAMON-style heatmap: time (rows) x block range (columns), of slot
+writes by default (or any per-block event: Heatmap.what and .key).
 
 As damo's `report heatmap`: each cell is one character, a digit 0-9 for its
-write intensity (0 none, 1-9 scaled to the busiest cell), coloured, and a
-footer says how much time and how many blocks one character stands for.
-compute() is numpy over the raw arrays; render() is a pure rich Text.
+intensity (0 none, 1-9 scaled to the busiest cell), coloured, and a footer
+says which blocks are shown, and how much time and how many blocks one
+character stands for.  compute() is numpy over the raw arrays; render() is
+a pure rich Text.
 """
 
 from dataclasses import dataclass
@@ -14,17 +16,29 @@ from rich.text import Text
 # cold to hot, one style per digit
 COLOURS = ("grey35", "blue", "dodger_blue2", "cyan", "green", "chartreuse3", "yellow",
            "orange1", "dark_orange", "red")
-LABEL_WIDTH = 9  # "  12.345 " before each row
+LABEL_WIDTH = 9  # "  12.345 " before each row, at least
+
+
+def label_width(t0_ns: int, t1_ns: int) -> int:
+    """The width of the time label before each row (and its space): wider
+    than LABEL_WIDTH for a trace of 10,000 s or more, or times before the
+    trace's start."""
+    return max(LABEL_WIDTH, *(len(f"{t / 1e9:.3f}") + 1 for t in (t0_ns, t1_ns)))
 
 
 @dataclass
 class Heatmap:
-    cells: np.ndarray  # rows x cols: slot writes in each cell
+    cells: np.ndarray  # rows x cols: slot writes (all layers) in each cell
     t0_ns: int  # time range [t0, t1), relative to the trace's start
     t1_ns: int
     b0: int  # block range [b0, b1)
     b1: int
-    blocks_per_col: int
+    total_blocks: int = 0  # blocks the caches have (the range shown is part of them)
+    zoomed: bool = False  # the range was chosen as the blocks written, not asked for
+    # what a cell counts, in the footer, and its key in JSON: a read heatmap
+    # is the same map with ("block reads (once per step per group)", "reads")
+    what: str = "slot writes (all layers)"
+    key: str = "writes"
 
     @property
     def rows(self) -> int:
@@ -38,6 +52,15 @@ class Heatmap:
     def ns_per_row(self) -> float:
         return (self.t1_ns - self.t0_ns) / max(1, self.rows)
 
+    @property
+    def blocks_per_col(self) -> float:
+        return (self.b1 - self.b0) / max(1, self.cols)
+
+    def col_blocks(self, c: int) -> tuple:
+        """The blocks (lo, hi inclusive) column c sums: col_edges()."""
+        lo, hi = col_edges(self.b1 - self.b0, self.cols)
+        return self.b0 + int(lo[c]), self.b0 + int(hi[c])
+
     def digits(self) -> np.ndarray:
         top = self.cells.max() if self.cells.size else 0
         if top == 0:
@@ -47,25 +70,43 @@ class Heatmap:
     def to_json(self) -> dict:
         return {"rows": self.rows, "cols": self.cols, "t0_ns": self.t0_ns, "t1_ns": self.t1_ns,
                 "ns_per_row": self.ns_per_row, "block_lo": self.b0, "block_hi": self.b1 - 1,
-                "blocks_per_col": self.blocks_per_col, "writes": self.cells.tolist()}
+                "blocks_per_col": self.blocks_per_col, "total_blocks": self.total_blocks,
+                "zoomed": self.zoomed, self.key: self.cells.tolist()}
+
+
+def col_edges(nblocks: int, cols: int) -> tuple:
+    """Which of nblocks blocks each of cols columns covers: column c holds
+    blocks c*n//cols .. max(that, (c+1)*n//cols - 1), offsets into the range.
+    With at least as many blocks as columns the columns split the blocks
+    (sizes differ by at most one); with fewer, a block spans several
+    columns, each showing that block's count."""
+    c = np.arange(cols, dtype=np.int64)
+    lo = c * nblocks // cols
+    hi = np.maximum(lo, (c + 1) * nblocks // cols - 1)
+    return lo, hi
 
 
 def compute(t_ns: np.ndarray, blocks: np.ndarray, rows: int, cols: int,
-            time_range: tuple, block_range: tuple) -> Heatmap:
-    """Slot writes at times t_ns (relative to the trace start) into blocks.
+            time_range: tuple, block_range: tuple, total_blocks: int = 0,
+            zoomed: bool = False, **named) -> Heatmap:
+    """Events (slot writes, by default) at times t_ns (relative to the
+    trace start) on blocks.  named: Heatmap's `what` and `key`.
 
     time_range: (t0, t1) ns, t1 exclusive; block_range: (lo, hi) inclusive.
-    A column spans a whole number of blocks, so there may be fewer columns
-    than asked for; rows split the time range evenly."""
+    The map has exactly rows x cols cells: rows split the time range
+    evenly, columns the block range (col_edges)."""
     t0, t1 = int(time_range[0]), max(int(time_range[1]), int(time_range[0]) + 1)
     b0, b1 = int(block_range[0]), int(block_range[1]) + 1
-    per = max(1, -(-(b1 - b0) // max(1, cols)))
-    ncols = -(-(b1 - b0) // per)
+    n = b1 - b0
     keep = (t_ns >= t0) & (t_ns < t1) & (blocks >= b0) & (blocks < b1)
     r = ((t_ns[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
-    c = ((blocks[keep] - b0) // per).astype(np.int64)
-    cells = np.bincount(r * ncols + c, minlength=rows * ncols).reshape(rows, ncols)
-    return Heatmap(cells, t0, t1, b0, b1, per)
+    b = (blocks[keep] - b0).astype(np.int64)
+    per_block = np.bincount(r * n + b, minlength=rows * n).reshape(rows, n)
+    lo, hi = col_edges(n, cols)
+    # a prefix sum per row: each column is the difference at its edges
+    csum = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(per_block, axis=1)], axis=1)
+    cells = csum[:, hi + 1] - csum[:, lo]
+    return Heatmap(cells, t0, t1, b0, b1, total_blocks, zoomed, **named)
 
 
 def _span(ns: float) -> str:
@@ -77,12 +118,13 @@ def _span(ns: float) -> str:
 
 def render(h: Heatmap) -> Text:
     """Rows of coloured digits with a time label, then damo's footer.  Every
-    line is at most LABEL_WIDTH + cols characters (and the footer at most
-    60), so it fits a console that wide without wrapping."""
+    line is at most label_width() + cols characters (and the footer at most
+    60 with 7-digit counts), so it fits a console that wide without wrapping."""
     text = Text(no_wrap=True, overflow="crop")
     digits = h.digits()
+    lw = label_width(h.t0_ns, h.t1_ns) - 1
     for i in range(h.rows):
-        text.append(f"{(h.t0_ns + i * h.ns_per_row) / 1e9:>8.3f} ", style="dim")
+        text.append(f"{(h.t0_ns + i * h.ns_per_row) / 1e9:>{lw}.3f} ", style="dim")
         row = digits[i]
         # runs of one digit share a style: fewer spans than characters
         edges = np.flatnonzero(np.diff(row)) + 1
@@ -93,6 +135,25 @@ def render(h: Heatmap) -> Text:
     top = int(h.cells.max()) if h.cells.size else 0
     text.append(f"# time {h.t0_ns / 1e9:.3f}-{h.t1_ns / 1e9:.3f} s, "
                 f"{_span(h.ns_per_row)} per row\n", style="dim")
-    text.append(f"# blocks {h.b0}-{h.b1 - 1}, {h.blocks_per_col} per column\n", style="dim")
-    text.append(f"# 0 no writes, 1-9 up to {top:,} slot writes per cell", style="dim")
+    text.append(f"# {shown(h)}, {per_column(h)}\n", style="dim")
+    if h.zoomed:
+        text.append("# zoomed to the blocks written (--block-range to choose)\n", style="dim")
+    what = h.what.split(" (")
+    text.append(f"# 0 none, 1-9 up to {top:,} {what[0]} per cell"
+                + (f" ({what[1]}" if len(what) > 1 else ""), style="dim")
     return text
+
+
+def shown(h: Heatmap) -> str:
+    """Which blocks the columns cover, and out of how many."""
+    out = f"blocks {h.b0}-{h.b1 - 1}"
+    if h.total_blocks:
+        out += f" of {h.total_blocks}"
+    return out
+
+
+def per_column(h: Heatmap) -> str:
+    per = h.blocks_per_col
+    if per >= 1:
+        return f"{per:.3g} per column" if per != int(per) else f"{int(per)} per column"
+    return f"1 block per {1 / per:.3g} columns"

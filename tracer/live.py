@@ -1,7 +1,14 @@
 """The terminal views (rich): the live screen of `attach` and its summary.
 
 render() is a pure function of Aggregates, so it is unit-tested with a
-fixed-width Console; attach only decides when to call it.
+fixed-width Console; attach only decides when to call it.  Words on screen
+are those of docs/glossary.md; every count says whether it is per layer or
+summed over all layers.
+
+A process's panel is built from PROCESS_PANELS, a list of functions
+(process, width) -> list of renderables (empty: nothing to show).  Reads
+(the block_table probe) slot in as one more entry, reads_panel, which draws
+from Process.groups when the aggregate has them.
 """
 
 import numpy as np
@@ -11,10 +18,35 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from . import abi, aggregate
 from .aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
 HIST_ROWS = 6
+LABEL = 6  # the y-axis label's width, left of the bars
+
+# ops that move whole blocks: their "items" are block pairs (batch: entries),
+# and only they carry a byte count (docs/glossary.md)
+MOVE_OPS = ("copy_blocks", "swap_blocks", "swap_blocks_batch")
+BYTES_OPS = aggregate.BYTES_OPS
+# which op fills which per-block move counter (bpf/kvtrace.bpf.c)
+MOVE_SOURCE = {"copy_src": "copy_blocks", "copy_dst": "copy_blocks",
+               "swap_out": "swap_blocks", "swap_in": "swap_blocks"}
+NOT_PROBED = "not probed on this build"
+
+# What "exact" promises, and what breaks it (Aggregate.inexact_reasons):
+# printed under every view where the verdict is shown.
+EXACT_MEANS = ("exact: the per-block counters hold every slot of every probe hit. Not "
+               "exact if an op is truncated, an index array unreadable, a block beyond "
+               "--max-blocks, a layer beyond --max-layers, or a hit skipped by the kernel; "
+               "lost perf records never change the counts.")
+LEGEND = ("tokens: per layer (the busiest layer; each token once). slots, padding, pairs: "
+          "summed over all layers. padding: negative slot-mapping entries (batch "
+          "padding), nothing written. pairs: blocks moved (swap_blocks_batch: entries). "
+          "items per op: tokens of one call (one layer), or its pairs.")
+
+SHORT_LEGEND = ("tokens: per layer; slots, padding, pairs: all layers; exact: every slot "
+                "of every probe hit (the summary and docs/glossary.md say more)")
 
 
 def _n(x) -> str:
@@ -37,61 +69,130 @@ def _bytes(x) -> str:
     return f"{int(x)}B"
 
 
+def probed_ops(agg: Aggregate):
+    """The ops that have a probe site in some traced process, or None when
+    the aggregate does not say (a trace file written before it was kept)."""
+    known = [p.probed_ops for p in agg.processes.values() if p.probed_ops is not None]
+    if not known:
+        return None
+    return set().union(*known)
+
+
+def traced_anything(agg: Aggregate) -> bool:
+    return any(st["calls"] for st in agg.op_totals().values())
+
+
 def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
               width: int = 100) -> Table:
-    """Ops with their rates: since the previous refresh, or (for a summary,
-    with no previous) averaged over the whole run.  Counts are printed whole,
-    never rounded; a narrow terminal drops the padding column instead."""
+    """Ops with their call rates: over the last refresh interval (live, with
+    a previous aggregate), or the mean over the whole run (a summary).
+    Counts are printed whole, never rounded; a narrow terminal drops the
+    padding column instead."""
     if prev is not None:
         r = rates(agg, prev)
+        basis = f"last {agg.time - prev.time:.1f}s"
     else:
         r = {op: {"calls": st["calls"] / elapsed}
              for op, st in agg.op_totals().items()} if elapsed > 0 else {}
-    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False)
+        basis = "mean"
+    totals = agg.op_totals()
+    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, collapse_padding=True,
+              title="ops, all processes", title_justify="left", title_style="bold")
     t.add_column("op", no_wrap=True, min_width=len("cpu_attn_reshape_and_cache"))
-    cols = ("calls", "calls/s", "slots", "padding", "bytes")
+    heads = {"calls": "calls", "calls/s": f"calls/s\n{basis}", "slots": "slots\nall layers",
+             "padding": "padding\nall layers", "pairs": "pairs\nmoved", "bytes": "bytes\nmoved"}
+    cols = ["calls", "calls/s", "slots", "padding"]
     if width < 100:
-        cols = tuple(c for c in cols if c != "padding")
+        cols.remove("padding")
+    if any(op in MOVE_OPS for op in totals):
+        cols.append("pairs")
+    cols.append("bytes")
     for col in cols:
-        t.add_column(col, justify="right", no_wrap=True)
-    for op, st in agg.op_totals().items():
+        t.add_column(heads[col], justify="right", no_wrap=True)
+    for op, st in totals.items():
         rr = r.get(op, {})
+        writes = op in abi.WRITE_OPS
+        # a write op moves nothing, a move (or a read op) writes no slots:
+        # "-", not a 0 that reads as "measured, none"
         cells = {"calls": _n(st["calls"]), "calls/s": _rate(rr.get("calls", 0)),
-                 "slots": _n(st["slots"]), "padding": _n(st["padding"]),
-                 "bytes": _bytes(st["bytes"]) if st["bytes"] else "-"}
+                 "slots": _n(st["slots"]) if writes else "-",
+                 "padding": _n(st["padding"]) if writes else "-",
+                 "pairs": _n(st["items"]) if op in MOVE_OPS else "-",
+                 "bytes": _bytes(st["bytes"]) if op in BYTES_OPS else "-"}
         t.add_row(op, *(cells[c] for c in cols))
     if not t.row_count:
         t.add_row("(no ops yet)", *("" for _ in cols))
     return t
 
 
-def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS) -> Text:
-    """A vertical bar chart of counts bucketed to `width` columns."""
-    sums, per = bucket(counts, width)
+def not_probed_line(agg: Aggregate) -> Text:
+    """The ops no traced process has a probe site for: their absence from
+    the table means "not seen", not "none happened"."""
+    probed = probed_ops(agg)
+    if probed is None:
+        return None
+    missing = [op for op in abi.OPS if op not in probed]
+    if not missing or not agg.processes:
+        return None
+    return Text(f"{NOT_PROBED}: " + ", ".join(missing), style="dim")
+
+
+def block_window(counts: np.ndarray, pad_frac: int = 16) -> tuple:
+    """The blocks worth drawing: from the first to the last block with a
+    count, padded by 1/pad_frac of that span (at least 2 blocks) on each
+    side, within 0..len-1.  (0, len-1) when nothing is counted: vLLM may have
+    2048 blocks and use a dozen, which at full width all land in one column."""
+    n = len(counts)
+    nz = np.flatnonzero(counts)
+    if not len(nz):
+        return 0, max(0, n - 1)
+    lo, hi = int(nz[0]), int(nz[-1])
+    pad = max(2, (hi - lo + 1) // pad_frac)
+    return max(0, lo - pad), min(n - 1, hi + pad)
+
+
+def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str = "tokens",
+              block_range: tuple = None) -> Text:
+    """A vertical bar chart of counts per block, bucketed to at most `width`
+    columns.  By default it zooms to the blocks in use (block_window); a
+    block_range (lo, hi inclusive) overrides.  The footer says which blocks
+    are drawn and what one column's height sums."""
+    n = len(counts)
+    if not n or not counts.any():
+        return Text(f"(no {what} yet)", style="dim")
+    lo, hi = block_window(counts) if block_range is None else block_range
+    sums, per = bucket(counts[lo:hi + 1], width)
+    top = int(sums.max())
     text = Text()
-    top = int(sums.max()) if len(sums) else 0
-    if top == 0:
-        return Text("(nothing written yet)", style="dim")
     # eighths of a row per column
-    heights = np.ceil(sums.astype(float) / top * rows * 8).astype(int)
+    heights = np.ceil(sums.astype(float) / max(top, 1) * rows * 8).astype(int)
     for r in range(rows - 1, -1, -1):
         line = "".join(_BARS[min(8, max(0, h - r * 8))] for h in heights)
         label = _rate(top) if r == rows - 1 else ""
-        text.append(f"{label:>6} ", style="dim")
+        text.append(f"{label:>{LABEL}} ", style="dim")
         text.append(line + "\n", style="green")
-    n = len(counts)
-    axis = f"0{'':{max(1, len(sums) - len(str(n - 1)) - 1)}}{n - 1}"
-    text.append(f"{'':>6} {axis}\n", style="dim")
-    text.append(f"{'':>6} {per} block{'s' if per > 1 else ''} per column, "
-                f"max column {_n(top)}", style="dim")
+    axis = f"{lo}{'':{max(1, len(sums) - len(str(lo)) - len(str(hi)))}}{hi}"
+    text.append(f"{'':>{LABEL}} {axis}\n", style="dim")
+    shown = f"blocks {lo}-{hi} of {n}" + (" (zoomed to those in use)"
+                                           if (lo, hi) != (0, n - 1) and block_range is None
+                                           else "")
+    height = (f"{what} per block" if per == 1 else
+              f"{what} summed over {per} blocks per column")
+    text.append(f"{'':>{LABEL}} {shown}\n{'':>{LABEL}} height: {height}; top {_n(top)}",
+                style="dim")
     return text
 
 
 def hottest(proc, top: int = 8) -> Table:
     tokens = proc.tokens
     all_layers = proc.all_layer_writes
+    probed = proc.probed_ops
+    cols = [("block", None), ("tokens", None), ("all layers", None),
+            ("copy src/dst", "copy_blocks"), ("swap out/in", "swap_blocks")]
+    # a move column only where its op is probed (or nobody knows)
+    cols = [c for c, op in cols if op is None or probed is None or op in probed]
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("block", "tokens", "all layers", "copy src/dst", "swap out/in"):
+    for col in cols:
         t.add_column(col, justify="right")
     if not len(tokens):
         return t
@@ -104,26 +205,49 @@ def hottest(proc, top: int = 8) -> Table:
     for b in order:
         if tokens[b] == 0:
             break
-        t.add_row(str(b), _n(tokens[b]), _n(all_layers[b]),
-                  f"{mv('copy_src', b)}/{mv('copy_dst', b)}",
-                  f"{mv('swap_out', b)}/{mv('swap_in', b)}")
+        cells = {"block": str(b), "tokens": _n(tokens[b]), "all layers": _n(all_layers[b]),
+                 "copy src/dst": f"{mv('copy_src', b)}/{mv('copy_dst', b)}",
+                 "swap out/in": f"{mv('swap_out', b)}/{mv('swap_in', b)}"}
+        t.add_row(*(cells[c] for c in cols))
     return t
 
 
 def moves_table(proc) -> Table:
+    """Copies and swaps per kind, for the kinds whose op is probed (or all,
+    when that is not known)."""
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("move", "total", "blocks", "max on one block"):
+    for col in ("move", "blocks moved", "distinct", "most on one"):
         t.add_column(col, justify="left" if col == "move" else "right")
     for kind, arr in proc.moves.items():
+        if kind in unprobed_moves(proc):
+            continue
         t.add_row(kind, _n(arr.sum()), _n(np.count_nonzero(arr)),
                   _n(arr.max()) if len(arr) else "0")
     return t
 
 
+def unprobed_moves(proc) -> list:
+    """Move kinds whose op has no probe site in this process."""
+    if proc.probed_ops is None:
+        return []
+    return [k for k in proc.moves if MOVE_SOURCE.get(k) not in proc.probed_ops]
+
+
+def moves_part(proc):
+    head = Text("copies and swaps, all layers", style="bold")
+    missing = unprobed_moves(proc)
+    if missing and len(missing) == len(proc.moves):
+        return Group(head, Text(f"{NOT_PROBED}:\ncopy_blocks, swap_blocks", style="dim"))
+    parts = [head, moves_table(proc)]
+    if missing:
+        parts.append(Text(f"{', '.join(missing)}: {NOT_PROBED}", style="dim"))
+    return Group(*parts)
+
+
 def log2_table(agg: Aggregate) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="items per op (log2)",
               title_justify="left", title_style="bold")
-    for col in ("op", "range", "ops", ""):
+    for col in ("op", "items", "ops", ""):
         t.add_column(col, justify="right" if col in ("ops",) else "left")
     for op, hist in sorted(agg.log2.items()):
         peak = max(hist.values()) if hist else 1
@@ -134,36 +258,152 @@ def log2_table(agg: Aggregate) -> Table:
     return t
 
 
+# -- a process's panel ----------------------------------------------------------
+
+TIER_WORDS = {"usdt": "fork USDT", "uprobe": "stock uprobe", "none": "no probes"}
+
+
+def describe(proc) -> str:
+    """pid, name, where it sits in the traced tree and how it is probed."""
+    bits = [f"pid {proc.pid} ({proc.comm})"]
+    if proc.parent:
+        bits.append(f"child of {proc.parent}")
+    if proc.tier:
+        bits.append(TIER_WORDS.get(proc.tier, proc.tier))
+    return ", ".join(bits)
+
+
+def is_idle(proc) -> bool:
+    """No probe of this process has fired: nothing to draw for it."""
+    return not proc.layers and not any(st["calls"] for st in proc.ops.values()) \
+        and not any(a.any() for a in proc.moves.values()) \
+        and not getattr(proc, "groups", None)
+
+
+def writes_panel(proc, width: int) -> list:
+    """Tokens written per block, the hottest blocks, copies and swaps."""
+    if not proc.layers and not any(a.any() for a in proc.moves.values()):
+        return []
+    hot = Group(Text("hottest blocks: tokens per layer, slots of all layers", style="bold"),
+                hottest(proc))
+    moved = moves_part(proc)
+    body = [Text("tokens written per block (per layer: the busiest layer)", style="bold"),
+            histogram(proc.tokens, max(10, width - 12), what="tokens"), Text("")]
+    if width >= 110:  # side by side only where both fit
+        grid = Table.grid(padding=(0, 4))
+        grid.add_row(hot, moved)
+        body.append(grid)
+    else:
+        body += [hot, moved]
+    return body
+
+
+def reads_panel(proc, width: int) -> list:
+    """Reads per block of each KV-cache group (the block_table probe), from
+    Process.groups: a histogram of reads per block, the working set (blocks
+    read at the last step against blocks read ever) and the hottest and
+    coldest blocks.  Empty for a process without read groups."""
+    groups = getattr(proc, "groups", None) or []
+    body = []
+    for g in groups:
+        reads = np.asarray(g.reads_per_block, dtype=np.uint64)
+        last = np.asarray(g.last_read_step, dtype=np.uint64)
+        read_ever = int(np.count_nonzero(reads))
+        # the working set now: blocks whose last read is the latest read step
+        # (whatever base last_read_step counts from, the latest is the max)
+        now = int(np.count_nonzero((reads > 0) & (last == last[reads > 0].max()))) \
+            if read_ever else 0
+        # a group's layers all read the same blocks at a step: counted once
+        layers = getattr(g, "layers", 0)
+        per = (f"the group's {layers:g} layers" if layers else "all the group's layers")
+        head = (f"reads per block, group {g.group}: {_n(g.steps)} steps, {_n(g.reads)} "
+                f"block reads (once per step for {per})")
+        body += [Text(head, style="bold"),
+                 histogram(reads, max(10, width - 12), rows=4, what="reads"),
+                 Text(f"working set: {_n(now)} blocks read at the last step, "
+                      f"{_n(read_ever)} read at least once, of {_n(len(reads))}")]
+        if read_ever:
+            order = np.argsort(reads, kind="stable")
+            read = order[reads[order] > 0]
+            hot = ", ".join(f"{b}:{_n(reads[b])}" for b in read[::-1][:6])
+            cold = ", ".join(f"{b}:{_n(reads[b])}" for b in read[:6])
+            body.append(Text(f"hottest block:reads {hot}\ncoldest read block:reads {cold}"))
+        problems = [f"{_n(getattr(g, k))} {what}" for k, what in (
+            ("truncated", "entries truncated"), ("read_errors", "tables unreadable"),
+            ("out_of_range", "entries beyond --max-blocks")) if getattr(g, k, 0)]
+        if problems:
+            body.append(Text("reads NOT exact: " + ", ".join(problems), style="bold red"))
+    return body
+
+
+# Each entry: (process, width) -> renderables; an empty list draws nothing.
+PROCESS_PANELS = [writes_panel, reads_panel]
+
+
+def process_panel(proc, width: int) -> Panel:
+    nl = len(proc.layers)
+    head = f"{describe(proc)}: {nl} layer{'s' if nl != 1 else ''}, {proc.num_blocks} blocks"
+    body = []
+    for build in PROCESS_PANELS:
+        part = build(proc, width)
+        if part:
+            if body:
+                body.append(Text(""))
+            body += part
+    if not body:
+        body = [Text("(probes fired, nothing counted per block)", style="dim")]
+    return Panel(Group(*body), title=head, title_align="left", width=width)
+
+
+def idle_line(procs: list) -> Text:
+    """Processes whose probes never fired, folded into one line (vLLM's API
+    server maps the library too, and would otherwise take a whole panel)."""
+    who = "; ".join(describe(p) for p in procs)
+    return Text(f"{len(procs)} traced process{'es' if len(procs) != 1 else ''} with no "
+                f"probe hit yet: {who}", style="dim")
+
+
+def verdict(agg: Aggregate) -> Text:
+    """'counts: exact' only once something was counted; the reasons otherwise."""
+    reasons = agg.inexact_reasons()
+    text = Text("counts: ")
+    if reasons:
+        text.append("NOT exact: " + "; ".join(reasons), style="bold red")
+    elif not traced_anything(agg):
+        text.append("nothing traced yet", style="yellow")
+    else:
+        text.append("exact", style="green")
+        text.append(" (every slot of every probe hit, per block; see the foot)")
+    return text
+
+
 def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float,
            width: int = 100, note: str = "") -> Group:
-    reasons = agg.inexact_reasons()
     status = Text()
     status.append(title, style="bold")
     status.append(f"   {elapsed:.1f}s   records {_n(agg.records)}   ")
     status.append(f"lost {_n(agg.lost)}", style="red" if agg.lost else "")
-    status.append("\ncounts: ")
-    status.append("exact" if not reasons else "NOT exact: " + "; ".join(reasons),
-                  style="green" if not reasons else "bold red")
+    status.append("\n")
+    status.append_text(verdict(agg))
     parts = [status]
     if note:
         parts.append(Text(note, style="yellow"))
     parts.append(ops_table(agg, prev, elapsed, width))
-    hist_width = max(10, width - 12)
-    for proc in sorted(agg.processes.values(), key=lambda p: p.pid):
-        nl = len(proc.layers)
-        head = (f"pid {proc.pid} ({proc.comm}): {nl} layer{'s' if nl != 1 else ''}, "
-                f"{proc.num_blocks} blocks")
-        hot = Group(Text("hottest blocks", style="bold"), hottest(proc))
-        moved = Group(Text("copies and swaps", style="bold"), moves_table(proc))
-        body = [Text("tokens written per block (max over layers)", style="bold"),
-                histogram(proc.tokens, hist_width), Text("")]
-        if width >= 110:  # side by side only where both fit
-            grid = Table.grid(padding=(0, 4))
-            grid.add_row(hot, moved)
-            body.append(grid)
-        else:
-            body += [hot, moved]
-        parts.append(Panel(Group(*body), title=head, title_align="left", width=width))
+    missing = not_probed_line(agg)
+    if missing is not None:
+        parts.append(missing)
+    procs = sorted(agg.processes.values(), key=lambda p: p.pid)
+    for proc in procs:
+        if not is_idle(proc):
+            parts.append(process_panel(proc, width))
+    idle = [p for p in procs if is_idle(p)]
+    if idle:
+        parts.append(idle_line(idle))
     if agg.log2:
         parts.append(log2_table(agg))
+    if traced_anything(agg):
+        # the summary explains its words in full; a live frame keeps its rows
+        # for the figures (a 55-row terminal), with one line saying where
+        parts.append(Text(LEGEND + "\n" + EXACT_MEANS if prev is None else SHORT_LEGEND,
+                          style="dim"))
     return Group(*parts)

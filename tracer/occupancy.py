@@ -1,4 +1,10 @@
-"""True occupancy from the slot stream: block generations, fill, fragmentation.
+"""Occupancy from the slot stream: block generations, written fill, and the
+fragmentation of the blocks being written.
+
+These figures come from writes alone: the stream has no frees and does not
+see a block that is held but not written (a full prompt block of a request
+still decoding).  Source (below) says so, and names each figure for what it
+measures; the views print its caveat beside the figures.
 
 Pure numpy over tracer/stream.py's OpStream; no bcc.  Definitions (written
 down in docs/occupancy.md, and computed independently by kvsim's truth):
@@ -36,6 +42,33 @@ KINDS = ("write", "copy", "swap_in", "before")  # how a generation started
 _K_WRITE, _K_COPY, _K_SWAP_IN, _K_BEFORE = range(4)
 _COPY, _SWAP = abi.OPS["copy_blocks"], abi.OPS["swap_blocks"]
 _WITHIN_BITS = 20  # values per op < 2**20 (one op reads at most 270336)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a set of occupancy figures comes from, and the names the views
+    give them.  FROM_WRITES is what this module computes; a source that
+    knows which blocks are allocated (a live set from reads or the
+    scheduler) gets its own Source with its own names and caveat, and the
+    same views draw it."""
+
+    name: str  # "writes": JSON "source"
+    caveat: str  # printed beside the figures; "" when there is none
+    title: str  # the panel's title
+    fill: str  # tokens held at a generation's end
+    fragmentation: str  # 1 - tokens held / (blocks x block_size), per step
+    span: str  # lifetime_steps: start to last access
+    gap: str  # reuse_steps: last access to the block's next start
+
+
+FROM_WRITES = Source(
+    name="writes",
+    caveat="from writes only: frees and held-but-unwritten blocks are not seen",
+    title="occupancy from writes",
+    fill="written fill at generation end",
+    fragmentation="unwritten share of the blocks being written",
+    span="write span (steps from a generation's start to its last write)",
+    gap="write gap (steps from a last write to the block's next generation)")
 
 
 @dataclass

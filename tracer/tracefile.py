@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import __version__, abi, occupancy, stream
+from .aggregate import probed_ops
 from .errors import DataError
 from .files import open_private
 
@@ -365,6 +366,11 @@ def _check_doc(doc: dict, want: str = None):
         _list_of(_need(doc, "probe_files", list, "process"), lambda f: (
             _need(f, "path", str, "probe file"),
             _need(f, "build_id", (str, type(None)), "probe file")), "probe_files")
+        # since parent, tier and probed_ops were added: optional
+        _need(doc, "parent", int, "process", _U32, optional=True)
+        _need(doc, "tier", str, "process", optional=True)
+        _list_of(_need(doc, "probed_ops", list, "process", optional=True) or [],
+                 lambda o: _typed(o, str, "probed op"), "probed_ops")
     elif kind == "caches":
         _list_of(_need(doc, "caches", list, "caches"), lambda c: (
             _need(c, "pid", int, "cache", _U32), _need(c, "cache_id", int, "cache", _U64),
@@ -504,11 +510,16 @@ class Recorder:
     def _describe(self):
         for pid, p in self.tracer.procs.items():
             files = sorted(p.probe_files)
-            if self._procs.get(pid) != (p.comm, files):
-                self._procs[pid] = (p.comm, files)
+            # parent, tier and probed ops too: report shows and writes them
+            # as attach does (the END record's copy is lost with a killed
+            # writer)
+            what = (p.comm, files, p.parent, p.tier, probed_ops(p))
+            if self._procs.get(pid) != what:
+                self._procs[pid] = what
                 self.writer.meta("process", {
                     "pid": pid, "comm": p.comm, "cmdline": _cmdline(pid),
-                    "probe_files": [{"path": f, "build_id": build_id(f)} for f in files]})
+                    "probe_files": [{"path": f, "build_id": build_id(f)} for f in files],
+                    "parent": p.parent, "tier": p.tier, "probed_ops": what[4]})
         new = []
         for k, v in self.tracer.bpf["caches"].items():
             c = {"pid": k.pid, "cache_id": k.cache_id, "index": v.index,
