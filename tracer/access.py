@@ -200,19 +200,3 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
         if k:
             out.append(int(start) - int(rt[b0 + k - 1]))
     return np.array(out, np.int64)
-
-
-def read_heatmap(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
-                 rows: int, cols: int, time_range: tuple, block_range: tuple) -> np.ndarray:
-    """rows x cols reads: time (ts of each entry's step) by block."""
-    t0, t1 = time_range
-    b0, b1 = block_range
-    grid = np.zeros((rows, cols), np.uint64)
-    if not len(block) or t1 <= t0 or b1 <= b0:
-        return grid
-    t = ts_ns[step_of]
-    keep = (t >= t0) & (t < t1) & (block >= b0) & (block < b1)
-    r = ((t[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
-    c = ((block[keep] - b0) * cols // (b1 - b0)).astype(np.int64)
-    np.add.at(grid, (r, c), 1)
-    return grid

@@ -20,13 +20,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import abi, heatmap, live, occupancy, stream, tracefile
+from . import abi, access, heatmap, live, occupancy, stream, tracefile
 from .aggregate import Aggregate
 from .errors import UsageError
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
 REPORT_VERSION = 1
-TABLES = ("blocks", "generations", "fragmentation", "heatmap")
+TABLES = ("blocks", "generations", "fragmentation", "heatmap", "access", "wss")
+KINDS = ("writes", "reads")
 
 EXAMPLES = """\
 examples:
@@ -34,6 +35,8 @@ examples:
   kvtrace-bpf report run.kvt --resol 30 100 --time-range 2 5 --block-range 0 1023
   kvtrace-bpf report run.kvt --format json > run.json
   kvtrace-bpf report run.kvt --format csv --table generations > gens.csv
+  kvtrace-bpf report run.kvt --kind reads          # the read heatmap (temperature)
+  kvtrace-bpf report run.kvt --format csv --table wss > wss.csv
 """
 
 
@@ -60,6 +63,9 @@ def add_parser(sub):
     p.add_argument("--block-range", nargs=2, type=int, metavar=("LO", "HI"),
                    help="heatmap: blocks LO to HI, inclusive (default: the blocks "
                    "written, a little padded)")
+    p.add_argument("--kind", choices=KINDS, default="writes",
+                   help="what the heatmap counts: slot writes, or block reads (once per "
+                   "step per KV-cache group; docs/access.md) (default writes)")
     p.add_argument("--pid", type=int, help="only this process")
     p.add_argument("--layer", type=int, default=0,
                    help="layer shown in the terminal's occupancy section (default 0; "
@@ -87,7 +93,12 @@ class Report:
                       (ops.ops["ts_ns"].min() if len(ops.ops) else 0))
         self.caches = [c for c in trace.caches if pid is None or c["pid"] == pid]
         self.layers = trace.layers()
-        self.agg = stream_aggregate(ops, self.caches, trace)
+        # reads: one Steps per KV-cache group, and every (request, block)
+        # read of its complete steps as (step index, block)
+        self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
+        self.steps = access.steps_of(ops, self.groups)
+        self.entries = [access.step_entries(ops, st) for st in self.steps]
+        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.entries)
         self.gens = occupancy.by_cache(ops, trace.block_sizes())
         # what the generations were computed from (a live set may replace it)
         self.occupancy_source = occupancy.FROM_WRITES
@@ -122,19 +133,31 @@ class Report:
         valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
         return t[valid], b[valid]
 
+    def read_events(self):
+        """(time since start ns, block) of every block read by a complete
+        block_table op: once per (request, step), for every group."""
+        t = [st.ts_ns[k] - self.t0 for st, (k, _) in zip(self.steps, self.entries)]
+        b = [blocks for _, blocks in self.entries]
+        if not t:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(t), np.concatenate(b)
+
     def heatmap(self, rows, cols, time_range=None, block_range=None,
-                exact_cols=True) -> heatmap.Heatmap:
-        """The write heatmap.  Without a block_range it zooms to the blocks
-        written in the time range (live.block_window): vLLM may have 2048
-        blocks and write a dozen.  exact_cols=False (no --resol) lets a
-        narrow range have fewer columns than cols, one block per column,
-        rather than stretch a block over several."""
-        t, b = self.write_events()
+                exact_cols=True, kind="writes") -> heatmap.Heatmap:
+        """The write (or read) heatmap.  Without a block_range it zooms to
+        the blocks written (read) in the time range (live.block_window):
+        vLLM may have 2048 blocks and use a dozen.  exact_cols=False (no
+        --resol) lets a narrow range have fewer columns than cols, one
+        block per column, rather than stretch a block over several."""
+        t, b = self.write_events() if kind == "writes" else self.read_events()
+        named = {} if kind == "writes" else {
+            "what": "block reads (once per step per KV-cache group)", "key": "reads"}
         if time_range is None:
             time_range = self.span_ns()
         else:
             time_range = (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
-        nb = max([c["num_blocks"] for c in self.caches] + [int(b.max()) + 1 if len(b) else 1])
+        nb = max([c["num_blocks"] for c in self.caches + self.groups] +
+                 [int(b.max()) + 1 if len(b) else 1])
         zoomed = block_range is None
         if zoomed:
             inside = (t >= time_range[0]) & (t < time_range[1])
@@ -143,7 +166,7 @@ class Report:
         if not exact_cols:
             cols = min(cols, block_range[1] - block_range[0] + 1)
         return heatmap.compute(t, b, rows, cols, time_range, block_range,
-                               total_blocks=nb, zoomed=zoomed)
+                               total_blocks=nb, zoomed=zoomed, **named)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:
         ops = self.ops.ops
@@ -173,7 +196,41 @@ def _log2_slot(v: np.ndarray) -> np.ndarray:
     return out
 
 
-def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
+def stream_groups(steps: list, entries: list, trace) -> list:
+    """The reads of the stream as the maps have them (aggregate.ReadGroup's
+    raw form): per group, per-block reads and last-read steps from the
+    complete steps; totals from every step's op record.  layer_calls comes
+    from the end record (only the leader layer's calls are streamed)."""
+    end_groups = {}
+    for p in ((trace.end or {}).get("aggregate") or {}).get("processes") or []:
+        for g in (p.get("groups") or []) if isinstance(p, dict) else []:
+            if isinstance(g, dict) and isinstance(g.get("layer_calls"), int):
+                end_groups[(p.get("pid"), g.get("group_id"))] = g["layer_calls"]
+    out = []
+    for index, (st, (k, blocks)) in enumerate(zip(steps, entries)):
+        keep = blocks < tracefile.MAX_BLOCKS
+        k, blocks = k[keep], blocks[keep]
+        nb = int(blocks.max()) + 1 if len(blocks) else 0
+        last = np.zeros(nb, np.uint64)
+        np.maximum.at(last, blocks, (k + 1).astype(np.uint64))
+        n = len(st)
+        out.append(dict(
+            pid=st.pid, group_id=st.group_id, index=index, block_size=st.block_size,
+            num_blocks=nb, steps=n, layer_calls=end_groups.get((st.pid, st.group_id), n),
+            requests=int(st.rows.sum()), tokens=int(st.tokens.sum()),
+            reads=int(st.reads.sum()), distinct=int(st.distinct.sum()),
+            held_tokens=int(st.held_tokens.sum()), null_entries=0,
+            out_of_range=int(np.count_nonzero(~keep)),
+            # steps whose live set was lost or cut short are counted in the
+            # totals but not per block: stream_reasons says so
+            truncated=0, read_errors=0,
+            reads_per_block=np.bincount(blocks, minlength=nb).astype(np.uint64),
+            last_read_step=last))
+    return out
+
+
+def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
+                     entries=()) -> Aggregate:
     """The per-block histograms of the stream, as an Aggregate (the same
     shape as attach's, so the same views and JSON serve)."""
     o = ops.ops
@@ -244,8 +301,9 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace) -> Aggregate:
             h[s] = h.get(s, 0) + n
     end = trace.end or {}
     lost = end.get("aggregate", {}).get("lost_records", 0)
-    raw = dict(time=0.0, caches=raw_caches, op_stats=op_stats, log2=log2, moves=moves,
-               stacks=[], globals={}, records=len(o), lost=lost)
+    raw = dict(time=0.0, caches=raw_caches, groups=stream_groups(steps, entries, trace),
+               op_stats=op_stats, log2=log2, moves=moves, stacks=[], globals={},
+               records=len(o), lost=lost)
     procs = trace.processes
     return Aggregate.from_maps(raw, comms={p: d.get("comm", "?") for p, d in procs.items()},
                                probe_files={p: [f["path"] for f in d.get("probe_files", [])]
@@ -334,6 +392,108 @@ def _occupancy_json(rep: Report) -> list:
     return out
 
 
+# -- access patterns (reads) -------------------------------------------------------
+
+def _pcts(values) -> list:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return []
+    return [[p, float(np.percentile(v, p))] for p in access.PERCENTILES]
+
+
+def access_figures(rep: Report) -> list:
+    """Per KV-cache group: the figures of docs/access.md, from the stream."""
+    out = []
+    for st, (k, blocks) in zip(rep.steps, rep.entries):
+        proc = rep.agg.processes.get(st.pid)
+        g = next((g for g in (proc.groups if proc else []) if g.group_id == st.group_id), None)
+        if g is None:
+            continue
+        end_ns = int(st.ts_ns.max()) if len(st) else rep.t0
+        last_ns = access.last_read_ns(k, blocks, st.ts_ns)
+        read = np.flatnonzero(last_ns)
+        sharing = access.sharing_by_block(k, blocks)
+        gens = next((gg for (pid, _), gg in sorted(rep.gens.items(), key=lambda x: (
+            x[0][0], rep.layers[x[0]])) if pid == st.pid), None)
+        idle = access.idle_before_reuse(k, blocks, st.ts_ns, gens.block, gens.start_ns) \
+            if gens is not None else np.zeros(0, np.int64)
+        layers = g.layers
+        out.append({
+            "pid": st.pid, "group": g.group, "group_id": st.group_id,
+            "block_size": st.block_size, "steps": len(st), "layers": round(layers, 3),
+            "reads": g.reads, "reads_all_layers": round(g.reads * layers),
+            "distinct": g.distinct, "tokens": g.tokens, "held_tokens": g.held_tokens,
+            "blocks_read": int(len(read)),
+            "frequency": [list(x) for x in access.frequency_histogram(g.reads_per_block)],
+            "hottest": [list(x) for x in access.hottest(g.reads_per_block)],
+            "coldest": [list(x) for x in access.coldest(g.reads_per_block)],
+            "wss_blocks": _pcts(st.distinct),
+            "utilization": _pcts(st.utilization),
+            "utilization_overall": g.held_tokens / (g.distinct * st.block_size)
+            if g.distinct and st.block_size else None,
+            "sharing_mean": g.reads / g.distinct if g.distinct else None,
+            "sharing_max_by_block": [[int(d), int(n)] for d, n in zip(
+                *np.unique(sharing[sharing > 0], return_counts=True))],
+            "age_s_at_end": _pcts((end_ns - last_ns[read]) / 1e9),
+            "idle_before_reuse_s": _pcts(idle / 1e9), "reuses": int(len(idle)),
+        })
+    return out
+
+
+ACCESS_MEANS = ("reads: (request, block) pairs at a forward step, counted once per step "
+                "for the group's layers (all layers: x layers); working set: distinct "
+                "blocks read at a step; utilization: tokens held in them over their "
+                "capacity; sharing: requests reading one block at a step; age: time since "
+                "a block's last read; idle before reuse: last read to its next generation's "
+                "first write (docs/access.md)")
+
+
+def access_view(figs: list, width: int) -> list:
+    parts = []
+    for f in figs:
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=False)
+        t.add_column("figure", no_wrap=True)
+        t.add_column("value")
+
+        def pct(pairs, fmt):
+            return "  ".join(f"p{int(p)} {fmt(v)}" for p, v in pairs) or "-"
+
+        t.add_row("steps", f"{f['steps']:,} ({f['layers']:g} layers a step)")
+        t.add_row("block reads", f"{f['reads']:,} (x {f['layers']:g} layers: "
+                                 f"{f['reads_all_layers']:,})")
+        t.add_row("working set, blocks a step", pct(f["wss_blocks"], lambda v: f"{v:,.0f}"))
+        t.add_row("utilization of the working set",
+                  pct(f["utilization"], lambda v: f"{100 * v:.1f}%"))
+        if f["sharing_mean"] is not None:
+            t.add_row("sharing (requests a block)", f"mean {f['sharing_mean']:.2f}; most at "
+                      f"one step: " + ", ".join(f"{d}: {n} blocks" for d, n in
+                                                f["sharing_max_by_block"][-4:]))
+        t.add_row("blocks read", f"{f['blocks_read']:,}")
+        t.add_row("hottest block:reads", ", ".join(f"{b}:{n:,}" for b, n in f["hottest"]))
+        t.add_row("coldest block:reads", ", ".join(f"{b}:{n:,}" for b, n in f["coldest"]))
+        t.add_row("age at the end (s)", pct(f["age_s_at_end"], lambda v: f"{v:.3g}"))
+        t.add_row("idle before reuse (s)", f"{f['reuses']:,} reuses: " +
+                  pct(f["idle_before_reuse_s"], lambda v: f"{v:.3g}"))
+        freq = _distribution_rows(f["frequency"])
+        parts.append(Panel(Group(t, freq), title=f"pid {f['pid']}, group {f['group']}: "
+                           "access patterns (reads)", title_align="left", width=width))
+    if parts:
+        parts.append(Text(ACCESS_MEANS, style="dim"))
+    return parts
+
+
+def _distribution_rows(rows: list) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="access frequency: blocks by reads",
+              title_justify="left", title_style="bold")
+    for col in ("reads", "blocks", ""):
+        t.add_column(col, justify="right" if col else "left")
+    top = max([n for _, _, n in rows] + [0])
+    for lo, hi, n in rows:
+        t.add_row(f"{lo}-{hi}" if lo != hi else f"{lo}", f"{n:,}", _bar(n, top))
+    return t
+
+
 def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
     t = rep.trace
     blocks = rep.agg.to_json()
@@ -353,6 +513,7 @@ def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
         "op_rates": rates,
         "heatmap": hm.to_json(),
         "occupancy": _occupancy_json(rep),
+        "access": access_figures(rep),
     }
 
 
@@ -386,8 +547,28 @@ def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
             w.writerows([[key[0], rep.layers[key], k, int(b), int(t),
                           "" if np.isnan(f) else f"{f:.6f}"]
                          for k, (b, t, f) in enumerate(zip(g.active_blocks, g.active_tokens, frag))])
+    elif table == "access":
+        w.writerow(["pid", "group", "block", "reads", "last_read_s", "max_sharing"])
+        for st, (k, blocks) in zip(rep.steps, rep.entries):
+            proc = rep.agg.processes[st.pid]
+            g = next(g for g in proc.groups if g.group_id == st.group_id)
+            last = access.last_read_ns(k, blocks, st.ts_ns)
+            share = access.sharing_by_block(k, blocks)
+            for b in np.flatnonzero(g.reads_per_block):
+                w.writerow([st.pid, g.group, int(b), int(g.reads_per_block[b]),
+                            f"{(int(last[b]) - rep.t0) / 1e9:.6f}", int(share[b])])
+    elif table == "wss":
+        w.writerow(["pid", "group", "step", "t_s", "requests", "reads", "working_set",
+                    "tokens", "held_tokens", "utilization"])
+        for n, st in enumerate(rep.steps):
+            util = st.utilization
+            for i in range(len(st)):
+                w.writerow([st.pid, n, i, f"{(st.ts_ns[i] - rep.t0) / 1e9:.6f}",
+                            int(st.rows[i]), int(st.reads[i]), int(st.distinct[i]),
+                            int(st.tokens[i]), int(st.held_tokens[i]),
+                            "" if np.isnan(util[i]) else f"{util[i]:.6f}"])
     elif table == "heatmap":
-        w.writerow(["row", "col", "t_start_s", "t_end_s", "block_lo", "block_hi", "writes"])
+        w.writerow(["row", "col", "t_start_s", "t_end_s", "block_lo", "block_hi", hm.key])
         for r in range(hm.rows):
             ts = (hm.t0_ns + r * hm.ns_per_row) / 1e9
             for c in range(hm.cols):
@@ -548,8 +729,9 @@ def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int
     parts += _moves_histograms(rep, max(10, width - 12))
     if rates["calls_per_s"]:
         parts.append(_rates_table(rates))
-    parts += [Text("slot writes: time (rows) x blocks (columns)", style="bold"),
+    parts += [Text(f"{hm.what}: time (rows) x blocks (columns)", style="bold"),
               heatmap.render(hm)]
+    parts += access_view(access_figures(rep), width)
     parts += _occupancy_view(rep, layer, width)
     return Group(*parts)
 
@@ -590,7 +772,8 @@ def run(args) -> int:
         t0, t1 = rep.span_ns() if args.time_range is None else \
             (int(args.time_range[0] * 1e9), int(args.time_range[1] * 1e9))
         rows, cols = 20, width - heatmap.label_width(t0, t1)
-    hm = rep.heatmap(rows, cols, args.time_range, args.block_range, exact_cols=bool(args.resol))
+    hm = rep.heatmap(rows, cols, args.time_range, args.block_range, exact_cols=bool(args.resol),
+                     kind=args.kind)
     rates = rep.op_rates(time_range=args.time_range)
     if args.format == "json":
         # compact: the C encoder, one write (indenting is Python-speed)

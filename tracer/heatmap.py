@@ -137,7 +137,8 @@ def render(h: Heatmap) -> Text:
                 f"{_span(h.ns_per_row)} per row\n", style="dim")
     text.append(f"# {shown(h)}, {per_column(h)}\n", style="dim")
     if h.zoomed:
-        text.append("# zoomed to the blocks written (--block-range to choose)\n", style="dim")
+        used = "read" if h.key == "reads" else "written"
+        text.append(f"# zoomed to the blocks {used} (--block-range to choose)\n", style="dim")
     what = h.what.split(" (")
     text.append(f"# 0 none, 1-9 up to {top:,} {what[0]} per cell"
                 + (f" ({what[1]}" if len(what) > 1 else ""), style="dim")
