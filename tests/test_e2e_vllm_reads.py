@@ -366,3 +366,24 @@ def test_reads_exact_prefix_caching_on(tmp_path, model, no_leftovers):
     (group,) = check_tracer(doc, truth, generated)
     assert group["reads"] == identity_reads(generated)
     assert group["distinct"] < group["reads"]
+
+
+def test_reads_exact_chunked_prefill(tmp_path, model, no_leftovers):
+    """A 96-token step budget: long prompts are prefilled in chunks, each
+    chunk a step whose seq_len is the chunk's end.  The identity's first
+    term splits; the tracer must still match the record exactly."""
+    generated, steps, doc, failure = trace_round(tmp_path, model, REQUESTS_OFF,
+                                                 "--max-num-batched-tokens", 96)
+    check_record(steps, generated, chunked=True)
+    truth = truth_per_group(steps)
+    bs = generated["block_size"]
+    mine = per_request(steps, generated)
+    # some prompt was chunked (more steps than tokens generated), and then
+    # the reads are the identity with each prefill chunk's end as a term
+    assert any(len(m) > len(r["generated"]) for m, r in zip(mine, generated["requests"]))
+    assert truth[0]["reads"] == sum(math.ceil(sl / bs) for m in mine for sl, _, _ in m)
+    assert truth[0]["reads"] > identity_reads(generated)
+
+    if failure is not None:
+        raise failure
+    check_tracer(doc, truth, generated)
