@@ -15,9 +15,11 @@ Expected values never come from the tracer.  They come from:
   vLLM's worker at the Python level (index tensors only);
 - vLLM's own prefix-cache counters (LLM.get_metrics(), in tokens).
 
-The recorder is checked against the identity and against what vLLM
-generated before anything of the tracer is looked at: that part holds
-without the tracer (it runs even if the tracer fails to attach).
+Three runs: prefix caching off; on, with a shared prefix; and chunked
+prefill (a small step budget splits the identity's first term).  The
+recorder is checked against the identity and against what vLLM generated
+before anything of the tracer is looked at: that part holds without the
+tracer (it runs even if the tracer fails to attach).
 Like tests/test_e2e_vllm.py these take a minute or more each.
 """
 
@@ -287,7 +289,7 @@ def trace_round(tmp_path, model, requests, *extra):
     JSON or None, the tracer's failure or None)."""
     wl = Workload(tmp_path, model, requests, *extra)
     out_json = tmp_path / "kv.json"
-    failure = doc = None
+    failure = doc = tracer = None
     try:
         tracer = Tracer("-q", "-p", wl.pid, "--json", out_json)
         try:
@@ -304,6 +306,9 @@ def trace_round(tmp_path, model, requests, *extra):
                 doc = json.loads(out_json.read_text())
     finally:
         wl.kill()
+        if tracer is not None and tracer.proc.poll() is None:  # vLLM failed first
+            tracer.proc.kill()
+            tracer.proc.wait()
     return generated, recorded_steps(wl.record), doc, failure
 
 
