@@ -72,6 +72,8 @@ def main():
     args = p.parse_args()
     if args.block_size % 32:
         p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
+    if any(plen < args.shared_prefix for plen, _ in parse_requests(args.requests)):
+        p.error("--shared-prefix is longer than a prompt")
 
     if args.wait:  # block it before vLLM starts threads: sigwait needs that
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -83,6 +85,10 @@ def main():
         os.environ[RECORD_ENV] = os.path.abspath(args.record_reads)
         fd = os.open(args.record_reads, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.close(fd)
+
+    # stats are on for the prefix-cache counters (below); their periodic
+    # log line is not wanted: vLLM's output goes where the tracer draws
+    os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "1e9")
 
     from vllm import LLM, SamplingParams
     if args.record_reads:  # and here, should vLLM ever run the model in-process
@@ -106,8 +112,6 @@ def main():
     rng = random.Random(args.seed)
     vocab = config["vocab_size"]
     requests = parse_requests(args.requests)
-    if any(plen < args.shared_prefix for plen, _ in requests):
-        p.error("--shared-prefix is longer than a prompt")
     shared = [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
     prompts = [{"prompt_token_ids": shared + [rng.randrange(3, vocab)
                                               for _ in range(plen - len(shared))]}
