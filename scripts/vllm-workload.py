@@ -10,6 +10,14 @@ that alone (docs/stock-vllm.md), never from the tracer.
 With --wait, it builds the engine, prints "READY <pid>" to stderr and waits
 for SIGUSR1 before generating, so that a tracer can attach in between.
 
+Ground truth for reads, from vLLM itself (never from the tracer):
+  - "prefix_cache" in the JSON: vLLM's own counters vllm:prefix_cache_queries
+    and vllm:prefix_cache_hits for the round, in tokens (LLM.get_metrics(),
+    which needs disable_log_stats=False);
+  - --record-reads FILE: what vLLM's CPU attention backend passed to the op
+    cpu_attention_with_kv_cache at every forward step, per KV-cache group,
+    recorded in the worker process (see record_reads below).
+
 Run it with the vLLM venv's python:
   .venv-vllm/bin/python scripts/vllm-workload.py --model build/tiny-llama
 """
@@ -20,6 +28,8 @@ import random
 import signal
 import sys
 import time
+
+RECORD_ENV = "KVTRACE_WORKLOAD_RECORD_READS"
 
 
 def parse_requests(text):
@@ -40,6 +50,15 @@ def main():
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size in tokens; the CPU backend needs a multiple of 32")
     p.add_argument("--prefix-caching", choices=("on", "off"), default="off")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N token ids (the rest random): "
+                   "with --prefix-caching on, later requests hit the shared blocks")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="vLLM's per-step token budget (default: vLLM's, 4096 for LLM on "
+                   "the CPU); a prompt longer than what is left of it is chunked")
+    p.add_argument("--record-reads", metavar="FILE",
+                   help="record, in vLLM's worker, the seq_lens and block-table rows passed "
+                   "to cpu_attention_with_kv_cache at every step (JSON lines, appended)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
                    help="KV cache size (default 64 MiB: vLLM's default wants GiBs)")
@@ -53,25 +72,49 @@ def main():
     args = p.parse_args()
     if args.block_size % 32:
         p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
+    if any(plen < args.shared_prefix for plen, _ in parse_requests(args.requests)):
+        p.error("--shared-prefix is longer than a prompt")
 
     if args.wait:  # block it before vLLM starts threads: sigwait needs that
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    if args.record_reads:
+        # vLLM's CPU platform starts the engine core and the worker with
+        # multiprocessing's spawn, which imports this file again in them
+        # (as __mp_main__): the variable tells those imports to install the
+        # recorder (bottom of this file).  The worker is where the op runs.
+        os.environ[RECORD_ENV] = os.path.abspath(args.record_reads)
+        fd = os.open(args.record_reads, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+
+    # stats are on for the prefix-cache counters (below); their periodic
+    # log line is not wanted: vLLM's output goes where the tracer draws
+    os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "1e9")
 
     from vllm import LLM, SamplingParams
+    if args.record_reads:  # and here, should vLLM ever run the model in-process
+        record_reads(os.environ[RECORD_ENV])
 
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
     t0 = time.time()
+    extra = {}
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    # disable_log_stats=False: LLM turns stats off by default, and without
+    # them LLM.get_metrics() (vLLM's prefix-cache counters) is refused
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
               block_size=args.block_size, enforce_eager=True, max_model_len=512,
               enable_prefix_caching=args.prefix_caching == "on", seed=args.seed,
-              kv_cache_memory_bytes=args.kv_cache_bytes)
+              kv_cache_memory_bytes=args.kv_cache_bytes, disable_log_stats=False,
+              **extra)
     t_init = time.time() - t0
 
     rng = random.Random(args.seed)
     vocab = config["vocab_size"]
     requests = parse_requests(args.requests)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(plen)]}
+    shared = [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(3, vocab)
+                                              for _ in range(plen - len(shared))]}
                for plen, _ in requests]
     params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
               for _, gen in requests]
@@ -81,25 +124,53 @@ def main():
     for round_no in range(1, max(1, args.rounds) + 1):
         if args.wait:
             signal.sigwait({signal.SIGUSR1})
-        generate_round(llm, prompts, params, args, config, t_init)
+        generate_round(llm, prompts, params, args, config, t_init, round_no)
         if args.rounds > 1:
             print(f"ROUND {round_no} DONE", file=sys.stderr, flush=True)
 
 
-def generate_round(llm, prompts, params, args, config, t_init):
-    results = []
+def prefix_cache_counters(llm):
+    """vLLM's own prefix-cache counters (Prometheus, summed over engines):
+    queries = prompt tokens of the requests it looked up, hits = the tokens
+    of those found in the cache (whole blocks; vllm/v1/core/kv_cache_manager.py
+    record_prefix_cache_stats).  Cumulative: a round is the difference."""
+    got = {"queries": 0, "hits": 0}
+    for metric in llm.get_metrics():
+        key = {"vllm:prefix_cache_queries": "queries",
+               "vllm:prefix_cache_hits": "hits"}.get(metric.name)
+        if key:
+            got[key] += int(metric.value)
+    return got
+
+
+def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
+    results, request_ids = [], []
+    mark_round(args, round_no, "start")
+    cache0 = prefix_cache_counters(llm)
     t1 = time.time()
     for _ in range(args.repeat):
         for out in llm.generate(prompts, params, use_tqdm=False):
             results.append({"prompt_len": len(out.prompt_token_ids),
                             "generated": list(out.outputs[0].token_ids)})
+            request_ids.append(out.request_id)
     t_gen = time.time() - t1
+    cache1 = prefix_cache_counters(llm)
+    # the worker wrote each step's record before the step's output came
+    # back here: everything of this round is in the file by now
+    mark_round(args, round_no, "end")
     doc = {"pid": os.getpid(), "block_size": args.block_size,
            "num_layers": config["num_hidden_layers"],
            "prefix_caching": args.prefix_caching == "on", "seed": args.seed,
            "init_s": round(t_init, 3), "generate_s": round(t_gen, 3),
            "generated_tokens": sum(len(r["generated"]) for r in results),
-           "requests": results}
+           "requests": results,
+           # new fields below; the ones above are what other tests parse
+           "round": round_no, "shared_prefix": args.shared_prefix,
+           "request_ids": request_ids,
+           "prefix_cache": {"unit": "tokens",
+                            "queries": cache1["queries"] - cache0["queries"],
+                            "hits": cache1["hits"] - cache0["hits"]},
+           "record_reads": args.record_reads}
     line = json.dumps(doc)
     if args.out:
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -108,5 +179,137 @@ def generate_round(llm, prompts, params, args, config, t_init):
     print(line, flush=True)
 
 
+def append_line(path, obj):
+    """One JSON line, in one write() on an O_APPEND file: the worker and this
+    process may both write to it, and lines stay whole."""
+    data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def mark_round(args, round_no, event):
+    """Round markers in the --record-reads file, written by this process
+    while the worker is idle: what lies between a round's start and end
+    markers is that round's steps (warm-up and earlier rounds come before)."""
+    if args.record_reads:
+        append_line(args.record_reads, {"round": round_no, "event": event,
+                                        "pid": os.getpid()})
+
+
+def record_reads(path):
+    """Record what vLLM's CPU attention backend passes to the C++ op
+    cpu_attention_with_kv_cache, the function the tracer probes.
+
+    vllm/v1/attention/backends/cpu_attn.py calls it as
+    `ops.cpu_attention_with_kv_cache(...)` (an attribute of vllm._custom_ops
+    looked up at each call), once per attention layer per forward step; this
+    wraps that Python function in the process that runs the model.  Only
+    index tensors are read (seq_lens, query_start_loc, block_table) and the
+    KV cache's shape: never keys, values, queries or prompts.
+
+    One JSON line per call.  A step is one ForwardContext (vLLM makes a new
+    one for every model forward, vllm/forward_context.py); the group is the
+    KV-cache group whose block table the tensor is (its storage is that
+    group's persistent buffer in the model runner).  The first layer of a
+    (step, group) writes the full record: seq_lens, query lengths, the
+    request ids, and each row's first ceil(seq_len / block_size) entries
+    (the blocks attention reads) plus how many non-zero entries follow them.
+    Every later layer of the same (step, group) writes only whether it saw
+    exactly the same (it always should: the metadata is built once per group
+    per step)."""
+    import gc
+
+    from vllm import _custom_ops as ops
+    from vllm import forward_context
+
+    original = ops.cpu_attention_with_kv_cache
+    if getattr(original, "kvtrace_recorder", False):
+        return  # imported twice in one process
+    import inspect
+    signature = inspect.signature(original)
+    state = {"ctx": None, "step": -1, "first": {}, "caches": {}, "runner": None}
+    pid = os.getpid()
+
+    def model_runner():
+        # the worker's model runner, for the request ids and the groups'
+        # block-table buffers; found once (it lives as long as the worker)
+        if state["runner"] is None:
+            mod = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+            if mod is not None:
+                state["runner"] = next((o for o in gc.get_objects()
+                                        if isinstance(o, mod.GPUModelRunner)), None)
+        return state["runner"]
+
+    def group_of(block_table, runner):
+        ptr = block_table.untyped_storage().data_ptr()
+        if runner is not None:
+            for gid, bt in enumerate(runner.input_batch.block_table.block_tables):
+                if bt.block_table.gpu.untyped_storage().data_ptr() == ptr:
+                    return gid
+        return None
+
+    def recorder(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        try:
+            ctx = forward_context.get_forward_context()
+        except AssertionError:
+            ctx = None
+        if ctx is None or ctx is not state["ctx"]:
+            # a new forward step; holding the context keeps its id unique
+            state["ctx"], state["first"] = ctx, {}
+            state["step"] += 1
+        table, seq_lens, qsl, key_cache = (a["block_table"], a["seq_lens"],
+                                           a["query_start_loc"], a["key_cache"])
+        runner = model_runner()
+        group = group_of(table, runner)
+        cache_ptr = key_cache.untyped_storage().data_ptr() + key_cache.storage_offset()
+        cache = state["caches"].setdefault(cache_ptr, len(state["caches"]))
+        bs = int(key_cache.shape[2])
+        seq = [int(x) for x in seq_lens.tolist()]
+        starts = [int(x) for x in qsl.tolist()]
+        rows, tails = [], []
+        for i, s in enumerate(seq):
+            used = -(-s // bs)
+            row = table[i]
+            rows.append([int(x) for x in row[:used].tolist()])
+            tails.append(int((row[used:] != 0).sum()))
+        num_reqs = len(seq)
+        req_ids = (list(runner.input_batch.req_ids[:num_reqs])
+                   if runner is not None else None)
+        payload = {"block_size": bs, "num_blocks": int(key_cache.shape[0]),
+                   "sliding_window": int(a["sliding_window"]), "causal": bool(a["causal"]),
+                   "table_shape": list(table.shape), "table_stride": list(table.stride()),
+                   "table_dtype": str(table.dtype), "table_contiguous": table.is_contiguous(),
+                   "table_storage_offset": int(table.storage_offset()),
+                   "seq_lens_dtype": str(seq_lens.dtype), "req_ids": req_ids,
+                   "seq_lens": seq, "query_lens": [starts[i + 1] - starts[i]
+                                                    for i in range(num_reqs)],
+                   "rows": rows, "tail_nonzero": tails}
+        key = (group, table.untyped_storage().data_ptr())
+        line = {"pid": pid, "step": state["step"], "group": group, "cache": cache}
+        first = state["first"].get(key)
+        if first is None:
+            state["first"][key] = payload
+            line.update(payload)
+        else:
+            line["same"] = payload == first
+            if not line["same"]:
+                line.update(payload)
+        append_line(path, line)
+        return original(*args, **kwargs)
+
+    recorder.kvtrace_recorder = True
+    ops.cpu_attention_with_kv_cache = recorder
+
+
 if __name__ == "__main__":  # vLLM's worker processes re-import this file
     main()
+elif __name__ == "__mp_main__" and os.environ.get(RECORD_ENV):
+    # this file imported again by multiprocessing's spawn, in vLLM's engine
+    # core or worker: record there (the op is only ever called in the worker)
+    record_reads(os.environ[RECORD_ENV])
