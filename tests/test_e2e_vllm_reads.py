@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, Tracer
+from conftest import ROOT, Tracer, run_kvtrace
 
 pytestmark = pytest.mark.vllm
 
@@ -283,15 +283,17 @@ def check_tracer(doc, truth, generated):
     return proc["groups"]
 
 
-def trace_round(tmp_path, model, requests, *extra):
+def trace_round(tmp_path, model, requests, *extra, trace_file=None):
     """Start the workload, attach the tracer, run one round, stop both.
     Returns (what vLLM generated, the round's recorded steps, the tracer's
-    JSON or None, the tracer's failure or None)."""
+    JSON or None, the tracer's failure or None).  trace_file: also record
+    the stream there (attach -o)."""
     wl = Workload(tmp_path, model, requests, *extra)
     out_json = tmp_path / "kv.json"
     failure = doc = tracer = None
     try:
-        tracer = Tracer("-q", "-p", wl.pid, "--json", out_json)
+        tracer = Tracer("-q", "-p", wl.pid, "--json", out_json,
+                        *(("-o", trace_file) if trace_file else ()))
         try:
             tracer.wait_attached(timeout=180)
         except AssertionError as e:  # checked after the ground truth
@@ -341,9 +343,10 @@ def test_reads_exact_prefix_caching_on(tmp_path, model, no_leftovers):
     batch generated twice: the shared blocks are read by every request that
     holds them, at every step; the reads still follow the identity; vLLM's
     own prefix-cache hits are exactly the cached blocks the rows show."""
+    trace_file = tmp_path / "run.kvt"
     generated, steps, doc, failure = trace_round(
         tmp_path, model, REQUESTS_ON, "--prefix-caching", "on",
-        "--shared-prefix", SHARED_PREFIX, "--repeat", 2)
+        "--shared-prefix", SHARED_PREFIX, "--repeat", 2, trace_file=trace_file)
     assert generated["prefix_caching"] and generated["shared_prefix"] == SHARED_PREFIX
     hits = check_record(steps, generated)
     truth = truth_per_group(steps)
@@ -371,6 +374,18 @@ def test_reads_exact_prefix_caching_on(tmp_path, model, no_leftovers):
     (group,) = check_tracer(doc, truth, generated)
     assert group["reads"] == identity_reads(generated)
     assert group["distinct"] < group["reads"]
+
+    # the recording: report's reads, from the stream, equal the maps', and
+    # the prefix reuse it infers (rows at their first step, blocks that step
+    # did not write) is vLLM's own prefix-cache hits, in blocks
+    r = run_kvtrace("report", trace_file, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    (acc,) = json.loads(r.stdout)["access"]
+    assert acc["reads"] == group["reads"] and acc["distinct"] == group["distinct"]
+    assert acc["held_tokens"] == group["held_tokens"]
+    assert acc["prefix_reuse"]["requests"] == len(generated["requests"])
+    assert acc["prefix_reuse"]["steps_without_writes"] == 0
+    assert acc["prefix_reuse"]["blocks"] * bs == cache["hits"]
 
 
 def test_reads_exact_chunked_prefill(tmp_path, model, no_leftovers):

@@ -200,3 +200,64 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
         if k:
             out.append(int(start) - int(rt[b0 + k - 1]))
     return np.array(out, np.int64)
+
+
+def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
+    """Prefix reuse: blocks a request read at its first step that this step
+    did not write (docs/access.md), i.e. blocks it found in the cache
+    (vLLM's prefix-cache hits, in blocks) rather than computed.
+
+    A request has no id in the table, so it is followed from step to step
+    by its row: a row continues a row of the step before when that row is
+    a prefix of it (a request's row only grows, and ends in blocks of its
+    own).  A row with no predecessor is a request's first step.  The
+    step's writes are the leader layer's write op just before the table
+    op (vLLM and kvsim write a layer's tokens, then attend).  Requests
+    already running at the first traced step look new: attach before the
+    load to count them.
+
+    Returns {"requests": new rows, "blocks": reused blocks, "per_block":
+    {block: times reused}, "steps_without_writes": steps whose writes
+    were not found}."""
+    o = ops.ops
+    order = np.argsort(o["seq"], kind="stable")
+    seqs = o["seq"][order]
+    is_write = np.isin(o["op"][order], list(stream.WRITE_OP_IDS)) & \
+        (o["pid"][order] == steps.pid) & (o["cache_id"][order] == leader)
+    write_pos = order[is_write]
+    write_seq = seqs[is_write]
+    prev_rows, out_blocks, per_block, new_rows, missing = [], 0, {}, 0, 0
+    prev_seq = -1
+    for k, i in enumerate(steps.index):
+        if not steps.complete[k]:
+            prev_rows = []
+            prev_seq = int(o["seq"][i])
+            continue
+        rows = [tuple(int(b) for b in r) for _, r in live_set(ops.values_of(i),
+                                                              steps.block_size)]
+        # the leader's write op of this step: the last one before the table
+        # op and after the step before's
+        j = np.searchsorted(write_seq, o["seq"][i]) - 1
+        written = set()
+        if j >= 0 and write_seq[j] > prev_seq and o["complete"][write_pos[j]]:
+            slots = ops.values_of(write_pos[j])
+            written = set((slots[slots >= 0] // steps.block_size).tolist())
+        elif any(rows):
+            missing += 1
+        by_first = {}
+        for r in prev_rows:
+            if r:
+                by_first.setdefault(r[0], []).append(r)
+        for r in rows:
+            if not r:
+                continue
+            if any(r[:len(p)] == p for p in by_first.get(r[0], ())):
+                continue  # the same request, a step on
+            new_rows += 1
+            for b in r:
+                if b > 0 and b not in written:
+                    out_blocks += 1
+                    per_block[b] = per_block.get(b, 0) + 1
+        prev_rows, prev_seq = rows, int(o["seq"][i])
+    return {"requests": new_rows, "blocks": out_blocks, "per_block": per_block,
+            "steps_without_writes": missing}

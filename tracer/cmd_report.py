@@ -419,6 +419,9 @@ def access_figures(rep: Report) -> list:
         idle = access.idle_before_reuse(k, blocks, st.ts_ns, gens.block, gens.start_ns) \
             if gens is not None else np.zeros(0, np.int64)
         layers = g.layers
+        doc = next((d for d in rep.groups if d["pid"] == st.pid and
+                    d["group_id"] == st.group_id), {})
+        reuse = access.prefix_reuse(rep.ops, st, doc["leader"]) if "leader" in doc else None
         out.append({
             "pid": st.pid, "group": g.group, "group_id": st.group_id,
             "block_size": st.block_size, "steps": len(st), "layers": round(layers, 3),
@@ -435,6 +438,11 @@ def access_figures(rep: Report) -> list:
             "sharing_mean": g.reads / g.distinct if g.distinct else None,
             "sharing_max_by_block": [[int(d), int(n)] for d, n in zip(
                 *np.unique(sharing[sharing > 0], return_counts=True))],
+            "prefix_reuse": None if reuse is None else {
+                "requests": reuse["requests"], "blocks": reuse["blocks"],
+                "steps_without_writes": reuse["steps_without_writes"],
+                "most_reused": sorted(([int(b), n] for b, n in reuse["per_block"].items()),
+                                      key=lambda x: (-x[1], x[0]))[:5]},
             "age_s_at_end": _pcts((end_ns - last_ns[read]) / 1e9),
             "idle_before_reuse_s": _pcts(idle / 1e9), "reuses": int(len(idle)),
         })
@@ -470,6 +478,12 @@ def access_view(figs: list, width: int) -> list:
                       f"one step: " + ", ".join(f"{d}: {n} blocks" for d, n in
                                                 f["sharing_max_by_block"][-4:]))
         t.add_row("blocks read", f"{f['blocks_read']:,}")
+        r = f["prefix_reuse"]
+        if r is not None:
+            t.add_row("prefix reuse", f"{r['blocks']:,} blocks found cached by "
+                      f"{r['requests']:,} requests at their first step" +
+                      (f"; most reused block:times " + ", ".join(
+                          f"{b}:{n}" for b, n in r["most_reused"]) if r["most_reused"] else ""))
         t.add_row("hottest block:reads", ", ".join(f"{b}:{n:,}" for b, n in f["hottest"]))
         t.add_row("coldest block:reads", ", ".join(f"{b}:{n:,}" for b, n in f["coldest"]))
         t.add_row("age at the end (s)", pct(f["age_s_at_end"], lambda v: f"{v:.3g}"))

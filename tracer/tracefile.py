@@ -533,7 +533,8 @@ class Recorder:
         new = []
         for k, v in self.tracer.bpf["groups"].items():
             g = {"pid": k.pid, "group_id": k.group_id, "index": v.index,
-                 "block_size": v.block_size, "num_blocks": v.num_blocks}
+                 "block_size": v.block_size, "num_blocks": v.num_blocks,
+                 "leader": v.leader}  # the layer (cache id) whose calls read
             if self._groups.get((k.pid, k.group_id)) != g:
                 self._groups[(k.pid, k.group_id)] = g
                 new.append(g)
