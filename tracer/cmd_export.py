@@ -17,7 +17,10 @@ root first (tracer/export.py):
 Weights (--weight): `slots` (default) counts slots written by write ops and
 block pairs (or batch entries) moved by copies and swaps; `bytes` counts the
 bytes copies and swaps moved, and leaves write ops out (their probes carry no
-byte count).  Input to `flamegraph.pl --colors=mem --countname=bytes` (or
+byte count); `reads` counts block reads (docs/access.md: (request, block)
+pairs at a step, once per step per KV-cache group), with group_NN in place
+of layer_NN: which code reads (by stack) and which blocks are hot (by
+block).  Input to `flamegraph.pl --colors=mem --countname=bytes` (or
 `--countname=slots`) and to speedscope, unchanged.
 """
 
@@ -26,7 +29,7 @@ import sys
 
 import numpy as np
 
-from . import abi, stream, tracefile
+from . import abi, access, stream, tracefile
 from .errors import UsageError
 from .export import block_lines, folded_lines, process_frame
 from .files import check_writable, open_private
@@ -37,6 +40,7 @@ examples:
   kvtrace-bpf export --folded run.kvt --by block | flamegraph.pl --countname=slots > blocks.svg
   kvtrace-bpf export --folded run.kvt --by block --weight bytes | \\
       flamegraph.pl --colors=mem --countname=bytes > moves.svg
+  kvtrace-bpf export --folded run.kvt --by block --weight reads > reads.folded
 """
 
 _MOVE_OPS = ("copy_blocks", "swap_blocks", "swap_blocks_batch")
@@ -56,9 +60,10 @@ def add_parser(sub):
                    help="folded-stack output (the one format so far)")
     p.add_argument("file", help="trace file")
     p.add_argument("--by", choices=("stack", "block"), default="stack")
-    p.add_argument("--weight", choices=("slots", "bytes"), default="slots",
-                   help="slots written and pairs moved (default), or bytes moved by "
-                        "copies and swaps")
+    p.add_argument("--weight", choices=("slots", "bytes", "reads"), default="slots",
+                   help="slots written and pairs moved (default), bytes moved by "
+                        "copies and swaps, or block reads (once per step per KV-cache "
+                        "group: docs/access.md)")
     p.add_argument("--group", type=int, default=64, metavar="N",
                    help="--by block: blocks per blocks_LO-HI frame (default 64)")
     p.add_argument("--pid", type=int, help="only this process")
@@ -71,7 +76,12 @@ def add_parser(sub):
 
 def _op_weights(o: np.ndarray, weight: str) -> np.ndarray:
     """Per op record: its weight in the chosen unit (0: left out)."""
+    is_table = o["op"] == stream.TABLE_OP_ID
+    if weight == "reads":
+        return np.where(is_table, o["items"], 0).astype(np.int64)
     is_write = np.isin(o["op"], list(stream.WRITE_OP_IDS))
+    o = o.copy()
+    o["items"][is_table] = 0  # reads weigh only with --weight reads
     if weight == "bytes":
         return np.where(is_write, 0, o["bytes"]).astype(np.int64)
     return np.where(is_write, o["slots"], o["items"]).astype(np.int64)
@@ -91,10 +101,33 @@ def by_stack(trace: tracefile.Trace, ops: stream.OpStream, weight: str) -> list:
     procs = trace.processes
     layer_by_index = {(c["pid"], c["index"]): n for (c, n) in
                       ((c, trace.layers()[(c["pid"], c["cache_id"])]) for c in trace.caches)}
+    if weight == "reads":  # a block_table op's cache_index is its group's
+        group_by_index = {(g["pid"], g["index"]): n for n, g in enumerate(trace.groups)}
+        return folded_lines(
+            stacks, lambda sid, pid: frames.get(f"{pid}:{sid}", []),
+            lambda pid: procs.get(pid, {}).get("comm", str(pid)),
+            lambda pid, idx: group_by_index.get((pid, idx)), level="group")
     return folded_lines(
         stacks, lambda sid, pid: frames.get(f"{pid}:{sid}", []),
         lambda pid: procs.get(pid, {}).get("comm", str(pid)),
         lambda pid, idx: layer_by_index.get((pid, idx)))
+
+
+def reads_by_block(trace: tracefile.Trace, ops: stream.OpStream, group: int):
+    """One line per (process, group, block) read, weighted by its reads
+    (the complete steps' live sets)."""
+    procs = trace.processes
+    rows, left_out = [], 0
+    groups = [g for g in trace.groups if np.any(ops.ops["pid"] == g["pid"])]
+    for n, (g, st) in enumerate(zip(groups, access.steps_of(ops, groups))):
+        _, blocks = access.step_entries(ops, st)
+        inside = blocks < tracefile.MAX_BLOCKS
+        left_out += int(np.count_nonzero(~inside))
+        counts = np.bincount(blocks[inside])
+        name = process_frame(procs.get(g["pid"], {}).get("comm", str(g["pid"])), g["pid"])
+        rows += [(name, "block_table", n, int(b), int(counts[b]))
+                 for b in np.flatnonzero(counts)]
+    return block_lines(rows, group, level="group"), left_out
 
 
 def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: int):
@@ -102,6 +135,8 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
     slot's block) or moved into (copy: destination; swap: the device block).
     Returns (lines, how many values were left out for a block number from
     tracefile.MAX_BLOCKS up)."""
+    if weight == "reads":
+        return reads_by_block(trace, ops, group)
     o = ops.ops
     layer = stream.per_cache(o, trace.layers(), -1)
     bsize = stream.per_cache(o, trace.block_sizes(), 0)

@@ -8,7 +8,9 @@ Two hierarchies, root first, one line per distinct path with its weight:
              writes (and copies and swaps) land, per process and layer
 
 Weights are slots written (write ops) or pairs/entries moved (copy, swap,
-swap_blocks_batch), or bytes moved (export --weight bytes).  flamegraph.pl
+swap_blocks_batch), or bytes moved (export --weight bytes), or block reads
+(export --weight reads: the block_table op, per KV-cache group, group_NN in
+place of layer_NN).  flamegraph.pl
 sorts sibling frames by name, so numbers in frames are zero-padded to one
 width per graph: block_0005 before block_0012, layer_02 before layer_10.
 The process frame carries the pid: vLLM's workers share one name.
@@ -31,18 +33,20 @@ def digits(largest: int, at_least: int = 1) -> int:
     return max(at_least, len(str(max(0, int(largest)))))
 
 
-def layer_frame(layer, width: int = 2) -> str:
-    return "all_layers" if layer is None else f"layer_{layer:0{width}d}"
+def layer_frame(layer, width: int = 2, level: str = "layer") -> str:
+    """layer_NN; for reads (counted per KV-cache group), group_NN."""
+    return f"all_{level}s" if layer is None else f"{level}_{layer:0{width}d}"
 
 
 def process_frame(comm: str, pid: int) -> str:
     return f"{clean_frame(comm)}-{pid}"
 
 
-def folded_lines(stacks, frames_of, comm_of, layer_of) -> list:
+def folded_lines(stacks, frames_of, comm_of, layer_of, level: str = "layer") -> list:
     """stacks: (pid, stack_id, op, cache_index, weight) tuples.
     frames_of(stack_id, pid) -> frames outermost first ([] if none);
-    comm_of(pid) -> process name; layer_of(pid, cache_index) -> int or None."""
+    comm_of(pid) -> process name; layer_of(pid, cache_index) -> int or None.
+    level: what the last frame numbers (layer, or group for reads)."""
     rows = [(pid, stack_id, op, layer_of(pid, cache_index), int(weight))
             for pid, stack_id, op, cache_index, weight in stacks if weight]
     width = digits(max([r[3] for r in rows if r[3] is not None] + [0]), 2)
@@ -50,15 +54,16 @@ def folded_lines(stacks, frames_of, comm_of, layer_of) -> list:
     for pid, stack_id, op, layer, weight in rows:
         frames = [clean_frame(f) for f in frames_of(stack_id, pid)] or [NO_STACK]
         line = ";".join([process_frame(comm_of(pid), pid), *frames, op,
-                         layer_frame(layer, width)])
+                         layer_frame(layer, width, level)])
         merged[line] = merged.get(line, 0) + weight
     return [f"{line} {w}" for line, w in sorted(merged.items())]
 
 
-def block_lines(rows, group: int) -> list:
+def block_lines(rows, group: int, level: str = "layer") -> list:
     """rows: (process frame, op, layer, block, weight); blocks grouped in
     ranges of `group` (blocks_LO-HI), all numbers zero-padded per graph.
-    Sorted as flamegraph.pl will draw them: process, op, layer, block."""
+    Sorted as flamegraph.pl will draw them: process, op, layer, block.
+    level: what the third frame numbers (layer, or group for reads)."""
     rows = [r for r in rows if r[4]]
     if not rows:
         return []
@@ -67,6 +72,6 @@ def block_lines(rows, group: int) -> list:
     out = []
     for proc, op, layer, block, weight in sorted(rows, key=lambda r: r[:4]):
         lo = block // group * group
-        out.append(f"{proc};{clean_frame(op)};{layer_frame(layer, lw)};"
+        out.append(f"{proc};{clean_frame(op)};{layer_frame(layer, lw, level)};"
                    f"blocks_{lo:0{bw}d}-{lo + group - 1:0{bw}d};block_{block:0{bw}d} {weight}")
     return out
