@@ -12,7 +12,7 @@ import time
 from rich.console import Console
 from rich.live import Live
 
-from . import abi, discover, follow, live, target as target_mod
+from . import abi, discover, follow, live, prom, target as target_mod
 from .aggregate import Aggregate, probed_ops
 from .errors import TargetError, UsageError
 from .export import folded_lines
@@ -27,6 +27,7 @@ examples:
   sudo kvtrace-bpf attach -p 1234 -d 30 --json kv.json
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
+  sudo kvtrace-bpf attach -q -p 1234 --prometheus 9472   # /metrics on 127.0.0.1:9472
   flamegraph.pl --countname=slots kv.folded > kv.svg
 """
 
@@ -117,6 +118,11 @@ def add_parser(sub):
                    "lines do not tear the live view (created 0600). Default: with the "
                    "live view, a new file /tmp/kvtrace-cmd-*.log, named on screen; "
                    "otherwise, or with '-', the tracer's own terminal")
+    p.add_argument("--prometheus", nargs="?", metavar="[ADDR:]PORT",
+                   const=f"{prom.DEFAULT_ADDR}:{prom.DEFAULT_PORT}",
+                   help="serve Prometheus metrics on http://ADDR:PORT/metrics while "
+                   f"tracing (ADDR defaults to {prom.DEFAULT_ADDR}; the flag alone: "
+                   f"port {prom.DEFAULT_PORT}; docs/metrics.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -147,6 +153,9 @@ def _validate(args):
         raise UsageError("--cmd-output goes with -- CMD (a -p process keeps its own output)")
     if cmd_output and cmd_output != "-":
         check_writable(cmd_output)
+    # `record` shares run() and has no --prometheus
+    args.prometheus_at = prom.parse_endpoint(args.prometheus) \
+        if getattr(args, "prometheus", None) else None
 
 
 def stream_perf_pages() -> int:
@@ -165,6 +174,11 @@ def run(args) -> int:
     from .session import Tracer, check_privileges
 
     check_privileges()
+    exporter = server = None
+    if args.prometheus_at:
+        # bound before any BPF is loaded: a busy port fails in a second
+        exporter = prom.Exporter(_model_name(args))
+        server = prom.start_server(*args.prometheus_at, exporter)
     follower = None
     if args.pid:
         target_mod.check_pid(args.pid)
@@ -189,9 +203,14 @@ def run(args) -> int:
                         transport=args.transport)
         target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
+        if server is not None:
+            _say(f"metrics on http://{_where(args.prometheus_at)}/metrics" +
+                 ("" if prom.is_loopback(args.prometheus_at[0]) else
+                  " (not loopback: whoever reaches it sees the traffic's shape)"))
         _announce(args, tracer, target, follower, t_start)
         _trace_loop(args, tracer, target, follower, stop,
-                    on_poll=recorder.tick if recorder else None)
+                    on_poll=recorder.tick if recorder else None,
+                    on_refresh=exporter.publish if exporter else None)
     except BaseException:
         if tracer is not None:
             tracer.close()
@@ -206,6 +225,8 @@ def run(args) -> int:
         if target is not None:
             target.end_child()
             target.close()
+        if server is not None:
+            prom.stop_server(server)
     try:
         _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
@@ -351,7 +372,18 @@ def _title(tracer, target) -> str:
     return f"kvtrace-bpf  pid {target.pid}  traced: {procs or 'none yet'}"
 
 
-def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
+def _model_name(args) -> str:
+    """model_name for the metrics' labels, from the command line (ours, or
+    the -p process's); '' when it does not name one."""
+    return prom.model_name(args.command if args.command else follow.cmdline(args.pid))
+
+
+def _where(at) -> str:
+    host, port = at
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=None):
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
     deadline = time.monotonic() + args.duration if args.duration else None
@@ -371,6 +403,8 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
         if show_live else None
     if live_ctx:
         live_ctx.start()
+    if on_refresh:
+        on_refresh(agg, None)
     try:
         while stop["reason"] is None:
             tracer.poll(100)
@@ -388,10 +422,14 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None):
                 for line in follower.take_notices():
                     _say(line)
                 next_scan = now + (FOLLOW_INTERVAL_QUIET if quiet else FOLLOW_INTERVAL)
-            if now >= next_refresh and live_ctx:  # -q: only the summary needs it
+            # -q without --prometheus: only the summary needs an aggregate
+            if now >= next_refresh and (live_ctx or on_refresh):
                 prev, agg = agg, _aggregate(tracer)
                 next_refresh = now + args.interval
-                live_ctx.update(view(), refresh=True)
+                if on_refresh:
+                    on_refresh(agg, prev)
+                if live_ctx:
+                    live_ctx.update(view(), refresh=True)
     finally:
         if live_ctx:
             live_ctx.stop()

@@ -1,0 +1,242 @@
+"""attach --prometheus: real scrapes over HTTP while kvsim runs under the
+tracer, checked against kvsim's own ground truth (--truth), never against
+the tracer's code; and the flag's errors (docs/metrics.md, docs/exit-codes.md)."""
+
+import socket
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+# prometheus_client's parser accepts what Prometheus's own text parser
+# accepts; promtool comes only with Debian's prometheus server package
+# (96 MB installed), so it is not used here.
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port):
+    """{sample name: [(labels, value)]} and the raw text; parsing is the
+    format check."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name.startswith("kvtrace_"), fam.name
+        assert ":" not in fam.name
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out, text
+
+
+def value(m, name, **labels):
+    """The one sample of `name` whose labels include `labels`."""
+    hits = [v for l, v in m.get(name, []) if all(l.get(k) == str(x) for k, x in labels.items())]
+    assert len(hits) == 1, f"{name}{labels}: {hits} in {m.get(name)}"
+    return hits[0]
+
+
+def scrape_after(port, t, timeout=30):
+    """The first scrape whose snapshot was taken after time t."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m, text = scrape(port)
+        if m.get("kvtrace_snapshot_timestamp_seconds") and \
+                value(m, "kvtrace_snapshot_timestamp_seconds") > t:
+            return m, text
+        time.sleep(0.05)
+    raise AssertionError(f"no snapshot after {t} within {timeout}s")
+
+
+def histogram(m, name, **labels):
+    """([(upper bound, cumulative count)], the +Inf count) of one histogram."""
+    rows = [(l["le"], v) for l, v in m.get(name + "_bucket", [])
+            if all(l.get(k) == str(x) for k, x in labels.items())]
+    finite = [(float(le), v) for le, v in rows if le != "+Inf"]
+    inf = [v for le, v in rows if le == "+Inf"]
+    assert finite and len(inf) == 1, f"{name}{labels}: {rows}"
+    return finite, inf[0]
+
+
+def assert_counters_match(m, truth, pid):
+    """Every counter against kvsim's truth, as kvsim counted it."""
+    me = {"pid": pid, "role": "other"}
+    for op, want in truth["ops"].items():
+        if want["calls"] == 0:
+            assert not [v for l, v in m.get("kvtrace_ops_total", []) if l["op"] == op], op
+            continue
+        assert value(m, "kvtrace_ops_total", op=op, **me) == want["calls"], op
+        assert value(m, "kvtrace_op_padding_slots_total", op=op, **me) == want["padding"], op
+        assert value(m, "kvtrace_op_bytes_total", op=op, **me) == want["bytes"], op
+        if op in WRITE_OPS:
+            continue
+        assert value(m, "kvtrace_op_items_total", op=op, **me) == want["pairs"], op
+    assert value(m, "kvtrace_slots_written_total", **me) == truth["slots_written"]
+    # kvsim writes its layers in order every step: its layer l is the l-th
+    # cache the tracer sees
+    assert len(m["kvtrace_layer_slots_written_total"]) == truth["num_layers"]
+    for want in truth["layers"]:
+        got = value(m, "kvtrace_layer_slots_written_total", layer=want["layer"], **me)
+        assert got == sum(want["writes"]), f"layer {want['layer']}"
+    assert value(m, "kvtrace_blocks_copied_total", **me) == sum(truth["copy_src"])
+    assert value(m, "kvtrace_blocks_swapped_total", direction="out", **me) == \
+        sum(truth["swap_out"])
+    assert value(m, "kvtrace_blocks_swapped_total", direction="in", **me) == \
+        sum(truth["swap_in"])
+    assert value(m, "kvtrace_layers", **me) == truth["num_layers"]
+    assert value(m, "kvtrace_cache_blocks", **me) == truth["num_blocks"]
+    assert value(m, "kvtrace_block_size_tokens", **me) == truth["block_size"]
+    assert value(m, "kvtrace_exact") == 1
+    assert value(m, "kvtrace_foreign_hits_total") == 0
+    assert value(m, "kvtrace_probe_misses_total") == 0
+    reads = truth.get("reads")
+    if reads is not None:  # kvsim fires vllm:block_table (its reads truth)
+        g = dict(me, group=0)
+        assert value(m, "kvtrace_block_reads_total", **g) == reads["reads"]
+        assert value(m, "kvtrace_steps_total", **g) == reads["steps"]
+        assert value(m, "kvtrace_batch_requests_total", **g) == reads["requests"]
+        assert value(m, "kvtrace_live_blocks_total", **g) == reads["distinct"]
+        assert value(m, "kvtrace_group_layers", **g) == reads["layers"]
+
+
+@pytest.mark.parametrize("workload", ["beam", "swap"])
+def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
+    """One kvsim round inside one refresh window: the scrape after it has
+    every counter equal to kvsim's truth, and the window's histograms are
+    kvsim's per-block counts bucketed (the window holds the whole run)."""
+    interval = 5.0
+    port = free_port()
+    sim = Kvsim(tmp_path, workload, "--rounds", 2)
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "-i", interval, "--prometheus", port)
+        tracer.wait_attached()
+        assert f"metrics on http://127.0.0.1:{port}/metrics" in tracer.early_err
+        # the snapshot taken before kvsim starts: the window's start
+        m0, _ = scrape_after(port, 0)
+        t0 = value(m0, "kvtrace_snapshot_timestamp_seconds")
+        assert value(m0, "kvtrace_slots_written_total", pid=sim.pid) == 0
+        sim.go()
+        read_line(sim.proc.stderr, "paused", 60)  # round 1 done, truth written
+        paused = time.time()
+        # no refresh between t0 and the pause: the next one covers the round
+        assert paused < t0 + interval, "kvsim's round outlasted the window"
+        m, text = scrape_after(port, paused, timeout=3 * interval)
+        truth = sim.truth()
+        assert truth["rounds_done"] == 1
+        assert_counters_match(m, truth, sim.pid)
+
+        # tokens written per block in the window = kvsim's token_writes
+        tokens = truth["token_writes"]
+        buckets, inf = histogram(m, "kvtrace_block_tokens_written")
+        assert buckets == [(b, sum(1 for t in tokens if 0 < t <= b)) for b, _ in buckets]
+        assert inf == sum(1 for t in tokens if t > 0) > 0
+        assert value(m, "kvtrace_block_tokens_written_gsum") == sum(tokens)
+        reads = truth.get("reads")
+        if reads is not None:
+            per_block = [n for _, n in reads["per_block"]]
+            buckets, inf = histogram(m, "kvtrace_block_access_frequency", group=0)
+            assert buckets == [(b, sum(1 for n in per_block if n <= b)) for b, _ in buckets]
+            assert inf == len(per_block) > 0
+            assert value(m, "kvtrace_block_access_frequency_gsum", group=0) == reads["reads"]
+            assert value(m, "kvtrace_working_set_blocks", group=0) == \
+                reads["distinct"] / reads["steps"]
+        sim.go()  # round 2; the tracer stops when kvsim exits
+        assert sim.wait() == 0
+        rc, out, err = tracer.finish()
+        assert rc == 0, err
+        assert "Traceback" not in err
+    finally:
+        if tracer is not None and tracer.proc.poll() is None:
+            tracer.proc.kill()
+            tracer.proc.wait()
+        sim.kill()
+
+
+def test_scrapes_during_the_run_then_truth(tmp_path):
+    """Scraped every few tens of ms while kvsim runs: every exposition
+    parses, counters never go down and grow while kvsim writes; once its
+    round is done the counters equal the truth."""
+    port = free_port()
+    sim = Kvsim(tmp_path, "default", "--rounds", 2, "--step-delay-us", 20000)
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 0.2, "--prometheus", f"127.0.0.1:{port}")
+        tracer.wait_attached()
+        scrape_after(port, 0)
+        sim.go()
+        seen = []
+        while True:
+            m, _ = scrape(port)
+            seen.append(value(m, "kvtrace_slots_written_total", pid=sim.pid))
+            try:
+                read_line(sim.proc.stderr, "paused", 0.05)
+                break
+            except AssertionError:
+                pass
+        paused = time.time()
+        assert seen == sorted(seen), seen
+        middle = [s for s in seen if 0 < s]
+        m, _ = scrape_after(port, paused)
+        truth = sim.truth()
+        assert any(s < truth["slots_written"] for s in middle), \
+            f"no scrape saw the run in progress: {seen}"
+        assert_counters_match(m, truth, sim.pid)
+        sim.go()
+        assert sim.wait() == 0
+        rc, out, err = tracer.finish()
+        assert rc == 0, err
+    finally:
+        if tracer is not None and tracer.proc.poll() is None:
+            tracer.proc.kill()
+            tracer.proc.wait()
+        sim.kill()
+
+
+@pytest.mark.parametrize("flag,why", [
+    ("abc", "not [ADDR:]PORT"),
+    ("0", "not in 1..65535"),
+    ("65536", "not in 1..65535"),
+    ("127.0.0.1:-1", "not [ADDR:]PORT"),
+    ("::1:9000", "in brackets"),
+    ("192.0.2.1:9472", "not an address of this host"),  # TEST-NET-1: nobody's
+    ("no-such-host.invalid:9472", "no such address"),
+])
+def test_bad_prometheus_values_one_line_usage_error(flag, why):
+    """Exit 1 (usage), one line, before any BPF: the pid does not even exist."""
+    r = run_kvtrace("attach", "--prometheus", flag, "-p", unused_pid(), timeout=60)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace-bpf: "), r.stderr
+    assert why in lines[0], lines[0]
+
+
+def test_busy_port_exit_2_before_bpf(tmp_path):
+    """A port already bound: exit 2 (environment), one line, and the target
+    never got a probe (no BPF compiled: it fails in about a second)."""
+    sim = Kvsim(tmp_path, "default")
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            t = time.monotonic()
+            r = run_kvtrace("attach", "--prometheus", port, "-p", sim.pid, timeout=60)
+            took = time.monotonic() - t
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvtrace-bpf: "), r.stderr
+        assert f"port {port} is in use" in lines[0]
+        assert "BPF compile" not in r.stderr and took < 5, took
+    finally:
+        sim.kill()

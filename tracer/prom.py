@@ -1,0 +1,342 @@
+"""`attach --prometheus [ADDR:]PORT`: the live aggregate as Prometheus metrics.
+
+The tracing loop already reads the BPF maps once per refresh and turns them
+into an Aggregate.  It hands each one to Exporter.publish(), which works out
+the figures of the last interval (working set, true utilization, the access
+histograms) and swaps in one immutable snapshot.  A scrape runs in
+prometheus_client's HTTP thread and only formats that snapshot: it never
+reads a map, never takes a lock the loop holds, and never waits for the loop.
+docs/metrics.md lists every metric and how it is computed.
+"""
+
+import errno
+import ipaddress
+import math
+import shlex
+import socket
+import time
+
+import numpy as np
+
+from .errors import EnvironmentProblem, UsageError
+
+# Not vLLM's 8000, Dynamo's 8000/8081, ebpf_exporter's 9435, Prometheus's own
+# 9090-9093 or node_exporter's 9100 (docs/metrics.md).
+DEFAULT_PORT = 9472
+DEFAULT_ADDR = "127.0.0.1"  # the endpoint reveals traffic shape: local unless asked
+
+# Reads of one block in one window: powers of two.  A decode step reads a
+# request's every block once, so a window of a few hundred steps reaches
+# the hundreds; beyond 4096 only +Inf says more.
+READ_BUCKETS = tuple(float(1 << i) for i in range(13))
+# Tokens written into one block in one window: up to a few block sizes.
+WRITE_BUCKETS = tuple(float(1 << i) for i in range(11))
+
+ROLES = ("engine_core", "worker", "other")
+
+
+def parse_endpoint(text):
+    """'PORT', 'ADDR:PORT', '[V6ADDR]:PORT' or None (the flag alone) ->
+    (host, port).  Raises UsageError for anything else."""
+    if text is None:
+        return DEFAULT_ADDR, DEFAULT_PORT
+    text = text.strip()
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = DEFAULT_ADDR, text
+    elif host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise UsageError(f"--prometheus {text!r}: write an IPv6 address in brackets, "
+                         "[ADDR]:PORT")
+    if not host:
+        host = DEFAULT_ADDR
+    if not port_text.isdigit():
+        raise UsageError(f"--prometheus {text!r}: not [ADDR:]PORT (PORT is 1..65535)")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--prometheus {text!r}: port {port} is not in 1..65535")
+    return host, port
+
+
+def start_server(host, port, exporter):
+    """Bind and serve /metrics; returns the server (shut it down with
+    stop_server).  Called before any BPF is loaded, so that a busy port or
+    an address this host does not have is one line, not a traced target
+    left without its endpoint."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exporter)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except socket.gaierror:
+        raise UsageError(f"--prometheus {where}: no such address") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise EnvironmentProblem(f"--prometheus {where}: port {port} is in use "
+                                     "(another exporter? pick another port)") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--prometheus {where}: {host} is not an address of "
+                             "this host") from None
+        if e.errno == errno.EACCES:
+            raise EnvironmentProblem(f"--prometheus {where}: not allowed to bind "
+                                     f"port {port}") from None
+        raise EnvironmentProblem(f"--prometheus {where}: {e.strerror or e}") from None
+    return server
+
+
+def stop_server(server):
+    server.shutdown()
+    server.server_close()
+
+
+def is_loopback(host) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def role(comm: str) -> str:
+    """vLLM's process names: EngineCore_DP0 / VLLM::EngineCore (the engine,
+    which also runs the model at world size 1), VllmWorker-N /
+    VLLM::Worker_TPn (tensor-parallel workers)."""
+    c = comm.lower()
+    if "enginecore" in c or "engine_core" in c:
+        return "engine_core"
+    if "worker" in c:
+        return "worker"
+    return "other"
+
+
+def model_name(argv) -> str:
+    """The model the target serves, as vLLM labels its own series
+    (model_name = --served-model-name, else --model, else `vllm serve
+    MODEL`), or '' when the command line does not say.  argv: a list, or a
+    /proc cmdline joined with spaces."""
+    if isinstance(argv, str):
+        try:
+            argv = shlex.split(argv)
+        except ValueError:
+            argv = argv.split()
+    found = {}
+    for i, a in enumerate(argv):
+        for flag in ("--served-model-name", "--model"):
+            if a == flag and i + 1 < len(argv):
+                found.setdefault(flag, argv[i + 1])
+            elif a.startswith(flag + "="):
+                found.setdefault(flag, a.split("=", 1)[1])
+    for flag in ("--served-model-name", "--model"):
+        if found.get(flag):
+            return found[flag]
+    for i, a in enumerate(argv[:-1]):
+        nxt = argv[i + 1]
+        if a == "serve" and i > 0 and "vllm" in argv[i - 1] and not nxt.startswith("-"):
+            return nxt
+    return ""
+
+
+def _delta(now, before):
+    """now - before per block, an old array shorter or missing as zeros."""
+    out = now.astype(np.int64)
+    if before is not None and len(before):
+        n = min(len(out), len(before))
+        out[:n] -= before[:n].astype(np.int64)
+    return np.maximum(out, 0)
+
+
+def _buckets(values, bounds):
+    """Cumulative (le, count) pairs of positive values, and their sum."""
+    from prometheus_client.utils import floatToGoString
+
+    values = values[values > 0]
+    counts = [int(np.count_nonzero(values <= b)) for b in bounds]
+    pairs = [(floatToGoString(b), c) for b, c in zip(bounds, counts)]
+    pairs.append(("+Inf", int(len(values))))
+    return pairs, float(values.sum())
+
+
+class Exporter:
+    """A prometheus_client collector over the snapshot the loop publishes."""
+
+    def __init__(self, model: str = ""):
+        self.model = model
+        self._snap = None  # replaced whole, never changed: a scrape reads one
+        self._last_window = {}  # (pid, group) -> (working set, utilization)
+
+    # -- the loop's side -------------------------------------------------
+
+    def publish(self, agg, prev=None):
+        """Called by the tracing loop with each refresh's Aggregate and the
+        one before it (the window).  Cheap: sums and one numpy pass per
+        group and layer, no map reads."""
+        before = prev.processes if prev is not None else {}
+        procs = []
+        for p in sorted(agg.processes.values(), key=lambda p: p.pid):
+            q = before.get(p.pid)
+            old_groups = {g.group_id: g for g in q.groups} if q else {}
+            groups = []
+            for g in p.groups:
+                o = old_groups.get(g.group_id)
+                d_steps = g.steps - (o.steps if o else 0)
+                d_distinct = g.distinct - (o.distinct if o else 0)
+                d_held = g.held_tokens - (o.held_tokens if o else 0)
+                key = (p.pid, g.group_id)
+                if d_steps > 0:
+                    ws = d_distinct / d_steps
+                    util = (d_held / (d_distinct * g.block_size)
+                            if d_distinct and g.block_size else math.nan)
+                    self._last_window[key] = (ws, util)
+                else:
+                    # no step in this window: the figures of the last window
+                    # that had one, so that a pause is not a drop to zero
+                    ws, util = self._last_window.get(key, (0.0, math.nan))
+                freq = _delta(g.reads_per_block, o.reads_per_block if o else None)
+                groups.append(dict(group=g.group, reads=g.reads, steps=g.steps,
+                                   requests=g.requests, tokens=g.tokens,
+                                   distinct=g.distinct, held_tokens=g.held_tokens,
+                                   layers=g.layers, block_size=g.block_size,
+                                   num_blocks=g.num_blocks, working_set=ws,
+                                   utilization=util,
+                                   freq=_buckets(freq, READ_BUCKETS)))
+            old_tokens = q.tokens if q else None
+            written = _delta(p.tokens, old_tokens)
+            write_ops = {op: st for op, st in p.ops.items() if op != "block_table"}
+            procs.append(dict(
+                pid=str(p.pid), role=role(p.comm),
+                ops={op: dict(st) for op, st in p.ops.items()},
+                slots=sum(st["slots"] for st in write_ops.values()),
+                layers=[(l.layer, l.slots) for l in p.layers],
+                num_layers=len(p.layers),
+                num_blocks=p.num_blocks,
+                block_size=max([l.block_size for l in p.layers] +
+                               [g.block_size for g in p.groups] + [0]),
+                moves={k: int(v.sum()) for k, v in p.moves.items()},
+                groups=groups,
+                written=_buckets(written, WRITE_BUCKETS)))
+        self._snap = dict(
+            time=time.time(), procs=procs, exact=not agg.inexact_reasons(),
+            lost=int(agg.lost), records=int(agg.records),
+            missed=int(agg.globals.get("missed_hits", 0)),
+            foreign=int(agg.globals.get("foreign", 0)),
+            chunks_lost=int(agg.globals.get("chunks_lost", 0)))
+
+    # -- the scrape's side -------------------------------------------------
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeHistogramMetricFamily,
+                                            GaugeMetricFamily)
+
+        snap = self._snap  # one reference read: the loop may swap it meanwhile
+        model = [self.model] if self.model else []
+        extra = ["model_name"] if self.model else []
+        base = ["pid", "role", *extra]
+
+        def fam(kind, name, doc, labels=()):
+            return kind(name, doc, labels=[*base, *labels])
+
+        up = GaugeMetricFamily("kvtrace_snapshot_timestamp_seconds",
+                               "Unix time of the aggregate this scrape shows (the "
+                               "tracer refreshes it every --interval)")
+        if snap is None:
+            yield up
+            return
+        up.add_metric([], snap["time"])
+        yield up
+        exact = GaugeMetricFamily("kvtrace_exact", "1 when every count is exact "
+                                  "(docs/json-schema.md inexact_reasons), else 0")
+        exact.add_metric([], 1.0 if snap["exact"] else 0.0)
+        yield exact
+        for name, doc, value in (
+                ("kvtrace_records_total", "per-op perf records delivered", snap["records"]),
+                ("kvtrace_records_lost_total", "per-op perf records lost (the counts never "
+                 "come from them)", snap["lost"]),
+                ("kvtrace_slot_chunks_lost_total", "index-stream chunks lost (-o)",
+                 snap["chunks_lost"]),
+                ("kvtrace_probe_misses_total", "probe hits the kernel skipped (another BPF "
+                 "program was running on that CPU)", snap["missed"]),
+                ("kvtrace_foreign_hits_total", "probe hits of processes not traced, dropped",
+                 snap["foreign"])):
+            c = CounterMetricFamily(name[:-len("_total")], doc)
+            c.add_metric([], value)
+            yield c
+
+        ops = fam(CounterMetricFamily, "kvtrace_ops", "op calls", ["op"])
+        items = fam(CounterMetricFamily, "kvtrace_op_items", "items per op: slots for "
+                    "writes, block pairs for copies and swaps, blocks for block_table",
+                    ["op"])
+        padding = fam(CounterMetricFamily, "kvtrace_op_padding_slots",
+                      "padding slots (-1) skipped", ["op"])
+        nbytes = fam(CounterMetricFamily, "kvtrace_op_bytes", "bytes moved by copies "
+                     "and swaps", ["op"])
+        slots = fam(CounterMetricFamily, "kvtrace_slots_written",
+                    "valid slots written, all layers together")
+        layer_slots = fam(CounterMetricFamily, "kvtrace_layer_slots_written",
+                          "valid slots written into one layer's KV cache", ["layer"])
+        copied = fam(CounterMetricFamily, "kvtrace_blocks_copied",
+                     "blocks copied (copy_blocks pairs)")
+        swapped = fam(CounterMetricFamily, "kvtrace_blocks_swapped",
+                      "blocks swapped out of and into the device", ["direction"])
+        reads = fam(CounterMetricFamily, "kvtrace_block_reads", "(request, block) "
+                    "reads by attention, counted once per step per group", ["group"])
+        steps = fam(CounterMetricFamily, "kvtrace_steps", "forward steps that read "
+                    "the group's block table", ["group"])
+        rows = fam(CounterMetricFamily, "kvtrace_batch_requests", "request rows of the "
+                   "block table, summed over steps", ["group"])
+        live = fam(CounterMetricFamily, "kvtrace_live_blocks", "distinct blocks read "
+                   "per step, summed over steps", ["group"])
+        held = fam(CounterMetricFamily, "kvtrace_live_tokens", "tokens held in each "
+                   "step's distinct blocks, summed over steps", ["group"])
+        layers = fam(GaugeMetricFamily, "kvtrace_layers", "KV caches (layers) seen")
+        group_layers = fam(GaugeMetricFamily, "kvtrace_group_layers",
+                           "layers reading the group's table per step", ["group"])
+        blocks = fam(GaugeMetricFamily, "kvtrace_cache_blocks",
+                     "blocks per KV cache, as the probes report")
+        bsize = fam(GaugeMetricFamily, "kvtrace_block_size_tokens", "tokens per block")
+        ws = fam(GaugeMetricFamily, "kvtrace_working_set_blocks", "distinct blocks read "
+                 "per step over the last interval (delta live blocks / delta steps)",
+                 ["group"])
+        util = fam(GaugeMetricFamily, "kvtrace_true_utilization_ratio", "tokens held / "
+                   "(distinct blocks read x block size) over the last interval", ["group"])
+        freq = fam(GaugeHistogramMetricFamily, "kvtrace_block_access_frequency",
+                   "blocks by reads in the last interval (blocks read at least once)",
+                   ["group"])
+        wfill = fam(GaugeHistogramMetricFamily, "kvtrace_block_tokens_written",
+                    "blocks by tokens written in the last interval (blocks written "
+                    "at least once)")
+
+        for p in snap["procs"]:
+            lv = [p["pid"], p["role"], *model]
+            for op, st in p["ops"].items():
+                ops.add_metric([*lv, op], st["calls"])
+                items.add_metric([*lv, op], st["items"])
+                padding.add_metric([*lv, op], st["padding"])
+                nbytes.add_metric([*lv, op], st["bytes"])
+            slots.add_metric(lv, p["slots"])
+            for layer, n in p["layers"]:
+                layer_slots.add_metric([*lv, str(layer)], n)
+            copied.add_metric(lv, p["moves"].get("copy_src", 0))
+            swapped.add_metric([*lv, "out"], p["moves"].get("swap_out", 0))
+            swapped.add_metric([*lv, "in"], p["moves"].get("swap_in", 0))
+            layers.add_metric(lv, p["num_layers"])
+            blocks.add_metric(lv, p["num_blocks"])
+            bsize.add_metric(lv, p["block_size"])
+            buckets, total = p["written"]
+            wfill.add_metric(lv, buckets, total)
+            for g in p["groups"]:
+                gl = [*lv, str(g["group"])]
+                reads.add_metric(gl, g["reads"])
+                steps.add_metric(gl, g["steps"])
+                rows.add_metric(gl, g["requests"])
+                live.add_metric(gl, g["distinct"])
+                held.add_metric(gl, g["held_tokens"])
+                group_layers.add_metric(gl, g["layers"])
+                ws.add_metric(gl, g["working_set"])
+                util.add_metric(gl, g["utilization"])
+                buckets, total = g["freq"]
+                freq.add_metric(gl, buckets, total)
+        yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
+                    reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
+                    ws, util, freq, wfill)
