@@ -102,9 +102,10 @@ def is_loopback(host) -> bool:
 def role(comm: str) -> str:
     """vLLM's process names: EngineCore_DP0 / VLLM::EngineCore (the engine,
     which also runs the model at world size 1), VllmWorker-N /
-    VLLM::Worker_TPn (tensor-parallel workers)."""
+    VLLM::Worker_TPn (tensor-parallel workers).  A comm is cut at 15
+    characters: 'VLLM::EngineCor'."""
     c = comm.lower()
-    if "enginecore" in c or "engine_core" in c:
+    if "enginecor" in c or "engine_cor" in c:
         return "engine_core"
     if "worker" in c:
         return "worker"
