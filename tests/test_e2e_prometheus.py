@@ -2,6 +2,8 @@
 tracer, checked against kvsim's own ground truth (--truth), never against
 the tracer's code; and the flag's errors (docs/metrics.md, docs/exit-codes.md)."""
 
+import json
+import re
 import socket
 import time
 import urllib.request
@@ -9,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
+from conftest import ROOT, WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -34,6 +36,8 @@ def scrape(port):
     for fam in text_string_to_metric_families(text):
         assert fam.name.startswith("kvtrace_"), fam.name
         assert ":" not in fam.name
+        # every family, even one without samples yet (no reads seen)
+        out.setdefault(fam.name + ("_total" if fam.type == "counter" else ""), [])
         for s in fam.samples:
             out.setdefault(s.name, []).append((s.labels, s.value))
     return out, text
@@ -109,6 +113,21 @@ def assert_counters_match(m, truth, pid):
         assert value(m, "kvtrace_group_layers", **g) == reads["layers"]
 
 
+def assert_documented(m):
+    """docs/metrics.md lists exactly the metrics served, and the dashboard
+    queries only metrics that are served."""
+    served = {re.sub(r"_(bucket|gcount|gsum)$", "", name) for name in m}
+    assert all(n.endswith("_total") for n in m if n.startswith("kvtrace_op")), m.keys()
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    listed = set(re.findall(r"^\| `(kvtrace_\w+)`", doc, re.M))
+    assert listed == served, (listed ^ served)
+    dash = json.loads((ROOT / "dashboards" / "kvtrace-bpf.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    queried = {n for e in exprs for n in re.findall(r"kvtrace_\w+", e)}
+    assert queried and queried <= set(m), queried - set(m)
+    assert all(not re.search(r"[A-Z]", n) for n in served)
+
+
 @pytest.mark.parametrize("workload", ["beam", "swap"])
 def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
     """One kvsim round inside one refresh window: the scrape after it has
@@ -151,6 +170,7 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
             assert value(m, "kvtrace_block_access_frequency_gsum", group=0) == reads["reads"]
             assert value(m, "kvtrace_working_set_blocks", group=0) == \
                 reads["distinct"] / reads["steps"]
+        assert_documented(m)
         sim.go()  # round 2; the tracer stops when kvsim exits
         assert sim.wait() == 0
         rc, out, err = tracer.finish()

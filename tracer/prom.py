@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from . import discover
 from .errors import EnvironmentProblem, UsageError
 
 # Not vLLM's 8000, Dynamo's 8000/8081, ebpf_exporter's 9435, Prometheus's own
@@ -166,6 +167,7 @@ class Exporter:
         self.model = model
         self._snap = None  # replaced whole, never changed: a scrape reads one
         self._last_window = {}  # (pid, group) -> (working set, utilization)
+        self._roles = {}  # pid -> role, once it is not 'other'
 
     # -- the loop's side -------------------------------------------------
 
@@ -206,7 +208,7 @@ class Exporter:
             written = _delta(p.tokens, old_tokens)
             write_ops = {op: st for op, st in p.ops.items() if op != "block_table"}
             procs.append(dict(
-                pid=str(p.pid), role=role(p.comm),
+                pid=str(p.pid), role=self._role(p),
                 ops={op: dict(st) for op, st in p.ops.items()},
                 slots=sum(st["slots"] for st in write_ops.values()),
                 layers=[(l.layer, l.slots) for l in p.layers],
@@ -223,6 +225,19 @@ class Exporter:
             missed=int(agg.globals.get("missed_hits", 0)),
             foreign=int(agg.globals.get("foreign", 0)),
             chunks_lost=int(agg.globals.get("chunks_lost", 0)))
+
+    def _role(self, p):
+        """The role by the process's comm now: vLLM renames its engine and
+        workers after they start, so the comm the tracer found them with
+        can be the interpreter's.  One /proc read per refresh, until known."""
+        if p.pid not in self._roles:
+            r = role(p.comm)
+            if r == "other":
+                r = role(discover.comm(p.pid))
+            if r != "other":
+                self._roles[p.pid] = r
+            return r
+        return self._roles[p.pid]
 
     # -- the scrape's side -------------------------------------------------
 
