@@ -12,7 +12,8 @@ Rows: 1 probe-site cost (bench/kvbench, three builds and states),
 2 kvsim stress end to end, 3 real vLLM on the CPU, 4 carrying capacity
 (perf buffer vs BPF ring buffer), 5 attach / detach latency, 6 offline
 speed (record/report/export), 7 the tracer's own footprint (from row 2),
-8 the read probe's cost (vllm:block_table, per op and per entry).
+8 the read probe's cost (vllm:block_table, per op and per entry),
+9 the tracer's CPU with --prometheus, scraped every second or not.
 """
 
 import argparse
@@ -405,6 +406,69 @@ def row_stress(q, res):
     }
 
 
+# -- 9. the Prometheus endpoint ---------------------------------------------------
+
+PROM_MODES = ("quiet", "prometheus", "prometheus_scraped")
+
+
+def prom_run(mode, repeat, tmp):
+    """The tracer's CPU seconds per second over one paced kvsim run: -q
+    alone (no aggregate between start and end), -q --prometheus (one
+    aggregate per second, nobody scraping), and the same scraped every
+    second over HTTP by this process, as Prometheus would."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    k = subprocess.Popen([KVSIM, "--workload", "default", "--repeat", str(repeat),
+                          "--step-delay-us", "2000", "--quiet", "--pause"],
+                         stderr=subprocess.PIPE, text=True)
+    tp = None
+    scrapes = 0
+    try:
+        read_until(k.stderr, "paused", 10)
+        extra = () if mode == "quiet" else ("--prometheus", port, "-i", 1)
+        tp = subprocess.Popen(kvtrace("attach", "-p", k.pid, "-q", *extra), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        read_until(tp.stderr, "ready after", 120)
+        cpu0, t0 = proc_sample(tp.pid)[0], time.monotonic()
+        os.kill(k.pid, signal.SIGUSR1)
+        next_scrape = t0
+        while k.poll() is None:
+            if mode == "prometheus_scraped" and time.monotonic() >= next_scrape:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                            timeout=10) as r:
+                    r.read()
+                scrapes += 1
+                next_scrape += 1.0
+            time.sleep(0.02)
+        cpu1, t1 = proc_sample(tp.pid)[0], time.monotonic()
+        tp.wait(60)  # ends on its own when the target exits
+    finally:
+        for p in (k, tp):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    return (cpu1 - cpu0) / (t1 - t0), scrapes
+
+
+def row_prometheus(q, res):
+    repeat, reps = (20, 1) if q else (40, 3)  # about 0.13 s per repeat, paced
+    cpu = {m: [] for m in PROM_MODES}
+    scrapes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(reps):
+            for mode in PROM_MODES:  # alternating, so drift hits all three alike
+                c, n = prom_run(mode, repeat, tmp)
+                cpu[mode].append(c)
+                if mode == "prometheus_scraped":
+                    scrapes.append(n)
+    res["prometheus"] = {"kvsim_repeat": repeat, "scrapes": stats(scrapes),
+                         **{f"{m}_tracer_cpu_s_per_s": stats(cpu[m]) for m in PROM_MODES}}
+
+
 # -- 3. real vLLM ---------------------------------------------------------------
 
 def row_vllm(q, res):
@@ -750,6 +814,14 @@ def table_rows(res):
         add("7 tracer RSS during stress", s["rss_mb_during"], "MB")
         add("7   of which anonymous", s["anon_mb_during"], "MB")
         add("7 tracer peak RSS (VmHWM)", s["peak_rss_mb"], "MB", "footprint.peak_rss_mb")
+    s = res.get("prometheus")
+    if s:
+        def ms(st):  # CPU ms per second: the s/s figures are all near 0.01
+            return st and {**st, **{k: st[k] * 1e3 for k in ("min", "median", "max")}}
+        add("9 tracer CPU, -q", ms(s["quiet_tracer_cpu_s_per_s"]), "ms/s")
+        add("9 tracer CPU, --prometheus", ms(s["prometheus_tracer_cpu_s_per_s"]), "ms/s")
+        add("9 tracer CPU, --prometheus, 1 s scrapes",
+            ms(s["prometheus_scraped_tracer_cpu_s_per_s"]), "ms/s")
     return rows
 
 
@@ -796,14 +868,15 @@ def print_table(rows, file=sys.stdout):
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
-        8: ("read-probe cost", row_reads)}
+        8: ("read-probe cost", row_reads),
+        9: ("--prometheus cost", row_prometheus)}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     args = p.parse_args()

@@ -65,6 +65,11 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
         check_stats(offline["report"], "offline.report")
         check_stats(offline["export"], "offline.export")
 
+    prom = res["prometheus"]  # row 9: the tracer's CPU with --prometheus
+    for key in ("quiet", "prometheus", "prometheus_scraped"):
+        check_stats(prom[f"{key}_tracer_cpu_s_per_s"], f"prometheus.{key}")
+    assert prom["scrapes"]["min"] >= 1  # the scraped runs were scraped
+
     # the printed table is the same data, one line per figure
     lines = r.stdout.splitlines()[2:]  # after the header and its rule
     assert len(lines) == len(res["table"])
