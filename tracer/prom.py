@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from . import discover
+from .aggregate import BYTES_OPS
 from .errors import EnvironmentProblem, UsageError
 
 # Not vLLM's 8000, Dynamo's 8000/8081, ebpf_exporter's 9435, Prometheus's own
@@ -329,7 +330,8 @@ class Exporter:
                 ops.add_metric([*lv, op], st["calls"])
                 items.add_metric([*lv, op], st["items"])
                 padding.add_metric([*lv, op], st["padding"])
-                nbytes.add_metric([*lv, op], st["bytes"])
+                if op in BYTES_OPS:  # elsewhere bytes are not measured: no series
+                    nbytes.add_metric([*lv, op], st["bytes"])
             slots.add_metric(lv, p["slots"])
             for layer, n in p["layers"]:
                 layer_slots.add_metric([*lv, str(layer)], n)
