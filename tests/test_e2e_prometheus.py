@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
+from test_e2e_vllm import tiny_model  # noqa: F401  (the fixture of the vLLM test below)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -268,3 +269,54 @@ def test_busy_port_exit_2_before_bpf(tmp_path):
         assert "BPF compile" not in r.stderr and took < 5, took
     finally:
         sim.kill()
+
+
+@pytest.mark.vllm
+def test_vllm_scraped_during_generation_equals_the_identities(tmp_path, tiny_model):
+    """Real vLLM (CPU, stock uprobes): scraped while it generates, every
+    exposition parses; once its round is done, the written and read
+    counters equal what vLLM generated (DESIGN.md's identities: per layer
+    sum(P + G - 1) slots; per group sum over s = P .. P+G-1 of
+    ceil(s / block_size) block reads), and model_name is vLLM's --model."""
+    from test_e2e_vllm import Workload
+    from test_e2e_vllm_reads import identity_reads
+
+    port = free_port()
+    wl = Workload(tmp_path, tiny_model, "--rounds", 2)
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", wl.pid, "-i", 0.5, "--prometheus", port)
+        tracer.wait_attached(timeout=180)
+        wl.go()
+        scrapes = 0
+        while not wl.round_done(1):
+            assert wl.proc.poll() is None, wl.log.read_text()[-3000:]
+            scrape(port)  # parses, or fails here
+            scrapes += 1
+            time.sleep(0.2)
+        done = time.time()
+        generated = wl.round_result(1)
+        m, _ = scrape_after(port, done)
+        wl.go()  # round 2; the tracer stops when vLLM exits
+        generated_2 = wl.result()
+        rc, out, err = tracer.finish(timeout=120)
+    finally:
+        wl.kill()
+        if tracer is not None and tracer.proc.poll() is None:
+            tracer.proc.kill()
+            tracer.proc.wait()
+    assert rc == 0, err
+    assert scrapes >= 1 and generated_2["requests"]
+    assert value(m, "kvtrace_exact") == 1
+    layers = m["kvtrace_layer_slots_written_total"]
+    (pid,) = {l["pid"] for l, _ in layers}  # the one process that writes
+    assert pid != str(wl.pid)  # vLLM's engine or worker, followed
+    slots = sum(r["prompt_len"] + len(r["generated"]) - 1 for r in generated["requests"])
+    assert len(layers) == generated["num_layers"]
+    assert all(v == slots for _, v in layers), (layers, slots)
+    lab = layers[0][0]
+    assert lab["model_name"] == str(tiny_model)
+    assert lab["role"] in ("engine_core", "worker"), lab
+    assert value(m, "kvtrace_slots_written_total", pid=pid) == slots * generated["num_layers"]
+    assert value(m, "kvtrace_block_reads_total", pid=pid, group=0) == identity_reads(generated)
+    assert value(m, "kvtrace_group_layers", pid=pid, group=0) == generated["num_layers"]
