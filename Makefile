@@ -31,7 +31,7 @@ venv: $(STAMPS)/venv
 $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 	$(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[test]'
-	$(VENV)/bin/python -c "import bcc, tracer"
+	$(VENV)/bin/python -c "import bcc, tracer, prometheus_client"
 	@touch $@
 
 target: packages

@@ -66,8 +66,11 @@ def start_server(host, port, exporter):
     stop_server).  Called before any BPF is loaded, so that a busy port or
     an address this host does not have is one line, not a traced target
     left without its endpoint."""
-    from prometheus_client import CollectorRegistry, start_http_server
-
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise EnvironmentProblem("--prometheus needs the prometheus-client package "
+                                 "(make setup, or pip install prometheus-client)") from None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(exporter)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
