@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from . import discover
+from . import abi, discover
 from .aggregate import BYTES_OPS
 from .errors import EnvironmentProblem, UsageError
 
@@ -33,9 +33,6 @@ DEFAULT_ADDR = "127.0.0.1"  # the endpoint reveals traffic shape: local unless a
 READ_BUCKETS = tuple(float(1 << i) for i in range(13))
 # Tokens written into one block in one window: up to a few block sizes.
 WRITE_BUCKETS = tuple(float(1 << i) for i in range(11))
-
-ROLES = ("engine_core", "worker", "other")
-
 
 def parse_endpoint(text):
     """'PORT', 'ADDR:PORT', '[V6ADDR]:PORT' or None (the flag alone) ->
@@ -210,7 +207,8 @@ class Exporter:
                                    freq=_buckets(freq, READ_BUCKETS)))
             old_tokens = q.tokens if q else None
             written = _delta(p.tokens, old_tokens)
-            write_ops = {op: st for op, st in p.ops.items() if op != "block_table"}
+            # block_table's "slots" are blocks read, and moves have none
+            write_ops = {op: st for op, st in p.ops.items() if op in abi.WRITE_OPS}
             procs.append(dict(
                 pid=str(p.pid), role=self._role(p),
                 ops={op: dict(st) for op, st in p.ops.items()},
