@@ -137,7 +137,7 @@ def semaphore_values(pid, lib=KVSIM_LIB):
         for name, vaddr in syms.items():
             mem.seek(base + vaddr)
             values[name[len("vllm_"):-len("_semaphore")]] = int.from_bytes(mem.read(2), "little")
-    assert len(values) == 7, values
+    assert len(values) == 8, values  # one per probe of bpf/kvtrace_probes.h
     return values
 
 
