@@ -193,7 +193,7 @@ struct gen_truth {
  * Reads: what attention reads at each forward step, counted once per step
  * when kvsim builds the step's block table (all layers share that table:
  * one KV-cache group), from the scheduler's own rows, never from the probe.
- * write_truth() describes every field.
+ * write_reads() describes every field.
  */
 struct read_truth {
 	uint64_t steps, requests, tokens, reads, distinct, null_entries;
@@ -394,8 +394,13 @@ struct sim {
 	int32_t *seq_lens;
 	struct seq **row_seq;
 
-	/* the prefix cache: [j] the GPU block holding full prefix block j, or
-	 * -1; the cache holds a reference, so its blocks live for the run */
+	/*
+	 * The prefix cache: [j] the GPU block holding full prefix block j, or
+	 * -1.  The cache holds a reference, so its blocks live for the run:
+	 * vLLM would evict an unused cached block only under memory pressure,
+	 * and pinning keeps "written once" exact (generate_requests() counts
+	 * the pinned blocks in its worst case).
+	 */
 	int64_t prefix_blocks;
 	int32_t *prefix_cache;
 
