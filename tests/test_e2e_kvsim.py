@@ -11,7 +11,7 @@ import pytest
 from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, run_kvtrace,
                       code_differences, semaphore_values)
 
-WORKLOADS = ("default", "beam", "swap", "stress", "mla")
+WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
