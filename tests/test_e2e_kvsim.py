@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, run_kvtrace,
-                      code_differences, semaphore_values)
+from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth,
+                      assert_reads_match_truth, run_kvtrace, code_differences, semaphore_values)
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -27,7 +27,9 @@ def test_attach_command_matches_truth(tmp_path, workload, extra):
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "target exited"
     assert doc["target_exit_status"] == 0  # kvsim verified its KV bytes too
-    assert_matches_truth(doc, json.loads(truth_path.read_text()))
+    truth = json.loads(truth_path.read_text())
+    assert_matches_truth(doc, truth)
+    assert_reads_match_truth(doc, truth)
     assert "summary (target exited)" in r.stdout
 
 
@@ -41,7 +43,9 @@ def test_attach_pid_matches_truth(tmp_path, workload):
         assert sim.wait() == 0
         rc, out, err = tracer.finish()
         assert rc == 0, err
-        assert_matches_truth(json.loads((tmp_path / "agg.json").read_text()), sim.truth())
+        doc = json.loads((tmp_path / "agg.json").read_text())
+        assert_matches_truth(doc, sim.truth())
+        assert_reads_match_truth(doc, sim.truth())
     finally:
         sim.kill()
 
