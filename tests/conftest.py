@@ -219,6 +219,14 @@ def assert_matches_truth(doc, truth):
     assert sum(o["padding"] for o in writes) == truth["padding_skipped"]
 
 
+def truth_records(truth):
+    """Per-op records the tracer sends for kvsim's run when nothing is lost:
+    one per write, copy or swap call, and one per step for the block table,
+    which every layer passes but the tracer reads once per step and group
+    (bpf/kvtrace_probes.h)."""
+    return sum(o["calls"] for o in truth["ops"].values()) + truth["reads"]["steps"]
+
+
 def assert_reads_match_truth(doc, truth):
     """The vllm:block_table counts of a --json aggregate against kvsim's
     "reads" truth (tests/target/kvsim.c, write_reads): kvsim's layers share

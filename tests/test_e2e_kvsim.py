@@ -9,7 +9,8 @@ import time
 import pytest
 
 from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth,
-                      assert_reads_match_truth, run_kvtrace, code_differences, semaphore_values)
+                      assert_reads_match_truth, run_kvtrace, code_differences, semaphore_values,
+                      truth_records)
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -64,7 +65,7 @@ def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
     assert doc["ops"]["reshape_and_cache_flash"]["truncated"] == 0
     assert any(lo <= 8192 <= hi for lo, hi, _ in doc["items_log2"]["reshape_and_cache_flash"])
     # every op produced exactly one record, delivered or counted as lost
-    calls = sum(o["calls"] for o in truth["ops"].values())
+    calls = truth_records(truth)
     assert doc["records"] + doc["lost_records"] == calls
     print(f"stress x3: {calls} ops, {doc['records']} records, {doc['lost_records']} lost")
 
