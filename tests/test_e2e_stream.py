@@ -106,3 +106,24 @@ def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     assert not s.complete
     # the exact counters do not care
     assert_matches_truth(Aggregate.from_maps(raw).to_json(), truth)
+
+
+def test_block_table_records_are_the_steps_live_sets(tmp_path):
+    """One block_table record per step (the table is read once for all
+    layers), in step order, each carrying that step's reads, distinct blocks
+    (the live set), null entries and tokens as kvsim counted them when it
+    built the table (--truth-steps)."""
+    s, raw, truth = trace_stream(tmp_path, "prefix", "--truth-steps")
+    assert raw["globals"]["records_lost"] == 0
+    rd = truth["reads"]
+    bt = s.ops[s.ops["op"] == abi.OPS["block_table"]]
+    bt = bt[np.argsort(bt["seq"])]
+    assert len(bt) == rd["steps"] == len(rd["live_sets"])
+    assert set(bt["cache_id"].tolist()) == {rd["group_id"]}
+    got = np.stack([bt["items"], bt["slots"], bt["padding"], bt["bytes"]], axis=1)
+    assert rd["null_entries"] == 0  # so none at any step
+    want = np.array([[reads, distinct, 0, tokens]
+                     for _, _, reads, distinct, tokens in rd["live_sets"]])
+    assert np.array_equal(got, want)
+    # a prefix workload's steps share blocks: fewer distinct blocks than reads
+    assert (bt["slots"] < bt["items"]).any()
