@@ -12,7 +12,7 @@ from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth,
                       assert_reads_match_truth, run_kvtrace, code_differences, semaphore_values,
                       truth_records)
 
-WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix")
+WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import KVSIM, KVSIM_LIB
 
-WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix")
+WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
 
 
 def kvsim_truth(tmp_path, workload, *extra):
@@ -29,9 +29,11 @@ def kvsim_truth(tmp_path, workload, *extra):
     return truth
 
 
-@pytest.mark.parametrize("workload", WORKLOADS)
-def test_read_totals_agree_with_their_parts(tmp_path, workload):
-    t = kvsim_truth(tmp_path, workload)
+@pytest.mark.parametrize("workload,extra", [(w, ()) for w in WORKLOADS] + [
+    # a window with swaps (null entries in swapped-out tables) and forks
+    ("swap", ("--sliding-window", 40)), ("beam", ("--sliding-window", 17))])
+def test_read_totals_agree_with_their_parts(tmp_path, workload, extra):
+    t = kvsim_truth(tmp_path, workload, *extra)
     rd = t["reads"]
     bs = rd["block_size"]
     assert (rd["layers"], bs) == (t["num_layers"], t["block_size"])
@@ -41,15 +43,17 @@ def test_read_totals_agree_with_their_parts(tmp_path, workload):
     # the per-step rows sum to the totals, one row per step, in order
     live = rd["live_sets"]
     assert [row[0] for row in live] == list(range(1, rd["steps"] + 1))
-    for col, name in enumerate(("requests", "reads", "distinct", "tokens"), start=1):
+    for col, name in enumerate(("requests", "reads", "distinct", "tokens", "null_entries"),
+                               start=1):
         assert sum(row[col] for row in live) == rd[name], name
 
-    # entries read per row = ceil(seq_len / block_size), so per step
-    # bs * entries - (bs - 1) * rows <= tokens <= bs * entries
-    for step, rows, reads, distinct, tokens in live:
+    # entries read per row = ceil(seq_len / block_size), null or not, so
+    # per step bs * entries - (bs - 1) * rows <= tokens <= bs * entries
+    for step, rows, reads, distinct, tokens, nulls in live:
+        entries = reads + nulls
         assert 1 <= distinct <= reads
-        assert rows <= reads  # every row holds at least one token
-        assert bs * reads - (bs - 1) * rows <= tokens <= bs * reads, step
+        assert rows <= entries  # every row holds at least one token
+        assert bs * entries - (bs - 1) * rows <= tokens <= bs * entries, step
 
     # per-block counts and the sharing histogram count the same reads
     per_block = dict(rd["per_block"])
@@ -58,11 +62,12 @@ def test_read_totals_agree_with_their_parts(tmp_path, workload):
     assert sum(d * n for d, n in rd["sharing"]) == rd["reads"]
     assert all(d >= 1 and n > 0 for d, n in rd["sharing"])
 
-    # the null block is never handed out, so never read; kvsim pads rows
-    # only beyond their read length
-    assert 0 not in per_block and rd["null_entries"] == 0
+    # the null block is never handed out, so never read or written; null
+    # entries within the read lengths are the sliding window's only
+    assert 0 not in per_block
     assert all(w[0] == 0 for w in (l["writes"] for l in t["layers"]))
     assert t["token_writes"][0] == 0
+    assert (rd["null_entries"] > 0) == (t["window_drops"] > 0)
 
     # last reads: the same blocks, within the run, the last step among them
     last = dict(rd["last_step"])
@@ -74,6 +79,27 @@ def test_read_totals_agree_with_their_parts(tmp_path, workload):
     # a fork's copy or a swap-in
     for b in per_block:
         assert t["token_writes"][b] + t["copy_dst"][b] + t["swap_in"][b] > 0, b
+
+
+def test_window_nulls_replace_reads(tmp_path):
+    """--workload window is default with a 72-token sliding window; nothing
+    else differs, and default never runs short of blocks, so both run the
+    same schedule: the same rows and seq_lens, hence the same entries, of
+    which the window makes some null.  Blocks drop whole, never the one
+    holding a sequence's newest token."""
+    full = kvsim_truth(tmp_path, "default")
+    win = kvsim_truth(tmp_path, "window")
+    assert full["preemptions"] == win["preemptions"] == 0
+    assert full["reads"]["null_entries"] == 0 and win["window_drops"] > 0
+    for a, b in zip(full["reads"]["live_sets"], win["reads"]["live_sets"], strict=True):
+        step, rows, reads, _, tokens, _ = a
+        assert [step, rows, tokens] == [b[0], b[1], b[4]]
+        assert b[2] + b[5] == reads, step  # entries: reads + nulls
+        assert b[2] >= rows  # each row still reads its last block
+    assert win["reads"]["null_entries"] > 0
+    # the writes do not change
+    assert [l["writes"] for l in win["layers"]] == [l["writes"] for l in full["layers"]]
+    assert win["slots_written"] == full["slots_written"]
 
 
 def test_private_sequences_share_nothing(tmp_path):
@@ -114,7 +140,7 @@ def test_prefix_blocks_are_written_once_and_read_by_every_row(tmp_path):
     # each step's rows all share them: a degree per step equal to its rows
     sharing = dict(rd["sharing"])
     rows_per_step = {}
-    for _, rows, _, _, _ in rd["live_sets"]:
+    for _, rows, *_ in rd["live_sets"]:
         rows_per_step[rows] = rows_per_step.get(rows, 0) + 1
     for rows, steps in rows_per_step.items():
         assert sharing.get(rows, 0) >= prefix_blocks * steps, rows

@@ -4,7 +4,7 @@
  *
  * It runs a vLLM-like block manager and scheduler (paged blocks, refcounted
  * sharing for parallel sampling and for a prefix cache, chunked prefill, swap
- * preemption, offload on finish) and performs every KV write, copy, swap and
+ * preemption, offload on finish, a sliding window) and performs every KV write, copy, swap and
  * read through the cache ops in libkvsim_ops.so, which fire the kvtrace USDT
  * probes.  Block 0 is reserved as vLLM's null block.
  *
@@ -126,23 +126,34 @@ struct workload {
 	 * them, then shared (refcount) by every later request.
 	 */
 	int64_t prefix;
+	/*
+	 * Sliding window (tokens; 0: none).  After a step, a running
+	 * sequence's blocks that hold only tokens more than window positions
+	 * behind its end are freed and become the null block (0) in its
+	 * table, as vLLM's sliding-window manager does: attention then reads
+	 * null entries there.
+	 */
+	int64_t window;
 };
 
 static const struct workload workloads[] = {
 	{ "default", 4, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
-	  KV_OP_RESHAPE_AND_CACHE, false, 0 },
+	  KV_OP_RESHAPE_AND_CACHE, false, 0, 0 },
 	{ "beam", 4, 16, 512, 16, 4, 8, 300, 1, 64, 1024,
-	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0 },
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0, 0 },
 	{ "swap", 2, 16, 48, 24, 1, 16, 160, 32, 128, 1024,
-	  KV_OP_CPU_ATTN_RESHAPE_AND_CACHE, true, 0 },
+	  KV_OP_CPU_ATTN_RESHAPE_AND_CACHE, true, 0, 0 },
 	{ "stress", 2, 16, 16384, 400, 1, 256, 4096, 16, 256, 8192,
-	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0 },
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0, 0 },
 	{ "mla", 2, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
-	  KV_OP_CONCAT_AND_CACHE_MLA, false, 0 },
+	  KV_OP_CONCAT_AND_CACHE_MLA, false, 0, 0 },
 	/* 136 = 8.5 blocks of 16: 8 shared blocks, and a partial one that
 	 * each request writes itself (only full blocks are cached, as in vLLM) */
 	{ "prefix", 4, 16, 512, 24, 1, 8, 120, 1, 64, 1024,
-	  KV_OP_RESHAPE_AND_CACHE, false, 136 },
+	  KV_OP_RESHAPE_AND_CACHE, false, 136, 0 },
+	/* 72 = 4.5 blocks: the window never ends on a block boundary */
+	{ "window", 4, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
+	  KV_OP_RESHAPE_AND_CACHE, false, 0, 72 },
 };
 #define NUM_WORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
 
@@ -203,8 +214,9 @@ struct read_truth {
 	int64_t max_degree;   /* sharing has max_degree + 1 entries */
 	uint32_t *step_count; /* [gpu block] readers at the current step */
 	int32_t *step_blocks; /* the blocks read at the current step */
-	/* --truth-steps: per step {step, requests, reads, distinct, tokens} */
-	uint64_t (*live)[5];
+	/* --truth-steps: per step {step, requests, reads, distinct, tokens,
+	 * null_entries} */
+	uint64_t (*live)[6];
 	int64_t nlive, live_cap;
 };
 
@@ -216,6 +228,7 @@ struct truth {
 	uint64_t slots_written, padding_skipped;
 	uint64_t steps, requests, preemptions, forks;
 	uint64_t prefix_hits; /* (request, block) pairs taken from the prefix cache */
+	uint64_t window_drops; /* (sequence, block) pairs the sliding window freed */
 	uint64_t kv_mismatches;
 	struct read_truth rd;
 
@@ -246,10 +259,12 @@ static const char *op_name(int op)
 /* Block pools: a FIFO free list plus refcounts (shared prompt blocks) */
 
 /*
- * The GPU pool reserves block 0 as vLLM's null block: block tables use 0 as
- * padding, and a block-table reader never counts an entry of 0 as a read,
- * so no sequence may ever hold block 0.  The pool keeps a reference to it
- * for good: it is never on the free list.
+ * Both pools reserve block 0 as vLLM's null block: block tables use 0 as
+ * padding and for blocks a sliding window dropped, and a block-table reader
+ * never counts an entry of 0 as a read, so no sequence may ever hold block
+ * 0.  (The host pool too, so that 0 in a swapped-out table still means the
+ * null block.)  The pool keeps a reference to it for good: it is never on
+ * the free list.
  */
 struct pool {
 	int32_t n;
@@ -319,6 +334,7 @@ static void pool_decref(struct pool *p, int32_t b)
 struct seq {
 	int32_t *table;  /* block table: GPU blocks, or CPU blocks while swapped */
 	int64_t nblocks; /* entries in use == ceil(len / block_size) */
+	int64_t dropped; /* leading entries the sliding window made null */
 	int64_t cap;
 	int64_t len;     /* tokens written to the KV cache: positions [0, len) */
 	int64_t gen;     /* tokens generated so far */
@@ -486,7 +502,7 @@ static void reset_run(struct sim *s)
 		r->nfork_blocks = 0;
 		for (int k = 0; k < r->nsamples; k++) {
 			struct seq *q = &r->seqs[k];
-			q->nblocks = q->len = q->gen = 0;
+			q->nblocks = q->len = q->gen = q->dropped = 0;
 			q->sample = k;
 			q->finished = false;
 			memset(q->attn_sum, 0, (size_t)s->L * sizeof(uint64_t));
@@ -511,8 +527,7 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	s->bpb = s->bs * KV_BYTES_PER_TOKEN;
 
 	pool_init(&s->gpool, (int32_t)s->nblocks, true);
-	/* host blocks never appear in a block table that attention reads */
-	pool_init(&s->cpool, (int32_t)cfg->cpu_blocks, false);
+	pool_init(&s->cpool, (int32_t)cfg->cpu_blocks, true);
 	for (int64_t l = 0; l < s->L; l++) {
 		s->gpu[l] = (struct kv_layer){
 			.bytes = xcalloc((size_t)s->nblocks, (size_t)s->bpb),
@@ -777,7 +792,8 @@ static void verify_seq(struct sim *s, const struct request *r,
 {
 	uint8_t want[KV_BYTES_PER_TOKEN];
 
-	for (int64_t pos = 0; pos < q->len; pos++) {
+	/* tokens the window dropped were checked by attention while held */
+	for (int64_t pos = q->dropped * s->bs; pos < q->len; pos++) {
 		int64_t slot = (int64_t)q->table[pos / s->bs] * s->bs + pos % s->bs;
 		for (int64_t l = 0; l < s->L; l++) {
 			uint64_t v = kv_value(value_key(s, r, pos),
@@ -797,7 +813,7 @@ static void offload_seq(struct sim *s, const struct seq *q)
 	int64_t n = 0;
 
 	for (int64_t l = 0; l < s->L; l++) {
-		for (int64_t j = 0; j < q->nblocks; j++, n++) {
+		for (int64_t j = q->dropped; j < q->nblocks; j++, n++) {
 			s->batch_src[n] = (uint64_t)(uintptr_t)(
 				s->gpu[l].bytes + (int64_t)q->table[j] * s->bpb);
 			s->batch_dst[n] = (uint64_t)(uintptr_t)(
@@ -826,7 +842,7 @@ static void finish_seq(struct sim *s, struct request *r, struct seq *q)
 	verify_seq(s, r, q);
 	if (s->cfg->w.offload_on_finish)
 		offload_seq(s, q);
-	for (int64_t j = 0; j < q->nblocks; j++)
+	for (int64_t j = q->dropped; j < q->nblocks; j++)
 		pool_decref(&s->gpool, q->table[j]);
 	q->nblocks = 0;
 	q->finished = true;
@@ -857,9 +873,11 @@ static void fork_request(struct sim *s, struct request *r)
 		struct seq *q = &r->seqs[k];
 		for (int64_t j = 0; j < full; j++) {
 			q->table[j] = parent->table[j];
-			pool_incref(&s->gpool, parent->table[j]);
+			if (j >= parent->dropped) /* not the null block */
+				pool_incref(&s->gpool, parent->table[j]);
 		}
 		q->nblocks = full;
+		q->dropped = parent->dropped;
 		if (partial) {
 			int32_t dst = r->fork_blocks[k - 1];
 			q->table[q->nblocks++] = dst;
@@ -905,7 +923,7 @@ static int64_t unique_blocks(struct sim *s, const struct request *r)
 		const struct seq *q = &r->seqs[k];
 		if (q->finished)
 			continue;
-		for (int64_t j = 0; j < q->nblocks; j++) {
+		for (int64_t j = q->dropped; j < q->nblocks; j++) {
 			if (s->remap[q->table[j]] == -1) {
 				s->remap[q->table[j]] = 0;
 				s->pairs[n++] = q->table[j];
@@ -931,7 +949,7 @@ static int64_t move_request_blocks(struct sim *s, struct request *r,
 		struct seq *q = &r->seqs[k];
 		if (q->finished)
 			continue;
-		for (int64_t j = 0; j < q->nblocks; j++) {
+		for (int64_t j = q->dropped; j < q->nblocks; j++) {
 			int32_t src = q->table[j];
 			int32_t dst = s->remap[src];
 			if (dst == -1) {
@@ -1072,6 +1090,43 @@ static void schedule_decode(struct sim *s, struct request *r)
 }
 
 /*
+ * The sliding window: frees, in every running sequence, the blocks whose
+ * tokens all lie more than window positions behind its end, and puts the
+ * null block in their place.  Run between steps, so that a block written
+ * in a step (a long prefill chunk) is read by that step's attention first.
+ */
+static void drop_out_of_window(struct sim *s)
+{
+	const int64_t window = s->cfg->w.window;
+
+	if (window <= 0)
+		return;
+	for (int64_t i = 0; i < s->nrunning; i++) {
+		struct request *r = &s->reqs[s->running[i]];
+		for (int k = 0; k < r->nseqs; k++) {
+			struct seq *q = &r->seqs[k];
+			int64_t keep_from = q->len - window; /* first position kept */
+			if (q->finished || keep_from <= 0)
+				continue;
+			for (; (q->dropped + 1) * s->bs <= keep_from; q->dropped++) {
+				int64_t j = q->dropped;
+				for (int64_t pos = j * s->bs; pos < (j + 1) * s->bs;
+				     pos++)
+					for (int64_t l = 0; l < s->L; l++)
+						q->attn_sum[l] -=
+							WORDS_PER_TOKEN *
+							kv_value(value_key(s, r, pos),
+								 sample_at(r, q, pos),
+								 pos, l);
+				pool_decref(&s->gpool, q->table[j]);
+				q->table[j] = 0;
+				s->t.window_drops++;
+			}
+		}
+	}
+}
+
+/*
  * Builds this step's token list: swap-ins first, then every running request
  * (continuing prefill chunks, or one decode token per live sequence), then new
  * prefills from the waiting queue, all within max_tokens_per_step.  When a
@@ -1083,6 +1138,7 @@ static void schedule_step(struct sim *s)
 	int64_t budget = s->cfg->w.max_tokens_per_step;
 
 	s->ntok = 0;
+	drop_out_of_window(s);
 	swap_in_ready(s);
 
 	for (int64_t i = 0; i < s->nrunning; i++) {
@@ -1138,7 +1194,7 @@ static void schedule_step(struct sim *s)
 }
 
 /* One row of per-step read figures (--truth-steps). */
-static void live_push(struct read_truth *rd, const uint64_t row[5])
+static void live_push(struct read_truth *rd, const uint64_t row[6])
 {
 	if (rd->nlive == rd->live_cap) {
 		rd->live_cap = rd->live_cap ? 2 * rd->live_cap : 1024;
@@ -1210,8 +1266,8 @@ static void build_block_table(struct sim *s)
 	rd->distinct += (uint64_t)ndistinct;
 	rd->null_entries += nulls;
 	if (s->cfg->truth_steps) {
-		uint64_t row[5] = { step, (uint64_t)s->nrows, reads,
-				    (uint64_t)ndistinct, tokens };
+		uint64_t row[6] = { step, (uint64_t)s->nrows, reads,
+				    (uint64_t)ndistinct, tokens, nulls };
 		live_push(rd, row);
 	}
 }
@@ -1434,9 +1490,9 @@ static void print_sparse(FILE *f, const uint64_t *a, int64_t n)
  *   tokens        seq_len summed over rows and steps
  *   reads         entries read with block != 0, summed over steps
  *   distinct      distinct non-null blocks read at a step, summed over steps
- *   null_entries  entries of block 0 within the rows' read lengths (kvsim
- *                 never has any: it pads rows with 0 beyond their length
- *                 only; counted all the same)
+ *   null_entries  entries of block 0 within the rows' read lengths: the
+ *                 blocks a sliding window dropped (--workload window);
+ *                 kvsim's other padding lies beyond the read lengths
  *   per_block     [[block, reads]]: for each block read, the (step, request)
  *                 pairs that read it; sums to reads
  *   last_step     [[block, step]]: the step of each block's last read.
@@ -1450,12 +1506,15 @@ static void print_sparse(FILE *f, const uint64_t *a, int64_t n)
  *                 sum of degree * count = reads.  degree > 1: a block shared
  *                 by several requests (a common prefix) or samples (beam)
  *   live_sets     null, unless --truth-steps: then one row per step,
- *                 [step, requests, reads, distinct, tokens], the step's share
- *                 of the totals above (distinct = the step's live set).
+ *                 [step, requests, reads, distinct, tokens, null_entries],
+ *                 the step's share of the totals above (distinct = the
+ *                 step's live set).
  *                 Grows by one row per step, hence the flag.
  *
  * "prefix_hits" (top level): (request, block) pairs a new request took from
  * the prefix cache instead of writing them (--workload prefix; else 0).
+ * "window_drops" (top level): (sequence, block) pairs the sliding window
+ * freed and made null (--workload window; else 0).
  */
 static void write_reads(FILE *f, const struct sim *s)
 {
@@ -1489,8 +1548,9 @@ static void write_reads(FILE *f, const struct sim *s)
 			const uint64_t *r = rd->live[i];
 			fprintf(f,
 				"%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64
-				", %" PRIu64 ", %" PRIu64 "]",
-				i ? ", " : "", r[0], r[1], r[2], r[3], r[4]);
+				", %" PRIu64 ", %" PRIu64 ", %" PRIu64 "]",
+				i ? ", " : "", r[0], r[1], r[2], r[3], r[4],
+				r[5]);
 		}
 		fputc(']', f);
 	}
@@ -1563,6 +1623,7 @@ static void write_truth(const struct sim *s, const char *path)
 	fprintf(f, "  \"preemptions\": %" PRIu64 ",\n", t->preemptions);
 	fprintf(f, "  \"forks\": %" PRIu64 ",\n", t->forks);
 	fprintf(f, "  \"prefix_hits\": %" PRIu64 ",\n", t->prefix_hits);
+	fprintf(f, "  \"window_drops\": %" PRIu64 ",\n", t->window_drops);
 	write_reads(f, s);
 	write_generations(f, s);
 	fprintf(f, "  \"kv_checksum_ok\": %s\n",
@@ -1587,7 +1648,8 @@ static void print_help(void)
 	printf("usage: kvsim [options]\n"
 	       "A paged-KV-cache simulator that fires the kvtrace USDT probes.\n"
 	       "\n"
-	       "  --workload NAME      default | beam | swap | stress | mla | prefix\n"
+	       "  --workload NAME      default | beam | swap | stress | mla | prefix |\n"
+	       "                       window\n"
 	       "  --seed N             RNG seed (default 1)\n"
 	       "  --truth FILE         write the ground-truth JSON to FILE\n"
 	       "  --truth-steps        include per-step read rows (reads.live_sets)\n"
@@ -1600,6 +1662,7 @@ static void print_help(void)
 	       "  --layers N           override the workload's layer count\n"
 	       "  --blocks N           override the GPU block count\n"
 	       "  --block-size N       override the tokens per block\n"
+	       "  --sliding-window N   override the sliding window (tokens, 0 none)\n"
 	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
 	       "  --quiet              no summary line\n"
@@ -1625,7 +1688,7 @@ static uint64_t parse_u64(const char *flag, const char *v, uint64_t min,
 static void parse_args(int argc, char **argv, struct config *c)
 {
 	const char *workload = "default";
-	int64_t layers = -1, blocks = -1, block_size = -1;
+	int64_t layers = -1, blocks = -1, block_size = -1, window = -1;
 	int write_op = -1;
 
 	c->seed = 1;
@@ -1655,6 +1718,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 			       !strcmp(flag, "--layers") ||
 			       !strcmp(flag, "--blocks") ||
 			       !strcmp(flag, "--block-size") ||
+			       !strcmp(flag, "--sliding-window") ||
 			       !strcmp(flag, "--write-op");
 		if (has_arg) {
 			if (eq)
@@ -1696,6 +1760,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			blocks = (int64_t)parse_u64(flag, val, 1, 1 << 22);
 		} else if (!strcmp(flag, "--block-size")) {
 			block_size = (int64_t)parse_u64(flag, val, 1, 1 << 12);
+		} else if (!strcmp(flag, "--sliding-window")) {
+			window = (int64_t)parse_u64(flag, val, 0, 1 << 30);
 		} else if (!strcmp(flag, "--write-op")) {
 			for (int op = 0; op < KV_NUM_WRITE_OPS; op++)
 				if (!strcmp(val, kv_write_op_name(op)))
@@ -1722,6 +1788,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 		c->w.block_size = block_size;
 	if (write_op >= 0)
 		c->w.write_op = write_op;
+	if (window >= 0)
+		c->w.window = window;
 	c->cpu_blocks = c->w.blocks > MIN_CPU_BLOCKS ? c->w.blocks : MIN_CPU_BLOCKS;
 }
 
