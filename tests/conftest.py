@@ -237,7 +237,8 @@ def assert_reads_match_truth(doc, truth):
     n = truth["num_blocks"]
     assert got["group_id"] == want["group_id"]
     assert (got["block_size"], got["num_blocks"]) == (want["block_size"], n)
-    for k in ("steps", "requests", "tokens", "reads", "distinct", "null_entries"):
+    for k in ("steps", "requests", "tokens", "reads", "distinct", "held_tokens",
+              "null_entries"):
         assert got[k] == want[k], k
     assert got["layer_calls"] == want["steps"] * want["layers"]
     assert (got["out_of_range"], got["truncated"], got["read_errors"]) == (0, 0, 0)

@@ -110,9 +110,9 @@ def test_losses_are_counted_and_marked_never_half_used(tmp_path):
 
 def test_block_table_records_are_the_steps_live_sets(tmp_path):
     """One block_table record per step (the table is read once for all
-    layers), in step order, each carrying that step's reads, distinct blocks
-    (the live set), null entries and tokens as kvsim counted them when it
-    built the table (--truth-steps)."""
+    layers), in step order, each carrying that step's rows, reads, distinct
+    blocks (the live set), null entries, tokens and tokens held in the live
+    set as kvsim counted them when it built the table (--truth-steps)."""
     # a window too: null entries at some steps
     s, raw, truth = trace_stream(tmp_path, "prefix", "--truth-steps", "--sliding-window", 40)
     assert raw["globals"]["records_lost"] == 0
@@ -121,9 +121,10 @@ def test_block_table_records_are_the_steps_live_sets(tmp_path):
     bt = bt[np.argsort(bt["seq"])]
     assert len(bt) == rd["steps"] == len(rd["live_sets"])
     assert set(bt["cache_id"].tolist()) == {rd["group_id"]}
-    got = np.stack([bt["items"], bt["slots"], bt["padding"], bt["bytes"]], axis=1)
-    want = np.array([[reads, distinct, nulls, tokens]
-                     for _, _, reads, distinct, tokens, nulls in rd["live_sets"]])
+    got = np.stack([bt["rows"], bt["items"], bt["slots"], bt["padding"], bt["bytes"],
+                    bt["held_tokens"]], axis=1)
+    want = np.array([[rows, reads, distinct, nulls, tokens, held]
+                     for _, rows, reads, distinct, tokens, nulls, held in rd["live_sets"]])
     assert np.array_equal(got, want)
     # a prefix workload's steps share blocks: fewer distinct blocks than reads
     assert (bt["slots"] < bt["items"]).any()

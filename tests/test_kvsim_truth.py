@@ -43,17 +43,19 @@ def test_read_totals_agree_with_their_parts(tmp_path, workload, extra):
     # the per-step rows sum to the totals, one row per step, in order
     live = rd["live_sets"]
     assert [row[0] for row in live] == list(range(1, rd["steps"] + 1))
-    for col, name in enumerate(("requests", "reads", "distinct", "tokens", "null_entries"),
-                               start=1):
+    for col, name in enumerate(("requests", "reads", "distinct", "tokens", "null_entries",
+                                "held_tokens"), start=1):
         assert sum(row[col] for row in live) == rd[name], name
 
     # entries read per row = ceil(seq_len / block_size), null or not, so
     # per step bs * entries - (bs - 1) * rows <= tokens <= bs * entries
-    for step, rows, reads, distinct, tokens, nulls in live:
+    for step, rows, reads, distinct, tokens, nulls, held in live:
         entries = reads + nulls
         assert 1 <= distinct <= reads
         assert rows <= entries  # every row holds at least one token
         assert bs * entries - (bs - 1) * rows <= tokens <= bs * entries, step
+        # each block read holds 1..bs tokens, and the rows' seq_lens cover them
+        assert distinct <= held <= min(bs * distinct, tokens), step
 
     # per-block counts and the sharing histogram count the same reads
     per_block = dict(rd["per_block"])
@@ -92,7 +94,7 @@ def test_window_nulls_replace_reads(tmp_path):
     assert full["preemptions"] == win["preemptions"] == 0
     assert full["reads"]["null_entries"] == 0 and win["window_drops"] > 0
     for a, b in zip(full["reads"]["live_sets"], win["reads"]["live_sets"], strict=True):
-        step, rows, reads, _, tokens, _ = a
+        step, rows, reads, _, tokens, _, _ = a
         assert [step, rows, tokens] == [b[0], b[1], b[4]]
         assert b[2] + b[5] == reads, step  # entries: reads + nulls
         assert b[2] >= rows  # each row still reads its last block
@@ -107,6 +109,8 @@ def test_private_sequences_share_nothing(tmp_path):
     rd = kvsim_truth(tmp_path, "default")["reads"]
     assert rd["sharing"] == [[1, rd["distinct"]]]
     assert rd["distinct"] == rd["reads"]
+    # nothing shared, nothing null: the blocks read hold every row's tokens
+    assert rd["held_tokens"] == rd["tokens"]
 
 
 def test_beam_samples_share_their_prompt(tmp_path):
@@ -144,6 +148,9 @@ def test_prefix_blocks_are_written_once_and_read_by_every_row(tmp_path):
         rows_per_step[rows] = rows_per_step.get(rows, 0) + 1
     for rows, steps in rows_per_step.items():
         assert sharing.get(rows, 0) >= prefix_blocks * steps, rows
+    # the shared blocks' tokens count once per step, not once per row
+    for _, rows, _, _, tokens, _, held in rd["live_sets"]:
+        assert held == tokens - (rows - 1) * prefix_blocks * 16
 
 
 def test_prefix_sharing_follows_the_block_size(tmp_path):

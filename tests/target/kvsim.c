@@ -207,16 +207,18 @@ struct gen_truth {
  * write_reads() describes every field.
  */
 struct read_truth {
-	uint64_t steps, requests, tokens, reads, distinct, null_entries;
+	uint64_t steps, requests, tokens, reads, distinct, held_tokens,
+		null_entries;
 	uint64_t *per_block;  /* [gpu block] (step, request) pairs reading it */
 	uint64_t *last_step;  /* [gpu block] step of its last read, 0 never */
 	uint64_t *sharing;    /* [degree] (step, block) pairs with that many readers */
 	int64_t max_degree;   /* sharing has max_degree + 1 entries */
 	uint32_t *step_count; /* [gpu block] readers at the current step */
+	uint32_t *step_fill;  /* [gpu block] tokens it holds at the current step */
 	int32_t *step_blocks; /* the blocks read at the current step */
 	/* --truth-steps: per step {step, requests, reads, distinct, tokens,
-	 * null_entries} */
-	uint64_t (*live)[6];
+	 * null_entries, held_tokens} */
+	uint64_t (*live)[7];
 	int64_t nlive, live_cap;
 };
 
@@ -602,6 +604,7 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	rd->max_degree = s->max_rows;
 	rd->sharing = xcalloc((size_t)rd->max_degree + 1, sizeof(uint64_t));
 	rd->step_count = xcalloc((size_t)s->nblocks, sizeof(uint32_t));
+	rd->step_fill = xcalloc((size_t)s->nblocks, sizeof(uint32_t));
 	rd->step_blocks = xcalloc((size_t)s->nblocks, sizeof(int32_t));
 }
 
@@ -1194,7 +1197,7 @@ static void schedule_step(struct sim *s)
 }
 
 /* One row of per-step read figures (--truth-steps). */
-static void live_push(struct read_truth *rd, const uint64_t row[6])
+static void live_push(struct read_truth *rd, const uint64_t row[7])
 {
 	if (rd->nlive == rd->live_cap) {
 		rd->live_cap = rd->live_cap ? 2 * rd->live_cap : 1024;
@@ -1218,7 +1221,7 @@ static void build_block_table(struct sim *s)
 {
 	struct read_truth *rd = &s->t.rd;
 	uint64_t step = s->step_no + 1; /* steps count from 1 (see write_truth) */
-	uint64_t reads = 0, tokens = 0, nulls = 0;
+	uint64_t reads = 0, tokens = 0, nulls = 0, held = 0;
 	int64_t ndistinct = 0;
 
 	s->nrows = 0;
@@ -1249,8 +1252,22 @@ static void build_block_table(struct sim *s)
 				reads++;
 				rd->per_block[b]++;
 				rd->last_step[b] = step;
-				if (rd->step_count[b]++ == 0)
+				/*
+				 * The tokens block b holds: its share of this
+				 * row's seq_len.  Only full blocks are shared
+				 * (prompt blocks of forks, the prefix cache),
+				 * so every reader agrees; counted once.
+				 */
+				int64_t fill = q->len - j * s->bs;
+				if (fill > s->bs)
+					fill = s->bs;
+				if (rd->step_count[b]++ == 0) {
 					rd->step_blocks[ndistinct++] = b;
+					rd->step_fill[b] = (uint32_t)fill;
+					held += (uint64_t)fill;
+				} else if (rd->step_fill[b] != fill) {
+					fatal("internal error: readers disagree on a block's fill");
+				}
 			}
 		}
 	}
@@ -1264,10 +1281,11 @@ static void build_block_table(struct sim *s)
 	rd->tokens += tokens;
 	rd->reads += reads;
 	rd->distinct += (uint64_t)ndistinct;
+	rd->held_tokens += held;
 	rd->null_entries += nulls;
 	if (s->cfg->truth_steps) {
-		uint64_t row[6] = { step, (uint64_t)s->nrows, reads,
-				    (uint64_t)ndistinct, tokens, nulls };
+		uint64_t row[7] = { step, (uint64_t)s->nrows, reads,
+				    (uint64_t)ndistinct, tokens, nulls, held };
 		live_push(rd, row);
 	}
 }
@@ -1490,6 +1508,10 @@ static void print_sparse(FILE *f, const uint64_t *a, int64_t n)
  *   tokens        seq_len summed over rows and steps
  *   reads         entries read with block != 0, summed over steps
  *   distinct      distinct non-null blocks read at a step, summed over steps
+ *   held_tokens   tokens those distinct blocks hold at the step (a block's
+ *                 share of its readers' seq_len: full blocks hold
+ *                 block_size; shared blocks are always full), summed over
+ *                 steps
  *   null_entries  entries of block 0 within the rows' read lengths: the
  *                 blocks a sliding window dropped (--workload window);
  *                 kvsim's other padding lies beyond the read lengths
@@ -1506,9 +1528,9 @@ static void print_sparse(FILE *f, const uint64_t *a, int64_t n)
  *                 sum of degree * count = reads.  degree > 1: a block shared
  *                 by several requests (a common prefix) or samples (beam)
  *   live_sets     null, unless --truth-steps: then one row per step,
- *                 [step, requests, reads, distinct, tokens, null_entries],
- *                 the step's share of the totals above (distinct = the
- *                 step's live set).
+ *                 [step, requests, reads, distinct, tokens, null_entries,
+ *                 held_tokens], the step's share of the totals above
+ *                 (distinct = the step's live set).
  *                 Grows by one row per step, hence the flag.
  *
  * "prefix_hits" (top level): (request, block) pairs a new request took from
@@ -1530,9 +1552,10 @@ static void write_reads(FILE *f, const struct sim *s)
 	fprintf(f,
 		"    \"requests\": %" PRIu64 ", \"tokens\": %" PRIu64
 		", \"reads\": %" PRIu64 ", \"distinct\": %" PRIu64
-		", \"null_entries\": %" PRIu64 ",\n",
+		", \"held_tokens\": %" PRIu64 ", \"null_entries\": %" PRIu64
+		",\n",
 		rd->requests, rd->tokens, rd->reads, rd->distinct,
-		rd->null_entries);
+		rd->held_tokens, rd->null_entries);
 	fprintf(f, "    \"per_block\": ");
 	print_sparse(f, rd->per_block, s->nblocks);
 	fprintf(f, ",\n    \"last_step\": ");
@@ -1548,9 +1571,10 @@ static void write_reads(FILE *f, const struct sim *s)
 			const uint64_t *r = rd->live[i];
 			fprintf(f,
 				"%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64
-				", %" PRIu64 ", %" PRIu64 ", %" PRIu64 "]",
+				", %" PRIu64 ", %" PRIu64 ", %" PRIu64
+				", %" PRIu64 "]",
 				i ? ", " : "", r[0], r[1], r[2], r[3], r[4],
-				r[5]);
+				r[5], r[6]);
 		}
 		fputc(']', f);
 	}
