@@ -365,7 +365,9 @@ def kvsim_run(repeat, tmp, traced):
             tp.wait(60)  # ends on its own when the target exits
             doc = json.loads(agg.read_text())
             out.update(records=doc["records"], lost=doc["lost_records"], exact=doc["exact"],
-                       traced_slots=sum(o["slots"] for o in doc["ops"].values()))
+                       # written slots: the block table op's "slots" are blocks read
+                       traced_slots=sum(o["slots"] for op, o in doc["ops"].items()
+                                        if op != "block_table"))
         if k.returncode != 0:
             raise RuntimeError(f"kvsim failed ({k.returncode})")
     finally:

@@ -137,7 +137,7 @@ def semaphore_values(pid, lib=KVSIM_LIB):
         for name, vaddr in syms.items():
             mem.seek(base + vaddr)
             values[name[len("vllm_"):-len("_semaphore")]] = int.from_bytes(mem.read(2), "little")
-    assert len(values) == 7, values
+    assert len(values) == 8, values  # one per probe of bpf/kvtrace_probes.h
     return values
 
 
@@ -213,8 +213,44 @@ def assert_matches_truth(doc, truth):
                                 want["bytes"]), op
         if op not in WRITE_OPS:
             assert got["items"] == want["pairs"], op
-    assert sum(o["slots"] for o in doc["ops"].values()) == truth["slots_written"]
-    assert sum(o["padding"] for o in doc["ops"].values()) == truth["padding_skipped"]
+    # slots written: the write ops' (block_table's "slots" are blocks read)
+    writes = [o for op, o in doc["ops"].items() if op in WRITE_OPS]
+    assert sum(o["slots"] for o in writes) == truth["slots_written"]
+    assert sum(o["padding"] for o in writes) == truth["padding_skipped"]
+
+
+def truth_records(truth):
+    """Per-op records the tracer sends for kvsim's run when nothing is lost:
+    one per write, copy or swap call, and one per step for the block table,
+    which every layer passes but the tracer reads once per step and group
+    (bpf/kvtrace_probes.h)."""
+    return sum(o["calls"] for o in truth["ops"].values()) + truth["reads"]["steps"]
+
+
+def assert_reads_match_truth(doc, truth):
+    """The vllm:block_table counts of a --json aggregate against kvsim's
+    "reads" truth (tests/target/kvsim.c, write_reads): kvsim's layers share
+    one block table, so one group, read once per step."""
+    want = truth["reads"]
+    (proc,) = doc["processes"]
+    (got,) = proc["groups"]
+    n = truth["num_blocks"]
+    assert got["group_id"] == want["group_id"]
+    assert (got["block_size"], got["num_blocks"]) == (want["block_size"], n)
+    for k in ("steps", "requests", "tokens", "reads", "distinct", "held_tokens",
+              "null_entries"):
+        assert got[k] == want[k], k
+    assert got["layer_calls"] == want["steps"] * want["layers"]
+    assert (got["out_of_range"], got["truncated"], got["read_errors"]) == (0, 0, 0)
+    assert dense(got["reads_per_block"], n) == dense(want["per_block"], n)
+    # both count steps from the process's first: the tracer must have been
+    # attached before kvsim's first step
+    assert dense(got["last_read_step"], n) == dense(want["last_step"], n)
+    # the op totals: one call per step, items = reads, slots = the live
+    # sets, padding = null entries (tokens are the group's, above)
+    op = doc["ops"]["block_table"]
+    assert (op["calls"], op["items"], op["slots"], op["padding"]) == (
+        want["steps"], want["reads"], want["distinct"], want["null_entries"])
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, run_kvtrace,
-                      code_differences, semaphore_values)
+from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth,
+                      assert_reads_match_truth, run_kvtrace, code_differences, semaphore_values,
+                      truth_records)
 
-WORKLOADS = ("default", "beam", "swap", "stress", "mla")
+WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
@@ -27,7 +28,9 @@ def test_attach_command_matches_truth(tmp_path, workload, extra):
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "target exited"
     assert doc["target_exit_status"] == 0  # kvsim verified its KV bytes too
-    assert_matches_truth(doc, json.loads(truth_path.read_text()))
+    truth = json.loads(truth_path.read_text())
+    assert_matches_truth(doc, truth)
+    assert_reads_match_truth(doc, truth)
     assert "summary (target exited)" in r.stdout
 
 
@@ -41,7 +44,9 @@ def test_attach_pid_matches_truth(tmp_path, workload):
         assert sim.wait() == 0
         rc, out, err = tracer.finish()
         assert rc == 0, err
-        assert_matches_truth(json.loads((tmp_path / "agg.json").read_text()), sim.truth())
+        doc = json.loads((tmp_path / "agg.json").read_text())
+        assert_matches_truth(doc, sim.truth())
+        assert_reads_match_truth(doc, sim.truth())
     finally:
         sim.kill()
 
@@ -60,7 +65,7 @@ def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
     assert doc["ops"]["reshape_and_cache_flash"]["truncated"] == 0
     assert any(lo <= 8192 <= hi for lo, hi, _ in doc["items_log2"]["reshape_and_cache_flash"])
     # every op produced exactly one record, delivered or counted as lost
-    calls = sum(o["calls"] for o in truth["ops"].values())
+    calls = truth_records(truth)
     assert doc["records"] + doc["lost_records"] == calls
     print(f"stress x3: {calls} ops, {doc['records']} records, {doc['lost_records']} lost")
 

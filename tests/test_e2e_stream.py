@@ -8,7 +8,7 @@ copies, swaps, and the generations (true fill) kvsim keeps in its own books.
 import numpy as np
 import pytest
 
-from conftest import WRITE_OPS, assert_matches_truth, trace_stream
+from conftest import WRITE_OPS, assert_matches_truth, trace_stream, truth_records
 from tracer import abi, occupancy, stream
 from tracer.aggregate import Aggregate
 
@@ -41,7 +41,7 @@ def test_stream_reproduces_truth(tmp_path, workload, extra):
     assert raw["globals"]["records_lost"] == 0 and raw["globals"]["chunks_lost"] == 0
     assert s.complete and s.orphan_chunks == 0
     ops = s.ops
-    assert len(ops) == sum(o["calls"] for o in truth["ops"].values())
+    assert len(ops) == truth_records(truth)
     # the exact counters in maps are as before
     assert_matches_truth(Aggregate.from_maps(raw).to_json(), truth)
 
@@ -96,8 +96,7 @@ def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     values is incomplete, and the complete ones are whole."""
     s, raw, truth = trace_stream(tmp_path, "stress", perf_pages=1)
     g = raw["globals"]
-    calls = sum(o["calls"] for o in truth["ops"].values())
-    assert len(s.ops) + g["records_lost"] == calls
+    assert len(s.ops) + g["records_lost"] == truth_records(truth)
     assert g["chunks_lost"] > 0  # the point of the test: there were losses
     lossy = (s.ops["flags"] & abi.EV_CHUNKS_LOST) != 0
     assert lossy.any() and not s.ops["complete"][lossy].any()
@@ -107,3 +106,26 @@ def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     assert not s.complete
     # the exact counters do not care
     assert_matches_truth(Aggregate.from_maps(raw).to_json(), truth)
+
+
+def test_block_table_records_are_the_steps_live_sets(tmp_path):
+    """One block_table record per step (the table is read once for all
+    layers), in step order, each carrying that step's rows, reads, distinct
+    blocks (the live set), null entries, tokens and tokens held in the live
+    set as kvsim counted them when it built the table (--truth-steps)."""
+    # a window too: null entries at some steps
+    s, raw, truth = trace_stream(tmp_path, "prefix", "--truth-steps", "--sliding-window", 40)
+    assert raw["globals"]["records_lost"] == 0
+    rd = truth["reads"]
+    bt = s.ops[s.ops["op"] == abi.OPS["block_table"]]
+    bt = bt[np.argsort(bt["seq"])]
+    assert len(bt) == rd["steps"] == len(rd["live_sets"])
+    assert set(bt["cache_id"].tolist()) == {rd["group_id"]}
+    got = np.stack([bt["rows"], bt["items"], bt["slots"], bt["padding"], bt["bytes"],
+                    bt["held_tokens"]], axis=1)
+    want = np.array([[rows, reads, distinct, nulls, tokens, held]
+                     for _, rows, reads, distinct, tokens, nulls, held in rd["live_sets"]])
+    assert np.array_equal(got, want)
+    # a prefix workload's steps share blocks: fewer distinct blocks than reads
+    assert (bt["slots"] < bt["items"]).any()
+    assert bt["padding"].any()

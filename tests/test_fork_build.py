@@ -25,6 +25,8 @@ ARG_SIZES = {
     "copy_blocks": [8, -8, -8, 8],          # pairs*, num_pairs, bytes_per_block, cache_id
     "swap_blocks": [8, -8, -8, -8, 8],      # ... direction, cache_id
     "swap_blocks_batch": [8, 8, 8, -8],     # src*, dst*, sizes*, count
+    # table*, row_stride, num_reqs, seq_lens*, block_size, group_id, num_blocks, layer_id
+    "block_table": [8, -8, -8, 8, -8, 8, -8, 8],
 }
 CUDA_OPS = {"reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
             "copy_blocks", "swap_blocks", "swap_blocks_batch"}
@@ -135,11 +137,16 @@ def test_cache_kernels_probes(built):
                 or func.startswith(f"{helper}(torch::stable::Tensor")), (name, func)
 
 
-def test_cpu_attn_probe(built):
-    """The whole cpu_attn.cpp, compiled by g++ as vLLM's CPU build does."""
+def test_cpu_attn_probes(built):
+    """The whole cpu_attn.cpp, compiled by g++ as vLLM's CPU build does: the
+    write probe and the read probe, each in its op's host function."""
     lib = built / "libvllm_cpu_attn.so"
-    [(_, offset, *_)] = check_probes(lib, {"cpu_attn_reshape_and_cache"})
-    assert containing_function(lib, offset).startswith("cpu_attn_reshape_and_cache(at::Tensor")
+    sites = {name: offset for name, offset, *_ in
+             check_probes(lib, {"cpu_attn_reshape_and_cache", "block_table"})}
+    assert containing_function(lib, sites["cpu_attn_reshape_and_cache"]).startswith(
+        "cpu_attn_reshape_and_cache(at::Tensor")
+    assert containing_function(lib, sites["block_table"]).startswith(
+        "cpu_attention_with_kv_cache(at::Tensor")
 
 
 def test_cuda_sites_probes(built):

@@ -84,11 +84,33 @@ def test_sites_sit_in_the_host_functions(tree):
     batch = host_function(cu, "swap_blocks_batch")
     site = batch.index("kvtrace::swap_blocks_batch(src_data, dst_data, size_data, n)")
     assert site < batch.index("if (n == 0) return;"), "empty batches are calls too"
-    cpu = host_function((tree / "csrc" / "cpu" / "cpu_attn.cpp").read_text(),
-                        "cpu_attn_reshape_and_cache")
+    cpu_src = (tree / "csrc" / "cpu" / "cpu_attn.cpp").read_text()
+    cpu = host_function(cpu_src, "cpu_attn_reshape_and_cache")
     assert re.search(r"if \(KVTRACE_ENABLED\(cpu_attn_reshape_and_cache\)\)\s+"
                      r"KVTRACE_CPU_ATTN_RESHAPE_AND_CACHE\(\s*slot_mapping\.data_ptr<int64_t>\(\)",
                      cpu)
+
+
+def test_read_site_sits_in_the_cpu_attention(tree):
+    """vllm:block_table fires from cpu_attention_with_kv_cache, once, before
+    the attention kernel runs, with the ABI's eight arguments in order
+    (bpf/kvtrace_probes.h); key_cache is [num_blocks, num_kv_heads,
+    block_size, head_size] there."""
+    src = (tree / "csrc" / "cpu" / "cpu_attn.cpp").read_text()
+    assert src.count("KVTRACE_BLOCK_TABLE(") == 1
+    attn = host_function(src, "cpu_attention_with_kv_cache")
+    m = re.search(r"if \(KVTRACE_ENABLED\(block_table\)\)\s+KVTRACE_BLOCK_TABLE\(([^;]*)\);",
+                  attn)
+    assert m
+    args = [re.sub(r"\s+", "", a) for a in re.split(r",(?![^(]*\))", m[1])]
+    assert args == [
+        "block_table.data_ptr<int32_t>()", "block_table.stride(0)",
+        "seq_lens.size(0)", "seq_lens.data_ptr<int32_t>()", "key_cache.size(2)",
+        "reinterpret_cast<uintptr_t>(block_table.data_ptr())",
+        "key_cache.size(0)", "reinterpret_cast<uintptr_t>(key_cache.data_ptr())"]
+    # the layer id is the cache id its write op passes
+    assert "reinterpret_cast<uintptr_t>(key_cache.data_ptr()), num_blocks" in src
+    assert m.start() < attn.index("mainloop(&input)")
 
 
 def test_build_script_usage():

@@ -22,7 +22,7 @@ NO_PID = str(2**22 + 1)
 
 ALL_PROBES = ["reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
               "cpu_attn_reshape_and_cache", "copy_blocks", "swap_blocks",
-              "swap_blocks_batch"]
+              "swap_blocks_batch", "block_table"]
 
 
 def cli(*args):

@@ -22,7 +22,7 @@ LIB_NOPROBES = os.path.join(TARGET_DIR, "libkvsim_ops-noprobes.so")
 
 ALL_PROBES = {"reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
               "cpu_attn_reshape_and_cache", "copy_blocks", "swap_blocks",
-              "swap_blocks_batch"}
+              "swap_blocks_batch", "block_table"}
 
 # The kernel's x86_64 struct pt_regs (arch/x86/include/asm/ptrace.h), in
 # order, 8 bytes each: the BPF side reads argument registers at these offsets.

@@ -3,15 +3,23 @@
  * kvsim - a small paged-KV-cache simulator, the test target of kvtrace-bpf.
  *
  * It runs a vLLM-like block manager and scheduler (paged blocks, refcounted
- * sharing for parallel sampling, chunked prefill, swap preemption, offload on
- * finish) and performs every KV write, copy and swap through the cache ops in
- * libkvsim_ops.so, which fire the kvtrace USDT probes.
+ * sharing for parallel sampling and for a prefix cache, chunked prefill, swap
+ * preemption, offload on finish, a sliding window) and performs every KV write, copy, swap and
+ * read through the cache ops in libkvsim_ops.so, which fire the kvtrace USDT
+ * probes.  Block 0 is reserved as vLLM's null block.
+ *
+ * A forward step runs layer by layer, as vLLM does: each layer writes the
+ * step's tokens (a slot-write op), then its attention (kv_attention, probe
+ * vllm:block_table) reads the step's block table: one row per scheduled
+ * sequence, all layers sharing the one table (one KV-cache group).
  *
  * Independently of the probes, the scheduler records at the point where it
- * decides what to write, copy or swap what a tracer should have counted, and
- * writes that ground truth as JSON (--truth FILE).  It also checks the KV
- * bytes themselves: when a sequence finishes, every token it wrote must still
- * hold its expected value in every layer.
+ * decides what to write, copy, swap or read what a tracer should have
+ * counted, and writes that ground truth as JSON (--truth FILE; the read
+ * fields are described at write_reads()).  It also checks the KV bytes
+ * themselves: when a sequence finishes, every token it wrote must still hold
+ * its expected value in every layer, and at every step each layer's
+ * attention must read exactly the values its rows' sequences hold.
  *
  * Exit status: 0 ok, 1 KV mismatch or runtime failure, 2 bad usage.
  */
@@ -111,19 +119,41 @@ struct workload {
 	int64_t max_tokens_per_step;
 	int write_op;
 	bool offload_on_finish; /* swap_blocks_batch when a request finishes */
+	/*
+	 * Tokens of a prompt prefix common to all requests, before each
+	 * request's own prompt_min..prompt_max tokens (0: none).  Its full
+	 * blocks are prefix-cached: written by the first request that computes
+	 * them, then shared (refcount) by every later request.
+	 */
+	int64_t prefix;
+	/*
+	 * Sliding window (tokens; 0: none).  After a step, a running
+	 * sequence's blocks that hold only tokens more than window positions
+	 * behind its end are freed and become the null block (0) in its
+	 * table, as vLLM's sliding-window manager does: attention then reads
+	 * null entries there.
+	 */
+	int64_t window;
 };
 
 static const struct workload workloads[] = {
 	{ "default", 4, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
-	  KV_OP_RESHAPE_AND_CACHE, false },
+	  KV_OP_RESHAPE_AND_CACHE, false, 0, 0 },
 	{ "beam", 4, 16, 512, 16, 4, 8, 300, 1, 64, 1024,
-	  KV_OP_RESHAPE_AND_CACHE_FLASH, false },
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0, 0 },
 	{ "swap", 2, 16, 48, 24, 1, 16, 160, 32, 128, 1024,
-	  KV_OP_CPU_ATTN_RESHAPE_AND_CACHE, true },
+	  KV_OP_CPU_ATTN_RESHAPE_AND_CACHE, true, 0, 0 },
 	{ "stress", 2, 16, 16384, 400, 1, 256, 4096, 16, 256, 8192,
-	  KV_OP_RESHAPE_AND_CACHE_FLASH, false },
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0, 0 },
 	{ "mla", 2, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
-	  KV_OP_CONCAT_AND_CACHE_MLA, false },
+	  KV_OP_CONCAT_AND_CACHE_MLA, false, 0, 0 },
+	/* 136 = 8.5 blocks of 16: 8 shared blocks, and a partial one that
+	 * each request writes itself (only full blocks are cached, as in vLLM) */
+	{ "prefix", 4, 16, 512, 24, 1, 8, 120, 1, 64, 1024,
+	  KV_OP_RESHAPE_AND_CACHE, false, 136, 0 },
+	/* 72 = 4.5 blocks: the window never ends on a block boundary */
+	{ "window", 4, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
+	  KV_OP_RESHAPE_AND_CACHE, false, 0, 72 },
 };
 #define NUM_WORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
 
@@ -131,6 +161,7 @@ struct config {
 	struct workload w; /* the workload with flag overrides applied */
 	uint64_t seed;
 	const char *truth_path;
+	bool truth_steps; /* --truth-steps: per-step read rows in the truth */
 	bool pause, quiet;
 	uint64_t repeat;
 	uint64_t rounds; /* each round waits for SIGUSR1, runs, rewrites the truth */
@@ -169,6 +200,28 @@ struct gen_truth {
 	uint64_t writes;                /* tokens written (once per step) */
 };
 
+/*
+ * Reads: what attention reads at each forward step, counted once per step
+ * when kvsim builds the step's block table (all layers share that table:
+ * one KV-cache group), from the scheduler's own rows, never from the probe.
+ * write_reads() describes every field.
+ */
+struct read_truth {
+	uint64_t steps, requests, tokens, reads, distinct, held_tokens,
+		null_entries;
+	uint64_t *per_block;  /* [gpu block] (step, request) pairs reading it */
+	uint64_t *last_step;  /* [gpu block] step of its last read, 0 never */
+	uint64_t *sharing;    /* [degree] (step, block) pairs with that many readers */
+	int64_t max_degree;   /* sharing has max_degree + 1 entries */
+	uint32_t *step_count; /* [gpu block] readers at the current step */
+	uint32_t *step_fill;  /* [gpu block] tokens it holds at the current step */
+	int32_t *step_blocks; /* the blocks read at the current step */
+	/* --truth-steps: per step {step, requests, reads, distinct, tokens,
+	 * null_entries, held_tokens} */
+	uint64_t (*live)[7];
+	int64_t nlive, live_cap;
+};
+
 struct truth {
 	uint64_t **writes;     /* [layer][block] valid slots written */
 	uint64_t *token_writes; /* [block] once per step, layer-independent */
@@ -176,7 +229,10 @@ struct truth {
 	struct op_truth ops[NUM_OPS];
 	uint64_t slots_written, padding_skipped;
 	uint64_t steps, requests, preemptions, forks;
+	uint64_t prefix_hits; /* (request, block) pairs taken from the prefix cache */
+	uint64_t window_drops; /* (sequence, block) pairs the sliding window freed */
 	uint64_t kv_mismatches;
+	struct read_truth rd;
 
 	/* true fill per generation, from the block manager's own view */
 	struct gen_truth *gens;
@@ -204,28 +260,48 @@ static const char *op_name(int op)
 /* ------------------------------------------------------------------ */
 /* Block pools: a FIFO free list plus refcounts (shared prompt blocks) */
 
+/*
+ * Both pools reserve block 0 as vLLM's null block: block tables use 0 as
+ * padding and for blocks a sliding window dropped, and a block-table reader
+ * never counts an entry of 0 as a read, so no sequence may ever hold block
+ * 0.  (The host pool too, so that 0 in a swapped-out table still means the
+ * null block.)  The pool keeps a reference to it for good: it is never on
+ * the free list.
+ */
 struct pool {
 	int32_t n;
 	int32_t *fifo; /* free blocks, allocated from head, freed to tail */
 	int32_t head, nfree;
 	uint32_t *ref;
+	bool null_block; /* block 0 reserved */
 };
 
-static void pool_init(struct pool *p, int32_t n)
+static void pool_init(struct pool *p, int32_t n, bool null_block)
 {
 	p->n = n;
 	p->fifo = xcalloc((size_t)n, sizeof(*p->fifo));
 	p->ref = xcalloc((size_t)n, sizeof(*p->ref));
+	p->null_block = null_block;
 }
 
 static void pool_reset(struct pool *p)
 {
-	for (int32_t i = 0; i < p->n; i++) {
-		p->fifo[i] = i;
+	int32_t first = p->null_block ? 1 : 0;
+
+	for (int32_t i = 0; i < p->n; i++)
 		p->ref[i] = 0;
-	}
+	for (int32_t i = first; i < p->n; i++)
+		p->fifo[i - first] = i;
 	p->head = 0;
-	p->nfree = p->n;
+	p->nfree = p->n - first;
+	if (p->null_block && p->n > 0)
+		p->ref[0] = 1;
+}
+
+/* Blocks the pool can ever hand out. */
+static int64_t pool_usable(const struct pool *p)
+{
+	return p->n - (p->null_block ? 1 : 0);
 }
 
 static int32_t pool_alloc(struct pool *p)
@@ -260,12 +336,20 @@ static void pool_decref(struct pool *p, int32_t b)
 struct seq {
 	int32_t *table;  /* block table: GPU blocks, or CPU blocks while swapped */
 	int64_t nblocks; /* entries in use == ceil(len / block_size) */
+	int64_t dropped; /* leading entries the sliding window made null */
 	int64_t cap;
 	int64_t len;     /* tokens written to the KV cache: positions [0, len) */
 	int64_t gen;     /* tokens generated so far */
 	int64_t gen_len; /* finishes when gen == gen_len */
 	int sample;
 	bool finished;
+	/*
+	 * [layer] the checksum attention must get over positions [0, len):
+	 * the sum of the expected values of the tokens this sequence holds
+	 * (written, shared from the prefix cache or inherited at a fork),
+	 * each counted once per 8-byte word of its slot (kv_attention's sum).
+	 */
+	uint64_t *attn_sum;
 };
 
 enum rq_state { RQ_WAITING, RQ_RUNNING, RQ_SWAPPED, RQ_DONE };
@@ -273,7 +357,7 @@ enum sched_kind { SCHED_PREFILL, SCHED_PREFILL_LAST, SCHED_DECODE };
 
 struct request {
 	uint64_t id; /* root request id */
-	int64_t prompt_len;
+	int64_t prompt_len; /* the workload's common prefix included */
 	int64_t prefilled; /* prompt tokens written so far (chunked prefill) */
 	int nsamples;
 	int nseqs; /* 1 until the fork at the end of prefill, then nsamples */
@@ -312,10 +396,31 @@ struct sim {
 	int64_t cap_tokens;
 	int64_t ntok;
 	int64_t *slots;
-	uint64_t *tok_id;
+	uint64_t *tok_id; /* value key: value_key() */
 	int64_t *tok_pos;
 	int *tok_sample;
+	struct seq **tok_seq;
 	uint64_t *values;
+
+	/*
+	 * This step's block table, as the attention layers read it: one row
+	 * per scheduled sequence, row_stride int32 entries apart (wider than
+	 * any sequence's blocks, zero padded), and each row's seq_len.
+	 */
+	int64_t row_stride, max_rows, nrows;
+	int32_t *table;
+	int32_t *seq_lens;
+	struct seq **row_seq;
+
+	/*
+	 * The prefix cache: [j] the GPU block holding full prefix block j, or
+	 * -1.  The cache holds a reference, so its blocks live for the run:
+	 * vLLM would evict an unused cached block only under memory pressure,
+	 * and pinning keeps "written once" exact (generate_requests() counts
+	 * the pinned blocks in its worst case).
+	 */
+	int64_t prefix_blocks;
+	int32_t *prefix_cache;
 
 	/* scratch */
 	int64_t *pairs;     /* 2 * max(GPU, CPU) blocks */
@@ -354,7 +459,8 @@ static void generate_requests(struct sim *s)
 	for (int64_t i = 0; i < s->nreq; i++) {
 		struct request *r = &s->reqs[i];
 		r->id = (uint64_t)i;
-		r->prompt_len = rng_range(&rng, w->prompt_min, w->prompt_max);
+		r->prompt_len = w->prefix +
+				rng_range(&rng, w->prompt_min, w->prompt_max);
 		r->nsamples = (int)w->samples;
 		for (int k = 0; k < r->nsamples; k++) {
 			struct seq *q = &r->seqs[k];
@@ -362,16 +468,18 @@ static void generate_requests(struct sim *s)
 			q->cap = ceil_div(r->prompt_len + q->gen_len - 1,
 					  s->bs);
 			q->table = xcalloc((size_t)q->cap, sizeof(*q->table));
+			q->attn_sum = xcalloc((size_t)s->L, sizeof(uint64_t));
 			if (q->cap > s->max_seq_blocks)
 				s->max_seq_blocks = q->cap;
 		}
-		int64_t worst = worst_case_blocks(r, s->bs);
-		if (worst > s->nblocks) {
+		/* the prefix cache's blocks stay allocated beside it */
+		int64_t worst = worst_case_blocks(r, s->bs) + s->prefix_blocks;
+		if (worst > pool_usable(&s->gpool)) {
 			fprintf(stderr,
 				"kvsim: request %" PRId64 " may need %" PRId64
 				" blocks but the pool has %" PRId64
-				" (raise --blocks)\n",
-				i, worst, s->nblocks);
+				" besides the null block (raise --blocks)\n",
+				i, worst, pool_usable(&s->gpool));
 			exit(2);
 		}
 	}
@@ -396,11 +504,14 @@ static void reset_run(struct sim *s)
 		r->nfork_blocks = 0;
 		for (int k = 0; k < r->nsamples; k++) {
 			struct seq *q = &r->seqs[k];
-			q->nblocks = q->len = q->gen = 0;
+			q->nblocks = q->len = q->gen = q->dropped = 0;
 			q->sample = k;
 			q->finished = false;
+			memset(q->attn_sum, 0, (size_t)s->L * sizeof(uint64_t));
 		}
 	}
+	for (int64_t j = 0; j < s->prefix_blocks; j++)
+		s->prefix_cache[j] = -1;
 	s->nrunning = s->nswapped = 0;
 	s->next_waiting = 0;
 	s->done = 0;
@@ -417,8 +528,8 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	s->nblocks = w->blocks;
 	s->bpb = s->bs * KV_BYTES_PER_TOKEN;
 
-	pool_init(&s->gpool, (int32_t)s->nblocks);
-	pool_init(&s->cpool, (int32_t)cfg->cpu_blocks);
+	pool_init(&s->gpool, (int32_t)s->nblocks, true);
+	pool_init(&s->cpool, (int32_t)cfg->cpu_blocks, true);
 	for (int64_t l = 0; l < s->L; l++) {
 		s->gpu[l] = (struct kv_layer){
 			.bytes = xcalloc((size_t)s->nblocks, (size_t)s->bpb),
@@ -431,6 +542,9 @@ static void sim_init(struct sim *s, const struct config *cfg)
 		s->cpu[l].num_blocks = cfg->cpu_blocks;
 	}
 
+	s->prefix_blocks = w->prefix / s->bs;
+	s->prefix_cache = xcalloc((size_t)s->prefix_blocks + 1,
+				  sizeof(*s->prefix_cache));
 	generate_requests(s);
 	s->running = xcalloc((size_t)s->nreq, sizeof(*s->running));
 	s->swapped = xcalloc((size_t)s->nreq, sizeof(*s->swapped));
@@ -440,7 +554,22 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	s->tok_id = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_id));
 	s->tok_pos = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_pos));
 	s->tok_sample = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_sample));
+	s->tok_seq = xcalloc((size_t)s->cap_tokens, sizeof(*s->tok_seq));
 	s->values = xcalloc((size_t)s->cap_tokens, sizeof(*s->values));
+
+	/*
+	 * Every scheduled sequence has a token in the step, so a step has at
+	 * most max_tokens_per_step rows.  The stride is rounded up past the
+	 * longest row, so that readers must use the stride, not the row length.
+	 */
+	s->row_stride = (s->max_seq_blocks / 16 + 1) * 16;
+	s->max_rows = s->nreq * w->samples;
+	if (s->max_rows > w->max_tokens_per_step)
+		s->max_rows = w->max_tokens_per_step;
+	s->table = xcalloc((size_t)(s->max_rows * s->row_stride),
+			   sizeof(*s->table));
+	s->seq_lens = xcalloc((size_t)s->max_rows, sizeof(*s->seq_lens));
+	s->row_seq = xcalloc((size_t)s->max_rows, sizeof(*s->row_seq));
 
 	int64_t maxb = s->nblocks > cfg->cpu_blocks ? s->nblocks : cfg->cpu_blocks;
 	s->pairs = xcalloc((size_t)(2 * maxb), sizeof(*s->pairs));
@@ -468,6 +597,15 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	t->copy_dst = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->swap_out = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->swap_in = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+
+	struct read_truth *rd = &t->rd;
+	rd->per_block = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	rd->last_step = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+	rd->max_degree = s->max_rows;
+	rd->sharing = xcalloc((size_t)rd->max_degree + 1, sizeof(uint64_t));
+	rd->step_count = xcalloc((size_t)s->nblocks, sizeof(uint32_t));
+	rd->step_fill = xcalloc((size_t)s->nblocks, sizeof(uint32_t));
+	rd->step_blocks = xcalloc((size_t)s->nblocks, sizeof(int32_t));
 }
 
 /* ------------------------------------------------------------------ */
@@ -530,6 +668,90 @@ static int sample_at(const struct request *r, const struct seq *q, int64_t pos)
 	return pos < r->prompt_len ? 0 : q->sample;
 }
 
+/* Not a request id: the key of the workload's common prefix. */
+#define PREFIX_KEY UINT64_MAX
+
+/*
+ * The request key of a token's value: the common prefix has one key for all
+ * requests, so a request that shares the cached prefix blocks expects the
+ * values another request wrote there.
+ */
+static uint64_t value_key(const struct sim *s, const struct request *r,
+			  int64_t pos)
+{
+	return pos < s->cfg->w.prefix ? PREFIX_KEY : r->id;
+}
+
+/* kv_attention's checksum terms for one token: its value in every word. */
+#define WORDS_PER_TOKEN (KV_BYTES_PER_TOKEN / 8)
+_Static_assert(KV_BYTES_PER_TOKEN % 8 == 0, "whole words per slot");
+
+/*
+ * A full prefix block has just been scheduled for writing (its last token
+ * emitted): cache it, unless the cache has that block already.  Blocks
+ * written in a step are readable by any request scheduled in the same step:
+ * all writes of a layer precede its attention.
+ */
+static void prefix_cache_put(struct sim *s, int64_t pos, int32_t block)
+{
+	int64_t j = pos / s->bs;
+
+	if (j >= s->prefix_blocks || pos % s->bs != s->bs - 1 ||
+	    s->prefix_cache[j] >= 0)
+		return;
+	s->prefix_cache[j] = block;
+	pool_incref(&s->gpool, block);
+}
+
+/*
+ * Prefix blocks a new request can take from the cache: the leading cached
+ * ones, and never the whole prompt (the last prompt token is always
+ * computed, as in vLLM, to sample the first token from).
+ */
+static int64_t prefix_cache_hits(const struct sim *s, const struct request *r)
+{
+	int64_t n = 0, most = (r->prompt_len - 1) / s->bs;
+
+	while (n < s->prefix_blocks && n < most && s->prefix_cache[n] >= 0)
+		n++;
+	return n;
+}
+
+/* Gives a new request its cached prefix blocks (before its first chunk). */
+static void prefix_cache_take(struct sim *s, struct request *r, int64_t hits)
+{
+	struct seq *q = &r->seqs[0];
+
+	for (int64_t j = 0; j < hits; j++) {
+		q->table[j] = s->prefix_cache[j];
+		pool_incref(&s->gpool, s->prefix_cache[j]);
+	}
+	q->nblocks = hits;
+	q->len = r->prefilled = hits * s->bs;
+}
+
+/* Undoes prefix_cache_take() for a request that could not be admitted. */
+static void prefix_cache_untake(struct sim *s, struct request *r)
+{
+	struct seq *q = &r->seqs[0];
+
+	for (int64_t j = 0; j < q->nblocks; j++)
+		pool_decref(&s->gpool, q->table[j]);
+	q->nblocks = q->len = r->prefilled = 0;
+}
+
+/* An admitted request's prefix hits: counted, and its checksum primed. */
+static void prefix_cache_commit(struct sim *s, struct request *r)
+{
+	struct seq *q = &r->seqs[0];
+
+	s->t.prefix_hits += (uint64_t)q->nblocks;
+	for (int64_t l = 0; l < s->L; l++)
+		for (int64_t pos = 0; pos < q->len; pos++)
+			q->attn_sum[l] += WORDS_PER_TOKEN *
+					  kv_value(PREFIX_KEY, 0, pos, l);
+}
+
 /* Appends the token at q->len to this step's slot array. */
 static void emit_token(struct sim *s, struct request *r, struct seq *q)
 {
@@ -549,9 +771,11 @@ static void emit_token(struct sim *s, struct request *r, struct seq *q)
 	int64_t block = q->table[pos / s->bs];
 	int64_t i = s->ntok++;
 	s->slots[i] = block * s->bs + pos % s->bs;
-	s->tok_id[i] = r->id;
+	s->tok_id[i] = value_key(s, r, pos);
 	s->tok_pos[i] = pos;
 	s->tok_sample[i] = sample_at(r, q, pos);
+	s->tok_seq[i] = q;
+	prefix_cache_put(s, pos, (int32_t)block);
 	s->t.token_writes[block]++;
 	if (pos % s->bs == 0)
 		gen_open(s, block, GEN_WRITE, s->step_no, 0);
@@ -571,10 +795,12 @@ static void verify_seq(struct sim *s, const struct request *r,
 {
 	uint8_t want[KV_BYTES_PER_TOKEN];
 
-	for (int64_t pos = 0; pos < q->len; pos++) {
+	/* tokens the window dropped were checked by attention while held */
+	for (int64_t pos = q->dropped * s->bs; pos < q->len; pos++) {
 		int64_t slot = (int64_t)q->table[pos / s->bs] * s->bs + pos % s->bs;
 		for (int64_t l = 0; l < s->L; l++) {
-			uint64_t v = kv_value(r->id, sample_at(r, q, pos), pos, l);
+			uint64_t v = kv_value(value_key(s, r, pos),
+					      sample_at(r, q, pos), pos, l);
 			for (int off = 0; off < KV_BYTES_PER_TOKEN; off += 8)
 				memcpy(want + off, &v, 8);
 			if (memcmp(s->gpu[l].bytes + slot * KV_BYTES_PER_TOKEN,
@@ -590,7 +816,7 @@ static void offload_seq(struct sim *s, const struct seq *q)
 	int64_t n = 0;
 
 	for (int64_t l = 0; l < s->L; l++) {
-		for (int64_t j = 0; j < q->nblocks; j++, n++) {
+		for (int64_t j = q->dropped; j < q->nblocks; j++, n++) {
 			s->batch_src[n] = (uint64_t)(uintptr_t)(
 				s->gpu[l].bytes + (int64_t)q->table[j] * s->bpb);
 			s->batch_dst[n] = (uint64_t)(uintptr_t)(
@@ -619,7 +845,7 @@ static void finish_seq(struct sim *s, struct request *r, struct seq *q)
 	verify_seq(s, r, q);
 	if (s->cfg->w.offload_on_finish)
 		offload_seq(s, q);
-	for (int64_t j = 0; j < q->nblocks; j++)
+	for (int64_t j = q->dropped; j < q->nblocks; j++)
 		pool_decref(&s->gpool, q->table[j]);
 	q->nblocks = 0;
 	q->finished = true;
@@ -650,9 +876,11 @@ static void fork_request(struct sim *s, struct request *r)
 		struct seq *q = &r->seqs[k];
 		for (int64_t j = 0; j < full; j++) {
 			q->table[j] = parent->table[j];
-			pool_incref(&s->gpool, parent->table[j]);
+			if (j >= parent->dropped) /* not the null block */
+				pool_incref(&s->gpool, parent->table[j]);
 		}
 		q->nblocks = full;
+		q->dropped = parent->dropped;
 		if (partial) {
 			int32_t dst = r->fork_blocks[k - 1];
 			q->table[q->nblocks++] = dst;
@@ -661,6 +889,9 @@ static void fork_request(struct sim *s, struct request *r)
 			npairs++;
 		}
 		q->len = parent->len;
+		/* the same prompt values: shared blocks and the copied one */
+		memcpy(q->attn_sum, parent->attn_sum,
+		       (size_t)s->L * sizeof(uint64_t));
 	}
 	r->nfork_blocks = 0;
 	r->nseqs = r->nlive = r->nsamples;
@@ -695,7 +926,7 @@ static int64_t unique_blocks(struct sim *s, const struct request *r)
 		const struct seq *q = &r->seqs[k];
 		if (q->finished)
 			continue;
-		for (int64_t j = 0; j < q->nblocks; j++) {
+		for (int64_t j = q->dropped; j < q->nblocks; j++) {
 			if (s->remap[q->table[j]] == -1) {
 				s->remap[q->table[j]] = 0;
 				s->pairs[n++] = q->table[j];
@@ -721,7 +952,7 @@ static int64_t move_request_blocks(struct sim *s, struct request *r,
 		struct seq *q = &r->seqs[k];
 		if (q->finished)
 			continue;
-		for (int64_t j = 0; j < q->nblocks; j++) {
+		for (int64_t j = q->dropped; j < q->nblocks; j++) {
 			int32_t src = q->table[j];
 			int32_t dst = s->remap[src];
 			if (dst == -1) {
@@ -862,6 +1093,43 @@ static void schedule_decode(struct sim *s, struct request *r)
 }
 
 /*
+ * The sliding window: frees, in every running sequence, the blocks whose
+ * tokens all lie more than window positions behind its end, and puts the
+ * null block in their place.  Run between steps, so that a block written
+ * in a step (a long prefill chunk) is read by that step's attention first.
+ */
+static void drop_out_of_window(struct sim *s)
+{
+	const int64_t window = s->cfg->w.window;
+
+	if (window <= 0)
+		return;
+	for (int64_t i = 0; i < s->nrunning; i++) {
+		struct request *r = &s->reqs[s->running[i]];
+		for (int k = 0; k < r->nseqs; k++) {
+			struct seq *q = &r->seqs[k];
+			int64_t keep_from = q->len - window; /* first position kept */
+			if (q->finished || keep_from <= 0)
+				continue;
+			for (; (q->dropped + 1) * s->bs <= keep_from; q->dropped++) {
+				int64_t j = q->dropped;
+				for (int64_t pos = j * s->bs; pos < (j + 1) * s->bs;
+				     pos++)
+					for (int64_t l = 0; l < s->L; l++)
+						q->attn_sum[l] -=
+							WORDS_PER_TOKEN *
+							kv_value(value_key(s, r, pos),
+								 sample_at(r, q, pos),
+								 pos, l);
+				pool_decref(&s->gpool, q->table[j]);
+				q->table[j] = 0;
+				s->t.window_drops++;
+			}
+		}
+	}
+}
+
+/*
  * Builds this step's token list: swap-ins first, then every running request
  * (continuing prefill chunks, or one decode token per live sequence), then new
  * prefills from the waiting queue, all within max_tokens_per_step.  When a
@@ -873,6 +1141,7 @@ static void schedule_step(struct sim *s)
 	int64_t budget = s->cfg->w.max_tokens_per_step;
 
 	s->ntok = 0;
+	drop_out_of_window(s);
 	swap_in_ready(s);
 
 	for (int64_t i = 0; i < s->nrunning; i++) {
@@ -911,9 +1180,15 @@ static void schedule_step(struct sim *s)
 	/* New prefills wait while anything is swapped out. */
 	while (s->nswapped == 0 && s->next_waiting < s->nreq && budget > 0) {
 		struct request *r = &s->reqs[s->next_waiting];
-		int64_t chunk = r->prompt_len < budget ? r->prompt_len : budget;
-		if (s->gpool.nfree < prefill_blocks(s, r, chunk))
+		prefix_cache_take(s, r, prefix_cache_hits(s, r));
+		int64_t chunk = r->prompt_len - r->prefilled;
+		if (chunk > budget)
+			chunk = budget;
+		if (s->gpool.nfree < prefill_blocks(s, r, chunk)) {
+			prefix_cache_untake(s, r);
 			break;
+		}
+		prefix_cache_commit(s, r);
 		r->state = RQ_RUNNING;
 		s->running[s->nrunning++] = s->next_waiting++;
 		schedule_prefill(s, r, chunk);
@@ -921,7 +1196,123 @@ static void schedule_step(struct sim *s)
 	}
 }
 
-/* Runs the model on this step's tokens: one write call per layer. */
+/* One row of per-step read figures (--truth-steps). */
+static void live_push(struct read_truth *rd, const uint64_t row[7])
+{
+	if (rd->nlive == rd->live_cap) {
+		rd->live_cap = rd->live_cap ? 2 * rd->live_cap : 1024;
+		rd->live = realloc(rd->live, (size_t)rd->live_cap * sizeof(*rd->live));
+		if (!rd->live)
+			fatal("out of memory");
+	}
+	memcpy(rd->live[rd->nlive++], row, sizeof(*rd->live));
+}
+
+/*
+ * Builds this step's block table from the scheduler's books, the rows that
+ * every layer's attention reads: one per sequence scheduled at this step (a
+ * prefill chunk or a decode token), in scheduling order, with seq_len = the
+ * tokens it holds once this step's writes are done.  Only the first
+ * ceil(seq_len / block_size) entries of a row are read; the rest of the row
+ * is null-block padding.  Counts the step's reads into the truth here, from
+ * the same rows, once per step (not per layer).
+ */
+static void build_block_table(struct sim *s)
+{
+	struct read_truth *rd = &s->t.rd;
+	uint64_t step = s->step_no + 1; /* steps count from 1 (see write_truth) */
+	uint64_t reads = 0, tokens = 0, nulls = 0, held = 0;
+	int64_t ndistinct = 0;
+
+	s->nrows = 0;
+	for (int64_t i = 0; i < s->nrunning; i++) {
+		struct request *r = &s->reqs[s->running[i]];
+		if (r->sched_step != s->step_no + 1)
+			continue;
+		for (int k = 0; k < r->nseqs; k++) {
+			struct seq *q = &r->seqs[k];
+			if (q->finished)
+				continue;
+			if (s->nrows >= s->max_rows || q->nblocks >= s->row_stride ||
+			    q->nblocks != ceil_div(q->len, s->bs))
+				fatal("internal error: block table row");
+			int32_t *row = s->table + s->nrows * s->row_stride;
+			memcpy(row, q->table, (size_t)q->nblocks * sizeof(*row));
+			memset(row + q->nblocks, 0,
+			       (size_t)(s->row_stride - q->nblocks) * sizeof(*row));
+			s->seq_lens[s->nrows] = (int32_t)q->len;
+			s->row_seq[s->nrows++] = q;
+			tokens += (uint64_t)q->len;
+			for (int64_t j = 0; j < q->nblocks; j++) {
+				int32_t b = row[j];
+				if (b == 0) {
+					nulls++;
+					continue;
+				}
+				reads++;
+				rd->per_block[b]++;
+				rd->last_step[b] = step;
+				/*
+				 * The tokens block b holds: its share of this
+				 * row's seq_len.  Only full blocks are shared
+				 * (prompt blocks of forks, the prefix cache),
+				 * so every reader agrees; counted once.
+				 */
+				int64_t fill = q->len - j * s->bs;
+				if (fill > s->bs)
+					fill = s->bs;
+				if (rd->step_count[b]++ == 0) {
+					rd->step_blocks[ndistinct++] = b;
+					rd->step_fill[b] = (uint32_t)fill;
+					held += (uint64_t)fill;
+				} else if (rd->step_fill[b] != fill) {
+					fatal("internal error: readers disagree on a block's fill");
+				}
+			}
+		}
+	}
+	for (int64_t i = 0; i < ndistinct; i++) {
+		int32_t b = rd->step_blocks[i];
+		rd->sharing[rd->step_count[b]]++;
+		rd->step_count[b] = 0;
+	}
+	rd->steps++;
+	rd->requests += (uint64_t)s->nrows;
+	rd->tokens += tokens;
+	rd->reads += reads;
+	rd->distinct += (uint64_t)ndistinct;
+	rd->held_tokens += held;
+	rd->null_entries += nulls;
+	if (s->cfg->truth_steps) {
+		uint64_t row[7] = { step, (uint64_t)s->nrows, reads,
+				    (uint64_t)ndistinct, tokens, nulls, held };
+		live_push(rd, row);
+	}
+}
+
+/*
+ * Attention of layer l over the step's table; its checksum must be the sum
+ * of what the rows' sequences hold (a wrong block in a row, or a block whose
+ * contents are not the sequence's, shows up as a KV mismatch).
+ */
+static void attend_layer(struct sim *s, int64_t l)
+{
+	uint64_t want = 0;
+
+	uint64_t got = kv_attention(&s->gpu[l], s->table, s->row_stride,
+				    s->nrows, s->seq_lens,
+				    (uint64_t)(uintptr_t)s->table);
+	for (int64_t i = 0; i < s->nrows; i++)
+		want += s->row_seq[i]->attn_sum[l];
+	if (got != want)
+		s->t.kv_mismatches++;
+}
+
+/*
+ * Runs the model on this step's tokens, layer by layer as vLLM does: each
+ * layer writes the step's tokens (one write call), then its attention reads
+ * the step's block table (one kv_attention call).
+ */
 static void write_step(struct sim *s)
 {
 	const int op = s->cfg->w.write_op;
@@ -939,8 +1330,12 @@ static void write_step(struct sim *s)
 			s->values[i] = 0;
 		kv_write_slots(op, &s->gpu[l], s->slots, n, s->values);
 
-		for (int64_t i = 0; i < s->ntok; i++)
+		for (int64_t i = 0; i < s->ntok; i++) {
 			s->t.writes[l][s->slots[i] / s->bs]++;
+			s->tok_seq[i]->attn_sum[l] +=
+				WORDS_PER_TOKEN * s->values[i];
+		}
+		attend_layer(s, l);
 		s->t.ops[op].calls++;
 		s->t.ops[op].slots += (uint64_t)s->ntok;
 		s->t.ops[op].padding += pad;
@@ -993,6 +1388,7 @@ static void run_once(struct sim *s)
 		schedule_step(s);
 		if (s->ntok == 0)
 			fatal("internal error: scheduler made no progress");
+		build_block_table(s);
 		write_step(s);
 		complete_step(s);
 		s->step_no++;
@@ -1080,6 +1476,111 @@ static void write_generations(FILE *f, const struct sim *s)
 	free(tokens);
 }
 
+/* [[index, a[index]], ...] for the non-zero entries of a. */
+static void print_sparse(FILE *f, const uint64_t *a, int64_t n)
+{
+	bool first = true;
+
+	fputc('[', f);
+	for (int64_t i = 0; i < n; i++) {
+		if (!a[i])
+			continue;
+		fprintf(f, "%s[%" PRId64 ", %" PRIu64 "]", first ? "" : ", ", i,
+			a[i]);
+		first = false;
+	}
+	fputc(']', f);
+}
+
+/*
+ * "reads": what attention read, counted by build_block_table() from the
+ * rows it gives every layer (one KV-cache group: all layers share the
+ * table), cumulative over --repeat and --rounds like the rest of the truth.
+ * A read is one (step, request row, block) entry among the first
+ * ceil(seq_len / block_size) entries of a row, block != 0.
+ *
+ *   group_id      the probe's group_id: the block table buffer's address
+ *   steps         forward steps that ran attention (every step does)
+ *   layers        attention calls per step (the layer count); each fires
+ *                 vllm:block_table with the same table
+ *   block_size    tokens per block
+ *   requests      rows, summed over steps (a row per scheduled sequence)
+ *   tokens        seq_len summed over rows and steps
+ *   reads         entries read with block != 0, summed over steps
+ *   distinct      distinct non-null blocks read at a step, summed over steps
+ *   held_tokens   tokens those distinct blocks hold at the step (a block's
+ *                 share of its readers' seq_len: full blocks hold
+ *                 block_size; shared blocks are always full), summed over
+ *                 steps
+ *   null_entries  entries of block 0 within the rows' read lengths: the
+ *                 blocks a sliding window dropped (--workload window);
+ *                 kvsim's other padding lies beyond the read lengths
+ *   per_block     [[block, reads]]: for each block read, the (step, request)
+ *                 pairs that read it; sums to reads
+ *   last_step     [[block, step]]: the step of each block's last read.
+ *                 Steps count from 1 at the run's first step and go on
+ *                 counting across --repeat and --rounds (the Nth step this
+ *                 process ran is step N), so after R rounds the steps of
+ *                 round R are those above the previous truth's "steps"
+ *   sharing       [[degree, count]]: a histogram over the (step, block) pairs
+ *                 of a step's live set: count pairs had exactly degree
+ *                 readers (rows) at that step; sum of count = distinct,
+ *                 sum of degree * count = reads.  degree > 1: a block shared
+ *                 by several requests (a common prefix) or samples (beam)
+ *   live_sets     null, unless --truth-steps: then one row per step,
+ *                 [step, requests, reads, distinct, tokens, null_entries,
+ *                 held_tokens], the step's share of the totals above
+ *                 (distinct = the step's live set).
+ *                 Grows by one row per step, hence the flag.
+ *
+ * "prefix_hits" (top level): (request, block) pairs a new request took from
+ * the prefix cache instead of writing them (--workload prefix; else 0).
+ * "window_drops" (top level): (sequence, block) pairs the sliding window
+ * freed and made null (--workload window; else 0).
+ */
+static void write_reads(FILE *f, const struct sim *s)
+{
+	const struct read_truth *rd = &s->t.rd;
+
+	fprintf(f, "  \"reads\": {\n");
+	fprintf(f, "    \"group_id\": %" PRIu64 ",\n",
+		(uint64_t)(uintptr_t)s->table);
+	fprintf(f,
+		"    \"steps\": %" PRIu64 ", \"layers\": %" PRId64
+		", \"block_size\": %" PRId64 ",\n",
+		rd->steps, s->L, s->bs);
+	fprintf(f,
+		"    \"requests\": %" PRIu64 ", \"tokens\": %" PRIu64
+		", \"reads\": %" PRIu64 ", \"distinct\": %" PRIu64
+		", \"held_tokens\": %" PRIu64 ", \"null_entries\": %" PRIu64
+		",\n",
+		rd->requests, rd->tokens, rd->reads, rd->distinct,
+		rd->held_tokens, rd->null_entries);
+	fprintf(f, "    \"per_block\": ");
+	print_sparse(f, rd->per_block, s->nblocks);
+	fprintf(f, ",\n    \"last_step\": ");
+	print_sparse(f, rd->last_step, s->nblocks);
+	fprintf(f, ",\n    \"sharing\": ");
+	print_sparse(f, rd->sharing, rd->max_degree + 1);
+	fprintf(f, ",\n    \"live_sets\": ");
+	if (!s->cfg->truth_steps) {
+		fprintf(f, "null");
+	} else {
+		fputc('[', f);
+		for (int64_t i = 0; i < rd->nlive; i++) {
+			const uint64_t *r = rd->live[i];
+			fprintf(f,
+				"%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64
+				", %" PRIu64 ", %" PRIu64 ", %" PRIu64
+				", %" PRIu64 "]",
+				i ? ", " : "", r[0], r[1], r[2], r[3], r[4],
+				r[5], r[6]);
+		}
+		fputc(']', f);
+	}
+	fprintf(f, "\n  },\n");
+}
+
 static void write_truth(const struct sim *s, const char *path)
 {
 	const struct config *c = s->cfg;
@@ -1145,6 +1646,9 @@ static void write_truth(const struct sim *s, const char *path)
 	fprintf(f, "  \"requests\": %" PRIu64 ",\n", t->requests);
 	fprintf(f, "  \"preemptions\": %" PRIu64 ",\n", t->preemptions);
 	fprintf(f, "  \"forks\": %" PRIu64 ",\n", t->forks);
+	fprintf(f, "  \"prefix_hits\": %" PRIu64 ",\n", t->prefix_hits);
+	fprintf(f, "  \"window_drops\": %" PRIu64 ",\n", t->window_drops);
+	write_reads(f, s);
 	write_generations(f, s);
 	fprintf(f, "  \"kv_checksum_ok\": %s\n",
 		t->kv_mismatches ? "false" : "true");
@@ -1168,9 +1672,11 @@ static void print_help(void)
 	printf("usage: kvsim [options]\n"
 	       "A paged-KV-cache simulator that fires the kvtrace USDT probes.\n"
 	       "\n"
-	       "  --workload NAME      default | beam | swap | stress | mla\n"
+	       "  --workload NAME      default | beam | swap | stress | mla | prefix |\n"
+	       "                       window\n"
 	       "  --seed N             RNG seed (default 1)\n"
 	       "  --truth FILE         write the ground-truth JSON to FILE\n"
+	       "  --truth-steps        include per-step read rows (reads.live_sets)\n"
 	       "  --pause              wait for SIGUSR1 before running\n"
 	       "  --repeat N           run the workload N times (default 1)\n"
 	       "  --rounds N           N rounds, each: wait for SIGUSR1, run the\n"
@@ -1180,6 +1686,7 @@ static void print_help(void)
 	       "  --layers N           override the workload's layer count\n"
 	       "  --blocks N           override the GPU block count\n"
 	       "  --block-size N       override the tokens per block\n"
+	       "  --sliding-window N   override the sliding window (tokens, 0 none)\n"
 	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
 	       "  --quiet              no summary line\n"
@@ -1205,7 +1712,7 @@ static uint64_t parse_u64(const char *flag, const char *v, uint64_t min,
 static void parse_args(int argc, char **argv, struct config *c)
 {
 	const char *workload = "default";
-	int64_t layers = -1, blocks = -1, block_size = -1;
+	int64_t layers = -1, blocks = -1, block_size = -1, window = -1;
 	int write_op = -1;
 
 	c->seed = 1;
@@ -1235,6 +1742,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 			       !strcmp(flag, "--layers") ||
 			       !strcmp(flag, "--blocks") ||
 			       !strcmp(flag, "--block-size") ||
+			       !strcmp(flag, "--sliding-window") ||
 			       !strcmp(flag, "--write-op");
 		if (has_arg) {
 			if (eq)
@@ -1254,6 +1762,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			c->pause = true;
 		} else if (!strcmp(flag, "--quiet")) {
 			c->quiet = true;
+		} else if (!strcmp(flag, "--truth-steps")) {
+			c->truth_steps = true;
 		} else if (!strcmp(flag, "--workload")) {
 			workload = val;
 		} else if (!strcmp(flag, "--seed")) {
@@ -1274,6 +1784,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			blocks = (int64_t)parse_u64(flag, val, 1, 1 << 22);
 		} else if (!strcmp(flag, "--block-size")) {
 			block_size = (int64_t)parse_u64(flag, val, 1, 1 << 12);
+		} else if (!strcmp(flag, "--sliding-window")) {
+			window = (int64_t)parse_u64(flag, val, 0, 1 << 30);
 		} else if (!strcmp(flag, "--write-op")) {
 			for (int op = 0; op < KV_NUM_WRITE_OPS; op++)
 				if (!strcmp(val, kv_write_op_name(op)))
@@ -1300,6 +1812,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 		c->w.block_size = block_size;
 	if (write_op >= 0)
 		c->w.write_op = write_op;
+	if (window >= 0)
+		c->w.window = window;
 	c->cpu_blocks = c->w.blocks > MIN_CPU_BLOCKS ? c->w.blocks : MIN_CPU_BLOCKS;
 }
 

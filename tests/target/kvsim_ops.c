@@ -4,7 +4,8 @@
  *
  * Every op fires its probe (gated by the probe's semaphore) before doing the
  * work, like the vLLM kernels' host-side launch code.  The ops then really
- * move bytes so that kvsim can check the KV contents afterwards.  An index out
+ * move (or, for attention, read) bytes so that kvsim can check the KV
+ * contents afterwards.  An index out
  * of range is a bug in kvsim's scheduler: abort rather than corrupt memory.
  */
 #include "kvsim_ops.h"
@@ -164,4 +165,49 @@ void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
 	for (int64_t i = 0; i < n; i++)
 		memcpy((void *)(uintptr_t)dst[i],
 		       (const void *)(uintptr_t)src[i], (size_t)sizes[i]);
+}
+
+/* The wrapping sum of n / 8 little 8-byte words. */
+static uint64_t checksum(const uint8_t *p, int64_t n)
+{
+	uint64_t sum = 0, w;
+
+	for (int64_t off = 0; off + 8 <= n; off += 8) {
+		memcpy(&w, p + off, 8);
+		sum += w;
+	}
+	return sum;
+}
+
+uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
+		      int64_t row_stride, int64_t num_reqs,
+		      const int32_t *seq_lens, uint64_t group_id)
+{
+	const int64_t bs = layer->block_size;
+	const int64_t bpt = layer->kv_bytes_per_token;
+	uint64_t sum = 0;
+
+	(void)group_id; /* only the probe needs it */
+	if (bpt % 8)
+		die("kv_attention", "bytes per token not whole words", bpt);
+	if (KVTRACE_ENABLED(block_table))
+		KVTRACE_BLOCK_TABLE(block_table, row_stride, num_reqs, seq_lens,
+				    bs, group_id, layer->num_blocks,
+				    kv_cache_id(layer));
+
+	for (int64_t i = 0; i < num_reqs; i++) {
+		const int32_t *row = block_table + i * row_stride;
+		int64_t len = seq_lens[i];
+		if (len < 0 || (len + bs - 1) / bs > row_stride)
+			die("kv_attention", "seq_len beyond the row", len);
+		/* block by block: a block's tokens are contiguous bytes */
+		for (int64_t j = 0; j * bs < len; j++) {
+			if (row[j] == 0)
+				continue; /* the null block holds no tokens */
+			int64_t ntok = len - j * bs < bs ? len - j * bs : bs;
+			sum += checksum(block_ptr(layer, row[j], "kv_attention"),
+					ntok * bpt);
+		}
+	}
+	return sum;
 }

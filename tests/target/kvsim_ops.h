@@ -3,9 +3,10 @@
  * kvsim_ops.h - the "cache ops" of the kvsim test target.
  *
  * libkvsim_ops.so plays the part of vLLM's _C.so: it owns the kernels that
- * write, copy and swap KV-cache blocks, and it is the ONLY object that fires
- * the kvtrace USDT probes (bpf/kvtrace_probes.h).  A tracer therefore has to
- * find the probes in a shared library mapped into the process, as with vLLM.
+ * write, copy, swap and read (attention) KV-cache blocks, and it is the ONLY
+ * object that fires the kvtrace USDT probes (bpf/kvtrace_probes.h).  A tracer
+ * therefore has to find the probes in a shared library mapped into the
+ * process, as with vLLM.
  *
  * This header deliberately does not include kvtrace_probes.h, so that the
  * kvsim executable carries no probe semaphores of its own.
@@ -73,5 +74,23 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 /* memcpy(dst[i], src[i], sizes[i]) for raw addresses (swap_blocks_batch). */
 void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
 			  const uint64_t *sizes, int64_t n);
+
+/*
+ * Attention over one layer's paged cache: what vLLM's attention kernel reads.
+ * Fires vllm:block_table, then reads, for each of the num_reqs rows, the
+ * bytes of the tokens [0, seq_lens[i]) through the row's block ids
+ * (block_table[i * row_stride + pos / block_size]).  Block 0 is the null
+ * block: its tokens are not read (padding, or dropped by a sliding window).
+ * group_id names the block table the calling layers share (the probe's
+ * group_id argument).
+ *
+ * Returns the checksum of what it read, so that the caller can check the
+ * table against what it wrote: the wrapping sum, over every token read, of
+ * its bytes taken as 8-byte words (kv_bytes_per_token must be a multiple
+ * of 8).
+ */
+uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
+		      int64_t row_stride, int64_t num_reqs,
+		      const int32_t *seq_lens, uint64_t group_id);
 
 #endif /* KVSIM_OPS_H */
