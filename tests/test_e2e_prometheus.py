@@ -106,16 +106,14 @@ def assert_counters_match(m, truth, pid):
     assert value(m, "kvtrace_exact") == 1
     assert value(m, "kvtrace_foreign_hits_total") == 0
     assert value(m, "kvtrace_probe_misses_total") == 0
-    reads = truth.get("reads")
-    if reads is not None:  # kvsim fires vllm:block_table (its reads truth)
-        g = dict(me, group=0)
-        assert value(m, "kvtrace_block_reads_total", **g) == reads["reads"]
-        assert value(m, "kvtrace_steps_total", **g) == reads["steps"]
-        assert value(m, "kvtrace_batch_requests_total", **g) == reads["requests"]
-        assert value(m, "kvtrace_live_blocks_total", **g) == reads["distinct"]
-        assert value(m, "kvtrace_group_layers", **g) == reads["layers"]
-        if "held_tokens" in reads:
-            assert value(m, "kvtrace_live_tokens_total", **g) == reads["held_tokens"]
+    reads = truth["reads"]  # kvsim fires vllm:block_table (its reads truth)
+    g = dict(me, group=0)
+    assert value(m, "kvtrace_block_reads_total", **g) == reads["reads"]
+    assert value(m, "kvtrace_steps_total", **g) == reads["steps"]
+    assert value(m, "kvtrace_batch_requests_total", **g) == reads["requests"]
+    assert value(m, "kvtrace_live_blocks_total", **g) == reads["distinct"]
+    assert value(m, "kvtrace_group_layers", **g) == reads["layers"]
+    assert value(m, "kvtrace_live_tokens_total", **g) == reads["held_tokens"]
 
 
 def assert_documented(m):
@@ -167,18 +165,16 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
         assert buckets == [(b, sum(1 for t in tokens if 0 < t <= b)) for b, _ in buckets]
         assert inf == sum(1 for t in tokens if t > 0) > 0
         assert value(m, "kvtrace_block_tokens_written_gsum") == sum(tokens)
-        reads = truth.get("reads")
-        if reads is not None:
-            per_block = [n for _, n in reads["per_block"]]
-            buckets, inf = histogram(m, "kvtrace_block_access_frequency", group=0)
-            assert buckets == [(b, sum(1 for n in per_block if n <= b)) for b, _ in buckets]
-            assert inf == len(per_block) > 0
-            assert value(m, "kvtrace_block_access_frequency_gsum", group=0) == reads["reads"]
-            assert value(m, "kvtrace_working_set_blocks", group=0) == \
-                reads["distinct"] / reads["steps"]
-            if "held_tokens" in reads:
-                assert value(m, "kvtrace_true_utilization_ratio", group=0) == \
-                    reads["held_tokens"] / (reads["distinct"] * truth["block_size"])
+        reads = truth["reads"]
+        per_block = [n for _, n in reads["per_block"]]
+        buckets, inf = histogram(m, "kvtrace_block_access_frequency", group=0)
+        assert buckets == [(b, sum(1 for n in per_block if n <= b)) for b, _ in buckets]
+        assert inf == len(per_block) > 0
+        assert value(m, "kvtrace_block_access_frequency_gsum", group=0) == reads["reads"]
+        assert value(m, "kvtrace_working_set_blocks", group=0) == \
+            reads["distinct"] / reads["steps"]
+        assert value(m, "kvtrace_true_utilization_ratio", group=0) == \
+            reads["held_tokens"] / (reads["distinct"] * truth["block_size"])
         assert_documented(m)
         sim.go()  # round 2; the tracer stops when kvsim exits
         assert sim.wait() == 0

@@ -80,11 +80,11 @@ def _op_weights(o: np.ndarray, weight: str) -> np.ndarray:
     if weight == "reads":
         return np.where(is_table, o["items"], 0).astype(np.int64)
     is_write = np.isin(o["op"], list(stream.WRITE_OP_IDS))
-    o = o.copy()
-    o["items"][is_table] = 0  # reads weigh only with --weight reads
+    # reads weigh only with --weight reads (a block_table op's bytes are
+    # tokens, its items reads: neither is bytes moved or slots written)
     if weight == "bytes":
-        return np.where(is_write, 0, o["bytes"]).astype(np.int64)
-    return np.where(is_write, o["slots"], o["items"]).astype(np.int64)
+        return np.where(is_write | is_table, 0, o["bytes"]).astype(np.int64)
+    return np.where(is_write, o["slots"], np.where(is_table, 0, o["items"])).astype(np.int64)
 
 
 def by_stack(trace: tracefile.Trace, ops: stream.OpStream, weight: str) -> list:
