@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import stream
+from . import abi, stream
 
 PERCENTILES = (0, 25, 50, 75, 90, 99, 100)
 
@@ -203,61 +203,107 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
 
 
 def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
-    """Prefix reuse: blocks a request read at its first step that this step
-    did not write (docs/access.md), i.e. blocks it found in the cache
-    (vLLM's prefix-cache hits, in blocks) rather than computed.
+    """Prefix reuse: blocks a request read at its first step that it did not
+    write (docs/access.md), i.e. blocks it found in the cache (vLLM's
+    prefix-cache hits, in blocks) or shares with the sequence it was forked
+    from, rather than computed.
 
-    A request has no id in the table, so it is followed from step to step
-    by its row: a row continues a row of the step before when that row is
-    a prefix of it (a request's row only grows, and ends in blocks of its
-    own).  A row with no predecessor is a request's first step.  The
-    step's writes are the leader layer's write op just before the table
-    op (vLLM and kvsim write a layer's tokens, then attend).  Requests
-    already running at the first traced step look new: attach before the
-    load to count them.
+    A request has no id in the table, so it is followed by its row from
+    step to step: a row continues an earlier request's row when that row is
+    a prefix of it (a request's row only grows; a block a sliding window
+    dropped reads 0) and the last token the earlier row held was not
+    written at this step (a new request that got a finished one's freed
+    blocks writes its own tokens there now).  A row that continues no
+    request is a request's first step.  What a step wrote: the leader
+    layer's write op just before the table op (vLLM and kvsim write a
+    layer's tokens, then attend), and the copies and swaps into that cache
+    since the step before (a swapped-in request's blocks are written by
+    the swap).  Requests already running at the first traced step look new:
+    attach before the load to count them.
 
-    Returns {"requests": new rows, "blocks": reused blocks, "per_block":
-    {block: times reused}, "steps_without_writes": steps whose writes
-    were not found}."""
+    Returns {"requests": first steps seen, "blocks": reused blocks,
+    "per_block": {block: times reused}, "steps_without_writes": steps
+    whose writes were not found}."""
     o = ops.ops
+    bs = steps.block_size
     order = np.argsort(o["seq"], kind="stable")
     seqs = o["seq"][order]
-    is_write = np.isin(o["op"][order], list(stream.WRITE_OP_IDS)) & \
-        (o["pid"][order] == steps.pid) & (o["cache_id"][order] == leader)
-    write_pos = order[is_write]
-    write_seq = seqs[is_write]
-    prev_rows, out_blocks, per_block, new_rows, missing = [], 0, {}, 0, 0
+    mine = (o["pid"][order] == steps.pid) & (o["cache_id"][order] == leader) & \
+        o["complete"][order]
+    is_write = mine & np.isin(o["op"][order], list(stream.WRITE_OP_IDS))
+    is_move = mine & np.isin(o["op"][order], list(stream.PAIR_OP_IDS))
+    write_pos, write_seq = order[is_write], seqs[is_write]
+    move_pos, move_seq = order[is_move], seqs[is_move]
+    open_by_last = {}  # a request's latest row, by its last block
+    out_blocks, per_block, new_rows, missing = 0, {}, 0, 0
     prev_seq = -1
     for k, i in enumerate(steps.index):
+        cur_seq = int(o["seq"][i])
         if not steps.complete[k]:
-            prev_rows = []
-            prev_seq = int(o["seq"][i])
+            prev_seq = cur_seq
             continue
-        rows = [tuple(int(b) for b in r) for _, r in live_set(ops.values_of(i),
-                                                              steps.block_size)]
-        # the leader's write op of this step: the last one before the table
-        # op and after the step before's
-        j = np.searchsorted(write_seq, o["seq"][i]) - 1
-        written = set()
-        if j >= 0 and write_seq[j] > prev_seq and o["complete"][write_pos[j]]:
-            slots = ops.values_of(write_pos[j])
-            written = set((slots[slots >= 0] // steps.block_size).tolist())
-        elif any(rows):
+        rows = [(seq, tuple(int(b) for b in r)) for seq, r in live_set(ops.values_of(i), bs)]
+        # what this step wrote: the leader's write op just before the table
+        # op, and copies and swaps into the cache since the step before
+        j = np.searchsorted(write_seq, cur_seq) - 1
+        slots = set()
+        if j >= 0 and write_seq[j] > prev_seq:
+            v = ops.values_of(write_pos[j])
+            slots = set(v[v >= 0].tolist())
+        elif any(r for _, r in rows):
             missing += 1
-        by_first = {}
-        for r in prev_rows:
-            if r:
-                by_first.setdefault(r[0], []).append(r)
-        for r in rows:
-            if not r:
+        written = {x // bs for x in slots}
+        lo, hi = np.searchsorted(move_seq, [prev_seq, cur_seq], side="right")
+        for m in move_pos[lo:hi]:
+            pairs = ops.values_of(m)
+            out_swap = o["flags"][m] & abi.EV_SWAP_OUT
+            if not out_swap:  # a copy's destination, a swap-in's device block
+                written.update(pairs[1::2].tolist())
+
+        def continues(r, p_seq, p):
+            if len(p) > len(r) or p_seq < 1:
+                return False
+            if any(a != b and a and b for a, b in zip(p, r)):
+                return False
+            last = p_seq - 1  # the earlier row's last token, in r's blocks
+            return r[last // bs] * bs + last % bs not in slots
+
+        new_count, running, claimed = {}, set(), []
+        for seq, r in rows:
+            if not any(r):
                 continue
-            if any(r[:len(p)] == p for p in by_first.get(r[0], ())):
-                continue  # the same request, a step on
-            new_rows += 1
-            for b in r:
-                if b > 0 and b not in written:
-                    out_blocks += 1
-                    per_block[b] = per_block.get(b, 0) + 1
-        prev_rows, prev_seq = rows, int(o["seq"][i])
+            match = None
+            for b in dict.fromkeys(r):
+                for cand in open_by_last.get(b, ()):
+                    if cand not in claimed and continues(r, *cand):
+                        match = cand
+                        break
+                if match:
+                    break
+            if match:
+                claimed.append(match)
+                running.update(r)  # the same request, a step on
+            else:
+                new_rows += 1
+                for b in set(r) - {0}:
+                    new_count[b] = new_count.get(b, 0) + 1
+            claimed.append((seq, r))
+        for p_seq, p in claimed:  # each request's latest row replaces its last
+            lst = open_by_last.get(p[-1] if p else 0)
+            if lst and (p_seq, p) in lst:
+                lst.remove((p_seq, p))
+        for seq, r in rows:
+            if any(r):
+                open_by_last.setdefault(r[-1], []).append((seq, r))
+        # a block new rows hold was reused by all of them if this step did
+        # not write it; if it did, by all but the one that wrote it, unless
+        # a running request holds it (then that one wrote it: a prefix hit on
+        # a block computed at the same step, as kvsim's scheduler allows)
+        for b, n in new_count.items():
+            reused = n if b not in written or b in running else n - 1
+            if reused:
+                out_blocks += reused
+                per_block[b] = per_block.get(b, 0) + reused
+        prev_seq = cur_seq
     return {"requests": new_rows, "blocks": out_blocks, "per_block": per_block,
             "steps_without_writes": missing}

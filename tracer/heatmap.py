@@ -71,7 +71,7 @@ class Heatmap:
         return {"rows": self.rows, "cols": self.cols, "t0_ns": self.t0_ns, "t1_ns": self.t1_ns,
                 "ns_per_row": self.ns_per_row, "block_lo": self.b0, "block_hi": self.b1 - 1,
                 "blocks_per_col": self.blocks_per_col, "total_blocks": self.total_blocks,
-                "zoomed": self.zoomed, self.key: self.cells.tolist()}
+                "zoomed": self.zoomed, "what": self.what, self.key: self.cells.tolist()}
 
 
 def col_edges(nblocks: int, cols: int) -> tuple:

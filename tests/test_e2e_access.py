@@ -1,0 +1,77 @@
+"""Access patterns from a recording (record -> report / export) against
+kvsim's own read truth: real BPF, real processes.  Every expected value comes
+from kvsim's books (--truth, --truth-steps), never from the tracer's code."""
+
+import numpy as np
+import pytest
+
+from conftest import dense
+from test_e2e_record import folded, record, report_json
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+LIVE_SET = ("step", "requests", "reads", "distinct", "tokens", "null_entries", "held_tokens")
+
+
+@pytest.mark.parametrize("workload", ["prefix", "default", "swap", "window"])
+def test_report_access_matches_truth(tmp_path, workload):
+    trace, truth = record(tmp_path, workload, "--truth-steps")
+    reads = truth["reads"]
+    doc = report_json(trace, "--kind", "reads")
+    (acc,) = doc["access"]
+    # totals of the stream's steps, and the group's shape
+    assert acc["steps"] == reads["steps"]
+    assert acc["layers"] == reads["layers"] == truth["num_layers"]
+    assert acc["block_size"] == reads["block_size"]
+    for key in ("reads", "distinct", "tokens", "held_tokens"):
+        assert acc[key] == reads[key], key
+    assert acc["reads_all_layers"] == reads["reads"] * truth["num_layers"]
+    # the per-step working set and utilization, as percentiles of kvsim's steps
+    steps = [dict(zip(LIVE_SET, row)) for row in reads["live_sets"]]
+    distinct = np.array([s["distinct"] for s in steps], np.float64)
+    assert acc["wss_blocks"] == [[p, float(np.percentile(distinct, p))]
+                                 for p in (0, 25, 50, 75, 90, 99, 100)]
+    util = np.array([s["held_tokens"] / (s["distinct"] * reads["block_size"])
+                     for s in steps if s["distinct"]])
+    assert [p for p, _ in acc["utilization"]] == [0, 25, 50, 75, 90, 99, 100]
+    assert [v for _, v in acc["utilization"]] == pytest.approx(
+        [float(np.percentile(util, p)) for p in (0, 25, 50, 75, 90, 99, 100)])
+    # per block: frequency, hottest and coldest from kvsim's per-block reads
+    per_block = dense(reads["per_block"], truth["num_blocks"])
+    assert acc["blocks_read"] == int(np.count_nonzero(per_block))
+    top = max(reads["per_block"], key=lambda bn: (bn[1], -bn[0]))
+    assert acc["hottest"][0] == top
+    # sharing: the most requests on one block at one step, from the histogram
+    assert max(d for d, _ in acc["sharing_max_by_block"]) == \
+        max(d for d, _ in reads["sharing"])
+    # prefix reuse: blocks a request found in the cache at its first step
+    assert acc["prefix_reuse"]["blocks"] == truth["prefix_hits"]
+    assert acc["prefix_reuse"]["steps_without_writes"] == 0
+    # the read heatmap holds every read once
+    assert doc["heatmap"]["what"].startswith("block reads")
+    assert sum(map(sum, doc["heatmap"]["reads"])) == reads["reads"]
+    # report's per-block reads (its aggregate, from the stream) equal kvsim's
+    (proc,) = [p for p in doc["blocks"]["processes"] if p["groups"]]
+    (group,) = proc["groups"]
+    assert group["reads_per_block"] == reads["per_block"]
+    assert group["last_read_step"] == reads["last_step"]
+    if workload == "prefix":
+        assert acc["prefix_reuse"]["requests"] == truth["requests"]
+        assert truth["prefix_hits"] > 0 and acc["sharing_mean"] > 1
+
+
+def test_export_weighted_by_reads_matches_truth(tmp_path):
+    trace, truth = record(tmp_path, "prefix")
+    per_block = {}
+    for frames, weight in folded(trace, "--by", "block", "--weight", "reads", "--group", 16):
+        proc, op, group, rng, block = frames
+        assert op == "block_table" and group == "group_00"
+        lo, hi = (int(x) for x in rng.removeprefix("blocks_").split("-"))
+        b = int(block.removeprefix("block_"))
+        assert lo <= b <= hi and hi - lo + 1 == 16
+        per_block[b] = per_block.get(b, 0) + weight
+    assert sorted(per_block.items()) == [tuple(x) for x in truth["reads"]["per_block"]]
+    # by stack: every read once, under the block_table op
+    stacks = folded(trace, "--by", "stack", "--weight", "reads")
+    assert sum(w for _, w in stacks) == truth["reads"]["reads"]
+    assert all(f[-2:] == ["block_table", "group_00"] for f, _ in stacks)
