@@ -236,3 +236,27 @@ def test_garbage_block_numbers_are_left_out_and_said(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "1 block numbers from" in r.stderr
     assert sum(int(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines()) == 4 * 20 - 1
+
+
+def test_a_trace_from_before_reads_still_reads():
+    """tests/data/before-reads.kvt was recorded (kvsim --workload mla) by the
+    tracer as it was before reads (commit 6ac4b6c): its op records lack rows
+    and held_tokens and it has no groups.  report and export still read it,
+    and its counts are that kvsim's own truth (before-reads.truth.json)."""
+    data = os.path.join(os.path.dirname(__file__), "data")
+    truth = json.load(open(os.path.join(data, "before-reads.truth.json")))
+    trace = tracefile.read(os.path.join(data, "before-reads.kvt"))
+    assert trace.complete and "rows" not in trace.meta["layouts"]["event"]["names"]
+    assert trace.groups == []
+    r = run_kvtrace("report", os.path.join(data, "before-reads.kvt"), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["access"] == [] and doc["blocks"]["exact"]
+    ops = doc["blocks"]["ops"]
+    assert {op: {"calls": v["calls"], "slots": v["slots"]} for op, v in ops.items()} == \
+        truth["ops"]
+    r = run_kvtrace("export", "--folded", os.path.join(data, "before-reads.kvt"),
+                    "--by", "block")
+    assert r.returncode == 0, r.stderr
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines()) == \
+        truth["slots_written"]
