@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import abi, aggregate
+from . import abi, access, aggregate
 from .aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
@@ -322,6 +322,18 @@ def reads_panel(proc, width: int) -> list:
                  histogram(reads, max(10, width - 12), rows=4, what="reads"),
                  Text(f"working set: {_n(now)} blocks read at the last step, "
                       f"{_n(read_ever)} read at least once, of {_n(len(reads))}")]
+        summ = access.group_summary(g) if g.steps else None
+        if summ is not None and summ["utilization"] is not None:
+            # the true figure the write-derived occupancy cannot give: tokens
+            # held in the blocks attention reads, over their capacity
+            ages = access.age_steps(last, int(last.max()))
+            idle = ages[ages > 0]
+            body.append(Text(
+                f"live set: {summ['distinct_per_step']:,.1f} blocks a step (mean), "
+                f"utilization {100 * summ['utilization']:.1f}% (tokens held / capacity), "
+                f"sharing {summ['sharing']:.2f} requests a block; "
+                f"{len(idle):,} blocks idle, median {np.median(idle) if len(idle) else 0:,.0f} "
+                "steps since their last read"))
         if read_ever:
             order = np.argsort(reads, kind="stable")
             read = order[reads[order] > 0]
