@@ -354,6 +354,7 @@ class FakeGroup:
         self.last_read_step = np.array(last, np.uint64)
         self.reads = int(self.reads_per_block.sum())
         self.distinct = int(np.count_nonzero(self.reads_per_block))
+        self.held_tokens = self.distinct * self.block_size - 12
         self.null_entries = self.out_of_range = self.truncated = self.read_errors = 0
 
     @property
@@ -374,6 +375,11 @@ def test_reads_panel_from_groups():
     assert "working set: 2 blocks read at the last step, 4 read at least once, of 64" in text
     assert "hottest block:reads 5:10, 7:7, 6:3, 8:1" in text
     assert "coldest read block:reads 8:1, 6:3, 7:7, 5:10" in text
+    # 4 distinct blocks over 10 steps, 52 of their 64 token slots held; 21
+    # reads of them; blocks 6 and 8 idle for 6 and 8 steps
+    assert "live set: 0.4 blocks a step (mean), utilization 81.2% (tokens held / " \
+        "capacity), sharing 5.25 requests a block; 2" in text
+    assert "blocks idle, median 7 steps since their last read" in text
     assert "blocks 3-10 of 64 (zoomed to those in use)" in text
     assert "height: reads per block; top 10" in text
     # a truncated table says so, in the panel
