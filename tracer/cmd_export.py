@@ -20,7 +20,7 @@ import numpy as np
 from . import abi, stream, tracefile
 from .errors import UsageError
 from .export import clean_frame, folded_lines, layer_frame
-from .files import check_writable, open_private
+from .files import Outputs, check_writable, write_file
 
 EXAMPLES = """\
 examples:
@@ -157,9 +157,9 @@ def run(args) -> int:
             print(f"kvtrace-bpf: {left_out} block numbers from {tracefile.MAX_BLOCKS} up "
                   "left out", file=sys.stderr)
     text = "".join(line + "\n" for line in lines)
+    out = Outputs()
     if args.output:
-        with open_private(args.output) as f:
-            f.write(text)
+        out.write(args.output, lambda: write_file(args.output, text))
     else:
-        sys.stdout.write(text)
-    return 0
+        out.write("the folded stacks to stdout", lambda: sys.stdout.write(text), stdout=True)
+    return out.finish()
