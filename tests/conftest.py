@@ -91,6 +91,50 @@ class Kvsim:
             self.proc.wait()
 
 
+def assert_one_line_error(r, code, *words):
+    """A user-facing failure: exit `code`, nothing on stdout, one line on
+    stderr that starts with the program's name and holds every word."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert lines[0].startswith("kvtrace-bpf"), lines[0]
+    assert r.stdout == "", r.stdout
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+# -- running without privileges ---------------------------------------------
+#
+# Two ways, neither of which depends on where the checkout lies (a fresh
+# clone under root's 0700 home, or a 0700 temporary folder, which uid 65534
+# could not even enter):
+# NOBODY: uid 65534 with one ambient capability, CAP_DAC_READ_SEARCH, so that
+#   it reads the checkout and the venv wherever they are; it still lacks
+#   CAP_BPF and CAP_PERFMON, which is what the tests are about.
+# NO_READ_OVERRIDE: root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
+#   (for it and anything it starts): file permissions bind it as they bind
+#   any user, so a file it does not own and may not read is refused.
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+          "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]
+NO_READ_OVERRIDE = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                    "--bounding-set=-dac_override,-dac_read_search", "--"]
+NOBODY_UID = 65534
+
+
+def run_as(prefix, *args, timeout=120):
+    """The CLI run under prefix (NOBODY, NO_READ_OVERRIDE).  Where that user
+    cannot even import the tracer the test FAILS: a skip would let CI pass
+    without the check."""
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import tracer.cli"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.fail(f"cannot run the tracer as {' '.join(prefix)}: "
+                    f"{probe.stderr.strip()[-300:]}")
+    return subprocess.run([*prefix, *kvtrace_cmd(*args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 class Tracer:
     """`kvtrace-bpf attach` running in the background."""
 
@@ -112,6 +156,12 @@ class Tracer:
         out, err = self.proc.communicate(timeout=timeout)
         fd_rest = _pending.pop(self.proc.stderr, b"").decode(errors="replace")
         return self.proc.returncode, out, self.early_err + fd_rest + err
+
+    def kill(self):
+        """Cleanup after a failed test: no tracer is left running."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def semaphore_values(pid, lib=KVSIM_LIB):
@@ -164,6 +214,21 @@ def code_differences(pid, path=KVSIM_LIB):
                 where = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(want, np.uint8))
                 diffs += [off + int(i) for i in where]
     return diffs
+
+
+def code_byte(pid, path, offset):
+    """The byte at file offset `offset` of `path` as mapped in pid (read only)."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                off = int(parts[2], 16)
+                if off <= offset < off + hi - lo:
+                    with open(f"/proc/{pid}/mem", "rb") as mem:
+                        mem.seek(lo + offset - off)
+                        return mem.read(1)[0]
+    raise AssertionError(f"{path}+{offset:#x} not mapped in {pid}")
 
 
 def unused_pid():

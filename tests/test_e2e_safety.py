@@ -169,9 +169,8 @@ def test_two_tracers_at_once_both_exact(tmp_path):
         assert truth_b["ops"]["copy_blocks"]["calls"] > truth_a["ops"]["copy_blocks"]["calls"]
     finally:
         for t in (a, b):
-            if t is not None and t.proc.poll() is None:
-                t.proc.kill()
-                t.proc.wait()
+            if t is not None:
+                t.kill()
         sim.kill()
 
 
@@ -203,7 +202,5 @@ def test_process_that_exits_during_attach(tmp_path):
         assert f"process {sim.pid} exited during attach" in lines[0]
         assert not os.path.exists(f"/proc/{sim.pid}")
     finally:
-        if tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        tracer.kill()
         sim.kill()

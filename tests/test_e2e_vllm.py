@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, Tracer, code_differences, kvtrace_cmd, read_line
+from conftest import ROOT, Tracer, code_byte, code_differences, dense, kvtrace_cmd, read_line
 from tracer import abi, catalog, tracefile
 
 pytestmark = pytest.mark.vllm
@@ -109,13 +109,6 @@ def traced_layers(doc):
     procs = [p for p in doc["processes"] if p["layers"]]
     assert len(procs) == 1, [(p["pid"], p["comm"]) for p in doc["processes"]]
     return procs[0]
-
-
-def dense(pairs, n):
-    out = [0] * n
-    for block, count in pairs:
-        out[block] = count
-    return out
 
 
 def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers):
@@ -232,9 +225,7 @@ def test_ctrl_c_ends_a_vllm_started_under_the_tracer(tmp_path, tiny_model, no_le
         tracer.proc.send_signal(signal.SIGINT)
         rc, _, err = tracer.finish(timeout=120)
     finally:
-        if tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        tracer.kill()
     assert rc == 0, err[-3000:]
     doc = json.loads(out_json.read_text())
     assert doc["stop_reason"] == "SIGINT"
@@ -276,21 +267,6 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     assert op["slots"] == 0
     (worker,) = [p for p in doc["processes"] if p["calls_only"]]
     assert all(not l["writes"] for l in worker["layers"])
-
-
-def code_byte(pid, path, offset):
-    """The byte at file offset `offset` of `path` as mapped in pid (read only)."""
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5] == path:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                off = int(parts[2], 16)
-                if off <= offset < off + hi - lo:
-                    with open(f"/proc/{pid}/mem", "rb") as mem:
-                        mem.seek(lo + offset - off)
-                        return mem.read(1)[0]
-    raise AssertionError(f"{path}+{offset:#x} not mapped in {pid}")
 
 
 def free_port():

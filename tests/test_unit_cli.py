@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import assert_one_line_error
 from tracer.errors import UsageError
 from tracer.files import check_writable, open_private
 
@@ -29,13 +30,6 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "tracer.cli", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "COLUMNS": "100"})
-
-
-def assert_one_line_error(r, code):
-    assert r.returncode == code, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr
-    assert len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stdout == ""
 
 
 def test_help():
