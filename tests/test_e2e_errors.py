@@ -201,3 +201,29 @@ def test_record_bad_flags(tmp_path, args):
                                   ("/bin/true", "-p", "1")])
 def test_probes_bad_flags(args):
     assert_one_line_error(run_kvtrace("probes", *args), EXIT_USAGE)
+
+
+# -- a command that cannot be executed ----------------------------------------
+
+@pytest.mark.parametrize("content,mode,words", [
+    # found and executable, but the kernel refuses the exec: only the exec's
+    # own errno can tell (the tracer has compiled and forked by then)
+    ("#!/nonexistent/interpreter\necho hi\n", 0o755, ("No such file or directory",)),
+    ("\x7fELF not really\n", 0o755, ("Exec format error",)),
+    # refused before anything starts
+    ("#!/bin/sh\necho hi\n", 0o644, ("Permission denied",)),
+])
+def test_command_that_cannot_be_executed(tmp_path, content, mode, words):
+    cmd = tmp_path / "cmd"
+    cmd.write_text(content)
+    cmd.chmod(mode)
+    r = run_kvtrace("attach", "-q", "--", cmd)
+    assert_one_line_error(r, EXIT_TARGET, f"cannot execute {cmd}", *words)
+    r = run_kvtrace("record", "-o", tmp_path / "r.kvt", "--", cmd)
+    assert_one_line_error(r, EXIT_TARGET, f"cannot execute {cmd}", *words)
+
+
+def test_missing_command_path(tmp_path):
+    r = run_kvtrace("attach", "-q", "--", tmp_path / "missing")
+    assert_one_line_error(r, EXIT_TARGET, "command not found", str(tmp_path / "missing"),
+                          "No such file or directory")
