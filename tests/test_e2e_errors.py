@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,34 @@ def test_missing_command_path(tmp_path):
     r = run_kvtrace("attach", "-q", "--", tmp_path / "missing")
     assert_one_line_error(r, EXIT_TARGET, "command not found", str(tmp_path / "missing"),
                           "No such file or directory")
+
+
+# -- inputs that are not regular files -------------------------------------------
+
+@pytest.mark.parametrize("cmd,code,words", [
+    (("report",), EXIT_DATA, ("cannot read", "a named pipe, not a trace file")),
+    (("export", "--folded"), EXIT_DATA, ("cannot read", "a named pipe, not a trace file")),
+    (("probes",), EXIT_TARGET, ("a named pipe, not an ELF file",)),
+])
+def test_offline_commands_refuse_a_named_pipe_without_waiting(tmp_path, cmd, code, words):
+    """A FIFO nobody writes to: opening it to read would block forever.  The
+    timeout is the test: the refusal comes at once."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = run_kvtrace(*cmd, fifo, timeout=30)
+    assert_one_line_error(r, code, str(fifo), *words)
+
+
+# -- commands agree on usage errors ----------------------------------------------
+
+@pytest.mark.parametrize("args", [("doctor", "-p", "0"), ("doctor", "-p", "-1"),
+                                  ("attach", "-p", "0"), ("probes", "-p", "0")])
+def test_non_positive_pid_is_a_usage_error_everywhere(args):
+    assert_one_line_error(run_kvtrace(*args), EXIT_USAGE, "must be > 0")
+
+
+@pytest.mark.parametrize("cmd", OFFLINE)
+def test_offline_pid_with_no_ops_is_a_usage_error(recording, cmd):
+    pid = unused_pid()
+    assert_one_line_error(run_kvtrace(*cmd, recording, "--pid", pid), EXIT_USAGE,
+                          f"no ops of pid {pid}")

@@ -143,6 +143,10 @@ def run(args) -> int:
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
     ops = trace.ops
     if args.pid is not None:
+        # as report does: a pid the trace has no ops of is a usage error,
+        # not an empty output that reads as "nothing happened"
+        if not np.any(ops.ops["pid"] == args.pid):
+            raise UsageError(f"no ops of pid {args.pid} in {trace.path}")
         ops = ops.select(ops.ops["pid"] == args.pid)
     lost = ((trace.end or {}).get("aggregate") or {}).get("lost_records", 0)
     incomplete = int(np.count_nonzero(~ops.ops["complete"]))

@@ -34,6 +34,38 @@ def check_writable(path: str):
         raise UsageError(f"cannot write {path}: permission denied")
 
 
+def not_regular(mode: int) -> str:
+    """What a file that is not a regular file is ("" for a regular file):
+    the offline commands read regular files only, since a named pipe with no
+    writer, or a device such as /dev/zero, would keep them waiting forever."""
+    for test, what in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return what
+    return "" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def open_regular(path: str):
+    """Open path for reading (bytes) without blocking on a named pipe, and
+    refuse anything that is not a regular file: OSError as open() raises
+    it, or (what it is) as IsNotRegular."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what:
+            raise IsNotRegular(what)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+class IsNotRegular(Exception):
+    pass
+
+
 def silence_stdout():
     """After a failed write to stdout: point its fd at /dev/null, so that the
     interpreter's own flush at exit (of what is still buffered) cannot fail

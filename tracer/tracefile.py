@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import socket
-import stat
 import struct
 import time
 import zlib
@@ -30,7 +29,7 @@ import numpy as np
 
 from . import __version__, abi, occupancy, stream
 from .errors import DataError
-from .files import open_private
+from .files import IsNotRegular, open_private, open_regular
 
 MAGIC = b"KVTRACE\0"
 VERSION = 1
@@ -201,11 +200,14 @@ def read(path: str) -> Trace:
     computes anything from it, so that a made-up or mangled file is a
     DataError naming the frame, never a numpy or JSON exception later."""
     try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would never end
-                raise DataError(f"cannot read {path}: a device, not a trace file")
-            data = f.read()  # a pipe is fine: it ends
+        # a regular file only: a named pipe nobody writes to, or /dev/zero,
+        # would never end (files.open_regular)
+        with open_regular(path) as f:
+            data = f.read()
+    except IsNotRegular as e:
+        what = str(e)
+        raise DataError(f"cannot read {path}: " + (
+            "Is a directory" if what == "a directory" else f"{what}, not a trace file")) from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
     except MemoryError:
