@@ -1182,6 +1182,8 @@ static void print_help(void)
 	       "  --block-size N       override the tokens per block\n"
 	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
+	       "  --ops-log FILE       one line per op as its probe site is reached:\n"
+	       "                       NAME CACHE_ID VALUES... (per-op truth)\n"
 	       "  --quiet              no summary line\n"
 	       "  --help               this text\n"
 	       "\n"
@@ -1229,6 +1231,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 		bool has_arg = !strcmp(flag, "--workload") ||
 			       !strcmp(flag, "--seed") ||
 			       !strcmp(flag, "--truth") ||
+			       !strcmp(flag, "--ops-log") ||
 			       !strcmp(flag, "--repeat") ||
 			       !strcmp(flag, "--rounds") ||
 			       !strcmp(flag, "--step-delay-us") ||
@@ -1262,6 +1265,12 @@ static void parse_args(int argc, char **argv, struct config *c)
 			if (!*val)
 				usage_error("%s needs a file name", flag);
 			c->truth_path = val;
+		} else if (!strcmp(flag, "--ops-log")) {
+			if (!*val)
+				usage_error("%s needs a file name", flag);
+			kv_ops_log = fopen(val, "w");
+			if (!kv_ops_log)
+				usage_error("cannot write %s", val);
 		} else if (!strcmp(flag, "--repeat")) {
 			c->repeat = parse_u64(flag, val, 1, 1000000);
 		} else if (!strcmp(flag, "--rounds")) {
@@ -1351,6 +1360,8 @@ int main(int argc, char **argv)
 			write_truth(&sim, cfg.truth_path);
 	}
 
+	if (kv_ops_log && fclose(kv_ops_log) != 0)
+		fatal("cannot write the --ops-log file");
 	const struct truth *t = &sim.t;
 	if (!cfg.quiet)
 		fprintf(stderr,

@@ -32,6 +32,19 @@ const char *kv_write_op_name(int write_op)
 	return write_op_names[write_op];
 }
 
+FILE *kv_ops_log;
+
+static void log_op(const char *name, uint64_t cache_id, const int64_t *v,
+		   int64_t n)
+{
+	if (!kv_ops_log)
+		return;
+	fprintf(kv_ops_log, "%s %llu", name, (unsigned long long)cache_id);
+	for (int64_t i = 0; i < n; i++)
+		fprintf(kv_ops_log, " %lld", (long long)v[i]);
+	fputc('\n', kv_ops_log);
+}
+
 static void die(const char *op, const char *what, int64_t v)
 {
 	fprintf(stderr, "kvsim_ops: %s: %s (%lld)\n", op, what, (long long)v);
@@ -94,6 +107,7 @@ void kv_write_slots(int write_op, struct kv_layer *layer, const int64_t *slots,
 	const int64_t nslots = layer->num_blocks * layer->block_size;
 	const int64_t bpt = layer->kv_bytes_per_token;
 
+	log_op(kv_write_op_name(write_op), kv_cache_id(layer), slots, n);
 	fire_write_probe(write_op, layer, slots, n);
 
 	for (int64_t i = 0; i < n; i++) {
@@ -114,6 +128,7 @@ void kv_copy_blocks(struct kv_layer *layer, const int64_t *pairs,
 {
 	const int64_t bpb = kv_bytes_per_block(layer);
 
+	log_op("copy_blocks", kv_cache_id(layer), pairs, 2 * npairs);
 	if (KVTRACE_ENABLED(copy_blocks))
 		KVTRACE_COPY_BLOCKS(pairs, npairs, bpb, kv_cache_id(layer));
 
@@ -145,6 +160,8 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 		return;
 	}
 
+	log_op(direction == KV_SWAP_OUT ? "swap_blocks:out" : "swap_blocks:in",
+	       kv_cache_id(gpu), pairs, 2 * npairs);
 	if (KVTRACE_ENABLED(swap_blocks))
 		KVTRACE_SWAP_BLOCKS(pairs, npairs, bpb, direction,
 				    kv_cache_id(gpu));
@@ -158,6 +175,7 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
 			  const uint64_t *sizes, int64_t n)
 {
+	log_op("swap_blocks_batch", 0, NULL, 0);
 	if (KVTRACE_ENABLED(swap_blocks_batch))
 		KVTRACE_SWAP_BLOCKS_BATCH(src, dst, sizes, n);
 
