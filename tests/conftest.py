@@ -4,6 +4,7 @@ from kvsim's own ground truth (--truth), never from the tracer's code."""
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -78,6 +79,12 @@ class Kvsim:
 
     def go(self):
         os.kill(self.pid, signal.SIGUSR1)
+
+    def stop(self, timeout=60):
+        """End a long --repeat run now (SIGUSR2: after the repetition in
+        progress, truth written, KV bytes checked); its exit status."""
+        os.kill(self.pid, signal.SIGUSR2)
+        return self.wait(timeout)
 
     def wait(self, timeout=60):
         return self.proc.wait(timeout)
@@ -164,6 +171,26 @@ class Tracer:
             self.proc.wait()
 
 
+def readelf_probes(path=KVSIM_LIB) -> list:
+    """[(provider, name)] of the USDT notes of path, as binutils' `readelf -n`
+    lists them: the counts the tests expect come from the binary itself, not
+    from a number written here nor from the tracer's own reader."""
+    out = subprocess.run(["readelf", "-n", str(path)], check=True, capture_output=True,
+                         text=True).stdout
+    probes = re.findall(r"Provider: (\S+)\s+Name: (\S+)", out)
+    assert probes, f"readelf found no USDT notes in {path}"
+    return probes
+
+
+def kvsim_truth(tmp_path, workload="default", *extra) -> dict:
+    """kvsim's ground truth for a workload from an untraced run of its own:
+    the layer and block counts a test needs before (or without) tracing."""
+    path = tmp_path / f"truth-untraced-{workload}-{time.monotonic_ns()}.json"
+    subprocess.run([str(KVSIM), "--workload", workload, "--truth", str(path), "--quiet",
+                    *map(str, extra)], check=True, timeout=120)
+    return json.loads(path.read_text())
+
+
 def semaphore_values(pid, lib=KVSIM_LIB):
     """The vllm_*_semaphore counters in a live process, read from its memory.
 
@@ -187,7 +214,7 @@ def semaphore_values(pid, lib=KVSIM_LIB):
         for name, vaddr in syms.items():
             mem.seek(base + vaddr)
             values[name[len("vllm_"):-len("_semaphore")]] = int.from_bytes(mem.read(2), "little")
-    assert len(values) == 7, values
+    assert len(values) == len(readelf_probes(lib)), values
     return values
 
 

@@ -131,7 +131,7 @@ struct config {
 	struct workload w; /* the workload with flag overrides applied */
 	uint64_t seed;
 	const char *truth_path;
-	bool pause, quiet;
+	bool pause, quiet, progress;
 	uint64_t repeat;
 	uint64_t rounds; /* each round waits for SIGUSR1, runs, rewrites the truth */
 	uint64_t step_delay_us;
@@ -981,6 +981,18 @@ static void complete_step(struct sim *s)
 	s->nrunning = kept;
 }
 
+/* SIGUSR2: stop after the current repetition, then end as if --repeat (and
+ * --rounds) had been reached: truth written, KV contents checked.  Tests run
+ * a long --repeat and stop it when they are done with it, instead of
+ * guessing how long a run takes on a loaded machine. */
+static volatile sig_atomic_t stop_requested;
+
+static void on_sigusr2(int sig)
+{
+	(void)sig;
+	stop_requested = 1;
+}
+
 static void run_once(struct sim *s)
 {
 	const struct timespec delay = {
@@ -1184,8 +1196,13 @@ static void print_help(void)
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
 	       "  --ops-log FILE       one line per op as its probe site is reached:\n"
 	       "                       NAME CACHE_ID VALUES... (per-op truth)\n"
+	       "  --progress           print 'kvsim: repetition N done' to stderr\n"
+	       "                       after each repetition (an event to wait on)\n"
 	       "  --quiet              no summary line\n"
 	       "  --help               this text\n"
+	       "\n"
+	       "SIGUSR2 stops it after the current repetition (truth written, KV\n"
+	       "checked, exit as if --repeat and --rounds were reached).\n"
 	       "\n"
 	       "Exit status: 0 ok, 1 KV contents mismatch or failure, 2 bad usage.\n");
 }
@@ -1257,6 +1274,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			c->pause = true;
 		} else if (!strcmp(flag, "--quiet")) {
 			c->quiet = true;
+		} else if (!strcmp(flag, "--progress")) {
+			c->progress = true;
 		} else if (!strcmp(flag, "--workload")) {
 			workload = val;
 		} else if (!strcmp(flag, "--seed")) {
@@ -1343,17 +1362,28 @@ int main(int argc, char **argv)
 	static struct sim sim;
 
 	parse_args(argc, argv, &cfg);
+	struct sigaction sa = { .sa_handler = on_sigusr2 };
+	sigemptyset(&sa.sa_mask);
+	if (sigaction(SIGUSR2, &sa, NULL) != 0)
+		fatal("sigaction failed");
 	/* Everything (library, KV buffers, requests) is set up before --pause. */
 	sim_init(&sim, &cfg);
 	double elapsed = 0;
-	for (uint64_t r = 0; r < cfg.rounds; r++) {
+	uint64_t reps = 0;
+	for (uint64_t r = 0; r < cfg.rounds && !stop_requested; r++) {
 		/* the truth file is complete before the next pause is announced,
 		 * so a tracer test can read each window's truth at the pause */
 		if (cfg.pause || cfg.rounds > 1)
 			wait_for_sigusr1();
 		double t0 = now_s();
-		for (uint64_t i = 0; i < cfg.repeat; i++)
+		for (uint64_t i = 0; i < cfg.repeat && !stop_requested; i++) {
 			run_once(&sim);
+			if (cfg.progress) {
+				fprintf(stderr, "kvsim: repetition %" PRIu64 " done\n",
+					++reps);
+				fflush(stderr);
+			}
+		}
 		elapsed += now_s() - t0;
 		sim.rounds_done++;
 		if (cfg.truth_path)
