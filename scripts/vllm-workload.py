@@ -49,13 +49,17 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="with --wait: N rounds, each waiting for its own SIGUSR1 and "
                    "rewriting --out; prints 'ROUND i DONE' to stderr after each")
+    p.add_argument("--until-stopped", action="store_true",
+                   help="with --wait: each round generates the batch again and again, "
+                   "printing 'ROUND i BATCH n' to stderr after each, until SIGUSR2 "
+                   "(checked between batches; --repeat is ignored)")
     p.add_argument("--out", help="also write the JSON result to this file")
     args = p.parse_args()
     if args.block_size % 32:
         p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
 
-    if args.wait:  # block it before vLLM starts threads: sigwait needs that
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    if args.wait:  # block them before vLLM starts threads: sigwait needs that
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 
     from vllm import LLM, SamplingParams
 
@@ -81,23 +85,42 @@ def main():
     for round_no in range(1, max(1, args.rounds) + 1):
         if args.wait:
             signal.sigwait({signal.SIGUSR1})
-        generate_round(llm, prompts, params, args, config, t_init)
+        generate_round(llm, prompts, params, args, config, t_init, round_no)
         if args.rounds > 1:
             print(f"ROUND {round_no} DONE", file=sys.stderr, flush=True)
 
 
-def generate_round(llm, prompts, params, args, config, t_init):
+def stop_requested() -> bool:
+    """--until-stopped: SIGUSR2 arrived (it stays pending, blocked, until
+    taken here, whichever thread it was sent to)."""
+    if signal.SIGUSR2 not in signal.sigpending():
+        return False
+    signal.sigwait({signal.SIGUSR2})
+    return True
+
+
+def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
     results = []
     t1 = time.time()
-    for _ in range(args.repeat):
+    batches = 0
+    while True:
         for out in llm.generate(prompts, params, use_tqdm=False):
             results.append({"prompt_len": len(out.prompt_token_ids),
                             "generated": list(out.outputs[0].token_ids)})
+        batches += 1
+        if args.wait and args.until_stopped:
+            # an event for a test: a whole batch went through the engine
+            print(f"ROUND {round_no} BATCH {batches}", file=sys.stderr, flush=True)
+            if stop_requested():
+                break
+        elif batches >= args.repeat:
+            break
     t_gen = time.time() - t1
     doc = {"pid": os.getpid(), "block_size": args.block_size,
            "num_layers": config["num_hidden_layers"],
            "prefix_caching": args.prefix_caching == "on", "seed": args.seed,
            "init_s": round(t_init, 3), "generate_s": round(t_gen, 3),
+           "batches": batches,
            "generated_tokens": sum(len(r["generated"]) for r in results),
            "requests": results}
     line = json.dumps(doc)

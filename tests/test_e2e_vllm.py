@@ -89,6 +89,19 @@ class Workload:
     def round_done(self, round_no):
         return f"ROUND {round_no} DONE" in self.log.read_text()
 
+    def wait_log(self, needle, timeout=300):
+        """Wait for a line of the workload's log (an event it announces)."""
+        deadline = time.monotonic() + timeout
+        while needle not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {needle!r} in the log:\n"
+                                     + self.log.read_text()[-3000:])
+            time.sleep(0.1)
+
+    def stop_round(self):
+        """--until-stopped: end the round after the batch in progress."""
+        os.kill(self.pid, signal.SIGUSR2)
+
     def kill(self):
         try:
             os.killpg(self.pid, signal.SIGKILL)
@@ -329,7 +342,8 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
     generated["block_size"] = BLOCK_SIZE
     want = expected(generated)
     worker = traced_layers(doc)
-    assert len(worker["layers"]) == 2  # scripts/make-tiny-model.py's default
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert len(worker["layers"]) == config["num_hidden_layers"]
     for layer in worker["layers"]:
         assert layer["slots"] == want["slots_per_layer"]
 
@@ -390,11 +404,18 @@ def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
         assert sorted(g.fill.tolist()) == want_fills, key
         assert g.max_writes <= bs
 
-    # and `report` shows it
+    # and `report` shows it: every layer's histogram of generations by the
+    # tokens they held at their end is the formula's
     r = subprocess.run(kvtrace_cmd("report", trace, "--format", "json"), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    json.loads(r.stdout)
+    occupancy = [o for o in json.loads(r.stdout)["occupancy"] if o["generations"]]
+    assert sorted(o["layer"] for o in occupancy) == list(range(generated["num_layers"]))
+    want_hist = np.bincount(want_fills, minlength=bs + 1).tolist()
+    for o in occupancy:
+        assert o["block_size"] == bs
+        assert o["fill_hist"] == want_hist, o["layer"]
+        assert o["generations"] == len(want_fills)
 
 
 VLLM_EXTENSION = re.compile(r"/vllm/_C(_[A-Za-z0-9]+)?\.abi3\.so$")
@@ -438,64 +459,92 @@ def wait_unpatched(mappings, timeout=10):
     return patched(mappings)
 
 
-# Each round generates the request batch this many times: long enough (some
-# seconds) for a tracer to be signalled while vLLM generates.
-ROUND_REPEAT = 12
-
-
 def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
     """One vLLM, six rounds of the same greedy batch.  Round 1 untraced is the
     reference; in rounds 2-4 the tracer is stopped by SIGINT, SIGTERM and
     SIGKILL while vLLM generates; in round 5 two tracers count at once, both
-    exactly; round 6 runs untraced again.  Every round generates the
-    reference's tokens, and once the tracers are gone vLLM's code is its
-    library's again (no int3 left)."""
-    wl = Workload(tmp_path, tiny_model, "--rounds", 6, "--repeat", ROUND_REPEAT)
-    try:
+    exactly; round 6 runs untraced again.  Every batch of every round
+    generates the reference's tokens, and once the tracers are gone vLLM's
+    code is its library's again (no int3 left).
+
+    Each round generates the batch again and again until it is told to stop
+    (--until-stopped), and announces every batch: the tracer is signalled
+    once a whole batch went through vLLM under it, and the round is stopped
+    only after that, so "while vLLM generates" holds whatever this machine's
+    speed."""
+    wl = Workload(tmp_path, tiny_model, "--rounds", 6, "--until-stopped")
+
+    def run_round(round_no, while_running=lambda: None):
         wl.go()
-        first = wl.round_result(1)
-        reference = first["requests"]
-        assert len(reference) == len(REQUESTS.split(",")) * ROUND_REPEAT
+        wl.wait_log(f"ROUND {round_no} BATCH 1")
+        while_running()
+        assert not wl.round_done(round_no)  # it runs until stopped
+        wl.stop_round()
+        return wl.round_result(round_no)
+
+    def batches(generated):
+        n = len(REQUESTS.split(","))
+        reqs = generated["requests"]
+        assert generated["batches"] >= 1 and len(reqs) == n * generated["batches"]
+        return [reqs[i:i + n] for i in range(0, len(reqs), n)]
+
+    try:
+        first = run_round(1)
+        reference = batches(first)[0]
+        assert all(b == reference for b in batches(first))
         mappings = vllm_code_mappings(wl.pid)
         assert mappings and not patched(mappings)
 
         for round_no, sig in ((2, signal.SIGINT), (3, signal.SIGTERM), (4, signal.SIGKILL)):
             out = tmp_path / f"round{round_no}.json"
             tracer = Tracer("-q", "-p", wl.pid, "--json", out)
-            tracer.wait_attached(timeout=180)
-            assert patched(mappings), "attached, yet no uprobe in vLLM's code"
-            wl.go()
-            time.sleep(first["generate_s"] / 4)
-            assert not wl.round_done(round_no), "the round ended before the signal"
-            tracer.proc.send_signal(sig)
-            rc, _, err = tracer.finish(timeout=120)
+            try:
+                tracer.wait_attached(timeout=180)
+                assert patched(mappings), "attached, yet no uprobe in vLLM's code"
+                result = {}
+
+                def signal_the_tracer():
+                    tracer.proc.send_signal(sig)
+                    result["tracer"] = tracer.finish(timeout=120)
+                    # the kernel took the uprobes out as the tracer's fds
+                    # closed, however it died, while vLLM still generates
+                    result["left"] = wait_unpatched(mappings)
+
+                generated = run_round(round_no, signal_the_tracer)
+            finally:
+                tracer.kill()
+            rc, _, err = result["tracer"]
             if sig == signal.SIGKILL:
                 assert rc == -signal.SIGKILL
             else:
                 assert rc == 0 and "Traceback" not in err, err
                 doc = json.loads(out.read_text())
                 assert doc["stop_reason"] == sig.name
-                assert doc["ops"]["cpu_attn_reshape_and_cache"]["slots"] > 0
-            # the kernel took the uprobes out as the tracer's fds closed,
-            # however it died, and vLLM generated on unharmed
-            assert wait_unpatched(mappings) == [], f"{sig.name}: int3 left in vLLM's code"
-            assert wl.round_result(round_no)["requests"] == reference, sig.name
+                # at least the batch it saw whole, in every layer
+                want = expected({"requests": reference, "block_size": BLOCK_SIZE})
+                assert doc["ops"]["cpu_attn_reshape_and_cache"]["slots"] >= \
+                    want["slots_per_layer"] * first["num_layers"]
+            assert result["left"] == [], f"{sig.name}: int3 left in vLLM's code"
+            assert all(b == reference for b in batches(generated)), sig.name
 
         # two tracers at once: both exact; the code is restored only when
         # the second leaves
         a_json, b_json = tmp_path / "a.json", tmp_path / "b.json"
         a = Tracer("-q", "-p", wl.pid, "--json", a_json)
         b = Tracer("-q", "-p", wl.pid, "--json", b_json)
-        a.wait_attached(timeout=180)
-        b.wait_attached(timeout=180)
-        wl.go()
-        generated = wl.round_result(5)
-        assert generated["requests"] == reference
-        a.proc.send_signal(signal.SIGINT)
-        assert a.finish(timeout=120)[0] == 0
-        assert patched(mappings), "the second tracer lost its uprobes when the first left"
-        b.proc.send_signal(signal.SIGINT)
-        assert b.finish(timeout=120)[0] == 0
+        try:
+            a.wait_attached(timeout=180)
+            b.wait_attached(timeout=180)
+            generated = run_round(5)
+            assert all(b_ == reference for b_ in batches(generated))
+            a.proc.send_signal(signal.SIGINT)
+            assert a.finish(timeout=120)[0] == 0
+            assert patched(mappings), "the second tracer lost its uprobes when the first left"
+            b.proc.send_signal(signal.SIGINT)
+            assert b.finish(timeout=120)[0] == 0
+        finally:
+            a.kill()
+            b.kill()
         assert wait_unpatched(mappings) == []
         want = expected(generated)
         for path in (a_json, b_json):
@@ -505,7 +554,8 @@ def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
             assert len(layers) == generated["num_layers"]
             assert [l["slots"] for l in layers] == [want["slots_per_layer"]] * len(layers)
 
-        wl.go()
-        assert wl.result()["requests"] == reference  # round 6, untraced; exits 0
+        last = run_round(6)  # untraced
+        assert all(b == reference for b in batches(last))
+        assert wl.proc.wait(120) == 0
     finally:
         wl.kill()
