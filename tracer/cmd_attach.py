@@ -9,6 +9,8 @@ import time
 
 from rich.console import Console
 from rich.live import Live
+from rich.segment import Segment
+from rich.style import Style
 
 from . import abi, discover, follow, live, target as target_mod
 from .aggregate import Aggregate
@@ -282,6 +284,27 @@ def _title(tracer, target) -> str:
     return f"kvtrace-bpf  pid {target.pid}  traced: {procs or 'none yet'}"
 
 
+class _FitScreen:
+    """The live view cut to the terminal's height less one line.  A frame as
+    tall as the screen scrolls it by the newline after its last line, and
+    rich's Live then cannot move back over its top line: that line, the
+    header, stayed behind on stop and showed twice above the summary."""
+
+    def __init__(self, renderable):
+        self.renderable = renderable
+
+    def __rich_console__(self, console, options):
+        lines = console.render_lines(self.renderable, options.update(height=None), pad=False)
+        room = max(1, console.height - 1)
+        if len(lines) > room:
+            more = Segment(f"... {len(lines) - room + 1} more lines: a taller terminal "
+                           "shows them", Style(dim=True))
+            lines = lines[:room - 1] + [[more]]
+        for line in lines:
+            yield from line
+            yield Segment.line()
+
+
 def _trace_loop(args, tracer, target, follower, stop, on_poll=None, recorder=None):
     def recorder_failed():
         return recorder is not None and recorder.error is not None and \
@@ -295,9 +318,9 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, recorder=Non
     next_scan = time.monotonic() + FOLLOW_INTERVAL
 
     def view():
-        return live.render(agg, prev, title=_title(tracer, target),
-                           width=min(console.width, 120),
-                           elapsed=time.monotonic() - tracer.started)
+        return _FitScreen(live.render(agg, prev, title=_title(tracer, target),
+                                      width=min(console.width, 120),
+                                      elapsed=time.monotonic() - tracer.started))
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
         if show_live else None
