@@ -305,6 +305,11 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         # the first request (after the server is up) is not traced
         subprocess.run([*request[:-2], "--requests", "5:1", "--wait", "300"], check=True,
                        capture_output=True, timeout=330)
+        # the help's way of finding the server, `-p $(pgrep ...)`, finds it
+        # (on a machine that runs one vLLM server, as here)
+        from test_e2e_examples import run_pid_expression, vllm_pid_expressions
+        for expr in vllm_pid_expressions():
+            assert run_pid_expression(expr) == str(server.pid), expr
         out_json = tmp_path / "kv.json"
         tracer = Tracer("-q", "-p", server.pid, "--json", out_json)
         tracer.wait_attached(timeout=180)

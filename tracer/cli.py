@@ -11,13 +11,13 @@ from .files import WatchedStdout, silence_stdout
 
 EPILOG = """\
 examples:
-  sudo kvtrace-bpf attach -p $(pgrep -f 'vllm serve')   # live per-block histograms
+  sudo kvtrace-bpf attach -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # live view
   sudo kvtrace-bpf attach -- tests/target/kvsim --workload swap
   sudo kvtrace-bpf record -o run.kvt -- tests/target/kvsim --workload swap
-  kvtrace-bpf report run.kvt                            # histograms, heatmap, true fill
+  kvtrace-bpf report run.kvt                         # histograms, heatmap, true fill
   kvtrace-bpf export --folded run.kvt --by block > run.folded
   kvtrace-bpf probes tests/target/libkvsim_ops.so
-  sudo kvtrace-bpf doctor -p $(pgrep -f 'vllm serve')    # can this machine trace it?
+  sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # can it be traced?
 
 exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data, 5 output
 """

@@ -29,7 +29,7 @@ from .errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetEr
 EXAMPLES = """\
 examples:
   sudo kvtrace-bpf doctor                    # can this machine trace?
-  sudo kvtrace-bpf doctor -p $(pgrep -f 'vllm serve')   # ... and which probes this vLLM offers
+  sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # ... and this vLLM's probes
   sudo kvtrace-bpf doctor -p 1234 --json     # the same, for scripts
 
 exit codes: 0 every check passed (WARN is fine), 2 an environment check
