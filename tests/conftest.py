@@ -191,6 +191,22 @@ def kvsim_truth(tmp_path, workload="default", *extra) -> dict:
     return json.loads(path.read_text())
 
 
+def kvsim_ops_log(path):
+    """kvsim's --ops-log: [(op, cache_id, values, swap flags)] in firing order,
+    one per op fired while its probe was enabled (complete lines only: a
+    killed kvsim may leave half of one)."""
+    from tracer import abi
+
+    text = Path(path).read_text()
+    out = []
+    for line in text[:text.rfind("\n") + 1].splitlines():
+        name, cache_id, *values = line.split()
+        name, _, direction = name.partition(":")
+        flags = {"": 0, "out": abi.EV_SWAP_OUT, "in": abi.EV_SWAP_IN}[direction]
+        out.append((name, int(cache_id), np.array(values, np.int64), flags))
+    return out
+
+
 def semaphore_values(pid, lib=KVSIM_LIB):
     """The vllm_*_semaphore counters in a live process, read from its memory.
 

@@ -6,10 +6,12 @@ import re
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, code_differences,
-                      kvsim_truth, read_line, run_kvtrace, semaphore_values)
+                      kvsim_ops_log, kvsim_truth, read_line, run_kvtrace, semaphore_values)
+from tracer import abi, tracefile
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -234,35 +236,59 @@ def test_only_the_traced_process_counts(tmp_path):
         other.kill()
 
 
+def assert_recorded_what_was_fired(doc, trace, log):
+    """Every op the tracer recorded is one kvsim fired while its probe was
+    enabled (its own --ops-log), in firing order, with the same values, and
+    the counters agree with the recording: whatever this machine's speed, and
+    whenever --duration fell (no "it must have seen some calls by now").
+    The log may hold more at either end: ops fired while a probe's semaphore
+    was already (or still) on but its program was not yet (or no longer)
+    attached, since each uprobe's open and close take time."""
+    t = tracefile.read(str(trace))
+    assert t.complete and t.ops.ops["complete"].all()
+    o = t.ops.ops
+    order = np.argsort(o["seq"], kind="stable")
+    got = [(abi.OP_NAMES[int(o["op"][i])], tuple(t.ops.values_of(i).tolist())) for i in order]
+    fired = [(name, tuple(v.tolist())) for name, _, v, _ in kvsim_ops_log(log)]
+    assert len(got) <= len(fired)
+    if got:  # a --repeat replays the same ops: any place where all of them fit
+        starts = [k for k in range(len(fired) - len(got) + 1) if fired[k] == got[0]]
+        assert any(fired[k:k + len(got)] == got for k in starts), "not what kvsim fired"
+    for op, st in doc["ops"].items():
+        assert st["calls"] == sum(1 for name, _ in got if name == op), op
+
+
 def test_duration_ends_a_command_we_started(tmp_path):
     """`-- CMD` outliving --duration is stopped and reaped, not left behind."""
-    out = tmp_path / "agg.json"
-    r = run_kvtrace("attach", "-q", "-d", 1, "--json", out, "--", KVSIM, "--workload",
-                    "default", "--repeat", 10000, "--step-delay-us", 1000, "--quiet")
+    out, log, trace = tmp_path / "agg.json", tmp_path / "ops.log", tmp_path / "run.kvt"
+    r = run_kvtrace("attach", "-q", "-d", 1, "--json", out, "-o", trace, "--", KVSIM, "--workload",
+                    "default", "--repeat", 1000000, "--step-delay-us", 1000, "--quiet",
+                    "--ops-log", log)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "duration"
     assert doc["target_exit_status"] == -signal.SIGTERM
-    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+    assert_recorded_what_was_fired(doc, trace, log)
     pid = doc["processes"][0]["pid"]
     assert not os.path.exists(f"/proc/{pid}")  # reaped: not even a zombie
 
 
 def test_ending_a_command_ends_its_whole_process_group(tmp_path):
     """A command's own children (vLLM's engine and workers) go with it, even
-    one that ignores SIGTERM: the tracer ends the group, SIGKILL last."""
-    out = tmp_path / "agg.json"
-    script = (f"trap '' TERM; {KVSIM} --workload default --repeat 100000 "
-              "--step-delay-us 1000 --quiet & wait")
-    r = run_kvtrace("attach", "-q", "-d", 2, "--json", out, "--", "sh", "-c", script)
+    one that ignores SIGTERM: the tracer ends the group, SIGKILL last.  The
+    child's pid comes from the command itself, not from the tracer."""
+    out, log, pidfile = tmp_path / "agg.json", tmp_path / "ops.log", tmp_path / "child.pid"
+    trace = tmp_path / "run.kvt"
+    script = (f"trap '' TERM; {KVSIM} --workload default --repeat 1000000 "
+              f"--step-delay-us 1000 --quiet --ops-log {log} & echo $! > {pidfile}; wait")
+    r = run_kvtrace("attach", "-q", "-d", 2, "--json", out, "-o", trace, "--", "sh", "-c", script)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "duration"
     assert doc["target_exit_status"] == -signal.SIGKILL  # TERM was ignored
-    (kvsim,) = [p for p in doc["processes"] if p["comm"] == "kvsim"]
-    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
-    for _ in range(100):  # the orphan's exit is reaped by init
-        if not os.path.exists(f"/proc/{kvsim['pid']}"):
-            break
+    assert_recorded_what_was_fired(doc, trace, log)
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5  # the orphan's exit is reaped by init
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{kvsim['pid']}"), "the command's child outlived it"
+    assert not os.path.exists(f"/proc/{child}"), "the command's child outlived it"

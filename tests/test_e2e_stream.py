@@ -8,7 +8,7 @@ copies, swaps, and the generations (true fill) kvsim keeps in its own books.
 import numpy as np
 import pytest
 
-from conftest import WRITE_OPS, assert_matches_truth, trace_stream
+from conftest import WRITE_OPS, assert_matches_truth, kvsim_ops_log, trace_stream
 from tracer import abi, occupancy
 from tracer.aggregate import Aggregate
 
@@ -90,17 +90,6 @@ def test_stream_reproduces_truth(tmp_path, workload, extra):
         assert g.steps == truth["steps"] and g.max_writes <= bs
 
 
-def kvsim_ops(path):
-    """kvsim's --ops-log: [(op, cache_id, values, flags)] in firing order."""
-    out = []
-    for line in path.read_text().splitlines():
-        name, cache_id, *values = line.split()
-        name, _, direction = name.partition(":")
-        flags = {"": 0, "out": abi.EV_SWAP_OUT, "in": abi.EV_SWAP_IN}[direction]
-        out.append((name, int(cache_id), np.array(values, np.int64), flags))
-    return out
-
-
 def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     """A one-page perf buffer under the stress workload: ops lose chunks or
     their records.  Every loss is counted in the kernel, every op that lost
@@ -116,7 +105,7 @@ def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     assert g["chunks_lost"] > 0  # the point of the test: there were losses
     lossy = (s.ops["flags"] & abi.EV_CHUNKS_LOST) != 0
     assert lossy.any() and not s.ops["complete"][lossy].any()
-    fired = kvsim_ops(log)
+    fired = kvsim_ops_log(log)
     assert len(fired) == calls
     whole = np.flatnonzero(s.ops["complete"])
     assert len(whole) > 0

@@ -1194,8 +1194,8 @@ static void print_help(void)
 	       "  --block-size N       override the tokens per block\n"
 	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
-	       "  --ops-log FILE       one line per op as its probe site is reached:\n"
-	       "                       NAME CACHE_ID VALUES... (per-op truth)\n"
+	       "  --ops-log FILE       one line per op fired with its probe enabled\n"
+	       "                       (traced): NAME CACHE_ID VALUES... (per-op truth)\n"
 	       "  --progress           print 'kvsim: repetition N done' to stderr\n"
 	       "                       after each repetition (an event to wait on)\n"
 	       "  --quiet              no summary line\n"
@@ -1290,6 +1290,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			kv_ops_log = fopen(val, "w");
 			if (!kv_ops_log)
 				usage_error("cannot write %s", val);
+			/* a line per op as it fires: a SIGTERM loses none */
+			setvbuf(kv_ops_log, NULL, _IOLBF, 0);
 		} else if (!strcmp(flag, "--repeat")) {
 			c->repeat = parse_u64(flag, val, 1, 1000000);
 		} else if (!strcmp(flag, "--rounds")) {

@@ -70,31 +70,39 @@ static void fire_write_probe(int write_op, const struct kv_layer *layer,
 	/* One site per probe: each probe has its own note and semaphore. */
 	switch (write_op) {
 	case KV_OP_RESHAPE_AND_CACHE:
-		if (KVTRACE_ENABLED(reshape_and_cache))
+		if (KVTRACE_ENABLED(reshape_and_cache)) {
+			log_op("reshape_and_cache", kv_cache_id(layer), slots, n);
 			KVTRACE_RESHAPE_AND_CACHE(slots, n, layer->block_size,
 						  kv_cache_id(layer),
 						  layer->num_blocks);
+		}
 		break;
 	case KV_OP_RESHAPE_AND_CACHE_FLASH:
-		if (KVTRACE_ENABLED(reshape_and_cache_flash))
+		if (KVTRACE_ENABLED(reshape_and_cache_flash)) {
+			log_op("reshape_and_cache_flash", kv_cache_id(layer), slots, n);
 			KVTRACE_RESHAPE_AND_CACHE_FLASH(slots, n,
 							layer->block_size,
 							kv_cache_id(layer),
 							layer->num_blocks);
+		}
 		break;
 	case KV_OP_CONCAT_AND_CACHE_MLA:
-		if (KVTRACE_ENABLED(concat_and_cache_mla))
+		if (KVTRACE_ENABLED(concat_and_cache_mla)) {
+			log_op("concat_and_cache_mla", kv_cache_id(layer), slots, n);
 			KVTRACE_CONCAT_AND_CACHE_MLA(slots, n,
 						     layer->block_size,
 						     kv_cache_id(layer),
 						     layer->num_blocks);
+		}
 		break;
 	case KV_OP_CPU_ATTN_RESHAPE_AND_CACHE:
-		if (KVTRACE_ENABLED(cpu_attn_reshape_and_cache))
+		if (KVTRACE_ENABLED(cpu_attn_reshape_and_cache)) {
+			log_op("cpu_attn_reshape_and_cache", kv_cache_id(layer), slots, n);
 			KVTRACE_CPU_ATTN_RESHAPE_AND_CACHE(slots, n,
 							   layer->block_size,
 							   kv_cache_id(layer),
 							   layer->num_blocks);
+		}
 		break;
 	default:
 		die("kv_write_slots", "bad write op", write_op);
@@ -107,7 +115,6 @@ void kv_write_slots(int write_op, struct kv_layer *layer, const int64_t *slots,
 	const int64_t nslots = layer->num_blocks * layer->block_size;
 	const int64_t bpt = layer->kv_bytes_per_token;
 
-	log_op(kv_write_op_name(write_op), kv_cache_id(layer), slots, n);
 	fire_write_probe(write_op, layer, slots, n);
 
 	for (int64_t i = 0; i < n; i++) {
@@ -128,9 +135,10 @@ void kv_copy_blocks(struct kv_layer *layer, const int64_t *pairs,
 {
 	const int64_t bpb = kv_bytes_per_block(layer);
 
-	log_op("copy_blocks", kv_cache_id(layer), pairs, 2 * npairs);
-	if (KVTRACE_ENABLED(copy_blocks))
+	if (KVTRACE_ENABLED(copy_blocks)) {
+		log_op("copy_blocks", kv_cache_id(layer), pairs, 2 * npairs);
 		KVTRACE_COPY_BLOCKS(pairs, npairs, bpb, kv_cache_id(layer));
+	}
 
 	for (int64_t i = 0; i < npairs; i++) {
 		uint8_t *src = block_ptr(layer, pairs[2 * i], "kv_copy_blocks");
@@ -160,11 +168,13 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 		return;
 	}
 
-	log_op(direction == KV_SWAP_OUT ? "swap_blocks:out" : "swap_blocks:in",
-	       kv_cache_id(gpu), pairs, 2 * npairs);
-	if (KVTRACE_ENABLED(swap_blocks))
+	if (KVTRACE_ENABLED(swap_blocks)) {
+		log_op(direction == KV_SWAP_OUT ? "swap_blocks:out"
+						: "swap_blocks:in",
+		       kv_cache_id(gpu), pairs, 2 * npairs);
 		KVTRACE_SWAP_BLOCKS(pairs, npairs, bpb, direction,
 				    kv_cache_id(gpu));
+	}
 
 	for (int64_t i = 0; i < npairs; i++)
 		memcpy(block_ptr(to, pairs[2 * i + 1], "kv_swap_blocks"),
@@ -175,9 +185,10 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
 			  const uint64_t *sizes, int64_t n)
 {
-	log_op("swap_blocks_batch", 0, NULL, 0);
-	if (KVTRACE_ENABLED(swap_blocks_batch))
+	if (KVTRACE_ENABLED(swap_blocks_batch)) {
+		log_op("swap_blocks_batch", 0, NULL, 0);
 		KVTRACE_SWAP_BLOCKS_BATCH(src, dst, sizes, n);
+	}
 
 	for (int64_t i = 0; i < n; i++)
 		memcpy((void *)(uintptr_t)dst[i],

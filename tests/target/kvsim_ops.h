@@ -49,8 +49,11 @@ static inline uint64_t kv_cache_id(const struct kv_layer *layer)
 }
 
 /*
- * When set (kvsim --ops-log FILE), every op appends one line here as its
- * probe site is reached, in firing order: "NAME CACHE_ID V..." with the
+ * When set (kvsim --ops-log FILE), every op whose probe is enabled (a
+ * tracer is attached: the kernel set its semaphore) appends one line here,
+ * line-buffered, just before the probe fires, in firing order: exactly what
+ * a tracer could see, whenever it attached and detached.
+ * "NAME CACHE_ID V..." with the
  * values the probe hands over (a write op's slots as given, padding
  * included; the block pairs of copies and swaps, flattened, a swap's
  * name saying its direction, "swap_blocks:out" or ":in"; nothing for
