@@ -128,7 +128,7 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
     """attach -p <the process the user started>: the tracer finds vLLM's
     worker among its descendants and counts what vLLM generated, exactly."""
     wl = Workload(tmp_path, tiny_model)
-    intruder = None
+    intruder = tracer = None
     try:
         # isolation: another process calls the same op of the same library
         # at the same time, and is not traced
@@ -150,6 +150,8 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
         generated = wl.result()
         rc, out, err = tracer.finish(timeout=120)  # ends with vLLM ("target exited")
     finally:
+        if tracer is not None:
+            tracer.kill()
         wl.kill()
         if intruder is not None and intruder.poll() is None:
             intruder.kill()
@@ -261,6 +263,7 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     torch's tensor layout): ops are counted, blocks are not, and the
     summary says the counts are not per block."""
     wl = Workload(tmp_path, tiny_model)
+    tracer = None
     try:
         out_json = tmp_path / "kv.json"
         tracer = Tracer("-q", "--calls-only", "-p", wl.pid, "--json", out_json)
@@ -269,6 +272,8 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
         generated = wl.result()
         rc, out, err = tracer.finish(timeout=120)
     finally:
+        if tracer is not None:
+            tracer.kill()
         wl.kill()
     assert rc == 0, err
     assert "calls only" in err
@@ -299,6 +304,7 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         server = subprocess.Popen([ROOT / "scripts" / "vllm-serve.sh", tiny_model, str(port)],
                                   stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                   start_new_session=True)
+    tracer = None
     try:
         request = [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm-request.py"),
                    "--port", str(port), "--requests", "100:8,40:3,33:5,64:1"]
@@ -331,6 +337,8 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         # nothing left behind in the running worker: the original code is back
         assert code_byte(worker_pid, lib, site.offset) == original
     finally:
+        if tracer is not None:
+            tracer.kill()
         server.send_signal(signal.SIGINT)
         try:
             server.wait(60)
