@@ -207,6 +207,18 @@ def kvsim_ops_log(path):
     return out
 
 
+def assert_log_covers(op_ids, fired):
+    """Every kind of op the tracer saw is one kvsim's --ops-log logs (a
+    probe added to kvsim without its log_op() would make every comparison
+    with the log wrong, so say that instead)."""
+    from tracer import abi
+
+    missing = {abi.OP_NAMES.get(int(x), str(x)) for x in np.unique(op_ids)} - \
+        {name for name, *_ in fired}
+    assert not missing, (f"kvsim's --ops-log has no {sorted(missing)}: call log_op() at "
+                         "their probe sites in tests/target/kvsim_ops.c")
+
+
 def semaphore_values(pid, lib=KVSIM_LIB):
     """The vllm_*_semaphore counters in a live process, read from its memory.
 

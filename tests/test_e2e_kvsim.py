@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth, code_differences,
-                      kvsim_ops_log, kvsim_truth, read_line, run_kvtrace, semaphore_values)
+from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_log_covers, assert_matches_truth,
+                      code_differences, kvsim_ops_log, kvsim_truth, read_line, run_kvtrace,
+                      semaphore_values)
 from tracer import abi, tracefile
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla")
@@ -249,7 +250,9 @@ def assert_recorded_what_was_fired(doc, trace, log):
     o = t.ops.ops
     order = np.argsort(o["seq"], kind="stable")
     got = [(abi.OP_NAMES[int(o["op"][i])], tuple(t.ops.values_of(i).tolist())) for i in order]
-    fired = [(name, tuple(v.tolist())) for name, _, v, _ in kvsim_ops_log(log)]
+    logged = kvsim_ops_log(log)
+    assert_log_covers(o["op"], logged)
+    fired = [(name, tuple(v.tolist())) for name, _, v, _ in logged]
     assert len(got) <= len(fired)
     if got:  # a --repeat replays the same ops: any place where all of them fit
         starts = [k for k in range(len(fired) - len(got) + 1) if fired[k] == got[0]]

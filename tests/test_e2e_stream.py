@@ -8,7 +8,8 @@ copies, swaps, and the generations (true fill) kvsim keeps in its own books.
 import numpy as np
 import pytest
 
-from conftest import WRITE_OPS, assert_matches_truth, kvsim_ops_log, trace_stream
+from conftest import (WRITE_OPS, assert_log_covers, assert_matches_truth, kvsim_ops_log,
+                      trace_stream)
 from tracer import abi, occupancy
 from tracer.aggregate import Aggregate
 
@@ -106,6 +107,7 @@ def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     lossy = (s.ops["flags"] & abi.EV_CHUNKS_LOST) != 0
     assert lossy.any() and not s.ops["complete"][lossy].any()
     fired = kvsim_ops_log(log)
+    assert_log_covers(s.ops["op"], fired)
     assert len(fired) == calls
     whole = np.flatnonzero(s.ops["complete"])
     assert len(whole) > 0
