@@ -1,7 +1,6 @@
 """`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
 
 import argparse
-import os
 import sys
 
 from . import (__version__, cmd_attach, cmd_doctor, cmd_export, cmd_probes, cmd_record,
