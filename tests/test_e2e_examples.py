@@ -11,6 +11,7 @@ running vLLM (`$(pgrep ...)`, `$!`, a fork's library path) are parsed by
 the real argument parser here, and their pgrep expression is run against a
 real vLLM server in test_e2e_vllm.py."""
 
+import argparse
 import os
 import re
 import shlex
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Kvsim, kvtrace_cmd, read_line
+from conftest import ROOT, Kvsim, read_line
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -32,9 +33,15 @@ VLLM_ONLY = re.compile(r"\$\(|\$!|\.\.\./")
 
 
 def _help_examples(sub):
-    r = subprocess.run(kvtrace_cmd(*([sub] if sub else []), "--help"), cwd=ROOT,
-                       capture_output=True, text=True, timeout=60, check=True)
-    block = r.stdout.split("examples:\n", 1)[1].split("\n\n", 1)[0]
+    """The examples block of `kvtrace-bpf [sub] --help`, formatted in-process
+    (the same argparse text, without a process per help at collection)."""
+    from tracer.cli import build_parser
+
+    parser = build_parser()
+    if sub:
+        parser = next(a for a in parser._actions
+                      if isinstance(a, argparse._SubParsersAction)).choices[sub]
+    block = parser.format_help().split("examples:\n", 1)[1].split("\n\n", 1)[0]
     return block.replace("\\\n", " ").splitlines()
 
 
