@@ -48,7 +48,7 @@ $(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
 # against (pip takes the wheels from the machine's disk; about 1 GiB unpacked).
 FORK_BUILD := build/vllm-fork
 vllm-fork: $(STAMPS)/vllm-fork
-$(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env \
+$(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env scripts/vllm-fork/sdist-url.py \
 		scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv
 	scripts/build-vllm-fork.sh source $(FORK_BUILD) >/dev/null
 	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python

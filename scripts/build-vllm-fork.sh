@@ -12,7 +12,8 @@
 # not fetch again), the patched tree WORKDIR/vllm-0.33.0 (made anew when the
 # patch changes)
 # and the wheel (WORKDIR/dist).  The sdist is PyPI's vllm-0.33.0.tar.gz,
-# pinned by sha256 in scripts/vllm-fork/sdist.env; the patch is
+# pinned by name and sha256 in scripts/vllm-fork/sdist.env and found on the
+# index pip is configured with (scripts/vllm-fork/sdist-url.py); the patch is
 # scripts/vllm-fork/kvtrace-probes.patch.  docs/fork.md has the details.
 #
 # The build runs vLLM's own setup.py/CMake with nothing changed but the
@@ -47,7 +48,7 @@ esac
 work=${2:-$root/build/vllm-fork}
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
-sdist="$work/vllm-$VLLM_VERSION.tar.gz"
+sdist="$work/$SDIST_FILE"
 tree="$work/vllm-$VLLM_VERSION"
 
 die() {
@@ -61,8 +62,12 @@ fetch_sdist() {
 	if [ -f "$sdist" ] && [ "$(sha256 "$sdist")" = "$SDIST_SHA256" ]; then
 		return
 	fi
-	echo "build-vllm-fork: fetching vllm $VLLM_VERSION sdist from PyPI" >&2
-	python3 - "$SDIST_URL" "$sdist.part" <<-'EOF' || die "cannot fetch $SDIST_URL"
+	# the URL is resolved now, through pip's configured index: none is kept here
+	local url
+	url=$(python3 "$here/vllm-fork/sdist-url.py" vllm "$SDIST_FILE") ||
+		die "cannot find $SDIST_FILE on pip's indexes (see above)"
+	echo "build-vllm-fork: fetching $url" >&2
+	python3 - "$url" "$sdist.part" <<-'EOF' || die "cannot fetch $url"
 		import shutil, sys, urllib.request
 		with urllib.request.urlopen(sys.argv[1], timeout=120) as r, open(sys.argv[2], "wb") as f:
 		    shutil.copyfileobj(r, f)
@@ -70,7 +75,7 @@ fetch_sdist() {
 	got=$(sha256 "$sdist.part")
 	if [ "$got" != "$SDIST_SHA256" ]; then
 		rm -f "$sdist.part"
-		die "sha256 mismatch for $SDIST_URL: got $got, pinned $SDIST_SHA256"
+		die "sha256 mismatch for $url: got $got, pinned $SDIST_SHA256"
 	fi
 	mv "$sdist.part" "$sdist"
 }

@@ -68,6 +68,10 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="with --wait: N rounds, each waiting for its own SIGUSR1 and "
                    "rewriting --out; prints 'ROUND i DONE' to stderr after each")
+    p.add_argument("--until-stopped", action="store_true",
+                   help="with --wait: each round generates the batch again and again, "
+                   "printing 'ROUND i BATCH n' to stderr after each, until SIGUSR2 "
+                   "(checked between batches; --repeat is ignored)")
     p.add_argument("--out", help="also write the JSON result to this file")
     args = p.parse_args()
     if args.block_size % 32:
@@ -75,8 +79,8 @@ def main():
     if any(plen < args.shared_prefix for plen, _ in parse_requests(args.requests)):
         p.error("--shared-prefix is longer than a prompt")
 
-    if args.wait:  # block it before vLLM starts threads: sigwait needs that
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    if args.wait:  # block them before vLLM starts threads: sigwait needs that
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
     if args.record_reads:
         # vLLM's CPU platform starts the engine core and the worker with
         # multiprocessing's spawn, which imports this file again in them
@@ -143,16 +147,34 @@ def prefix_cache_counters(llm):
     return got
 
 
+def stop_requested() -> bool:
+    """--until-stopped: SIGUSR2 arrived (it stays pending, blocked, until
+    taken here, whichever thread it was sent to)."""
+    if signal.SIGUSR2 not in signal.sigpending():
+        return False
+    signal.sigwait({signal.SIGUSR2})
+    return True
+
+
 def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
     results, request_ids = [], []
     mark_round(args, round_no, "start")
     cache0 = prefix_cache_counters(llm)
     t1 = time.time()
-    for _ in range(args.repeat):
+    batches = 0
+    while True:
         for out in llm.generate(prompts, params, use_tqdm=False):
             results.append({"prompt_len": len(out.prompt_token_ids),
                             "generated": list(out.outputs[0].token_ids)})
             request_ids.append(out.request_id)
+        batches += 1
+        if args.wait and args.until_stopped:
+            # an event for a test: a whole batch went through the engine
+            print(f"ROUND {round_no} BATCH {batches}", file=sys.stderr, flush=True)
+            if stop_requested():
+                break
+        elif batches >= args.repeat:
+            break
     t_gen = time.time() - t1
     cache1 = prefix_cache_counters(llm)
     # the worker wrote each step's record before the step's output came
@@ -162,6 +184,7 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
            "num_layers": config["num_hidden_layers"],
            "prefix_caching": args.prefix_caching == "on", "seed": args.seed,
            "init_s": round(t_init, 3), "generate_s": round(t_gen, 3),
+           "batches": batches,
            "generated_tokens": sum(len(r["generated"]) for r in results),
            "requests": results,
            # new fields below; the ones above are what other tests parse

@@ -4,6 +4,7 @@ from kvsim's own ground truth (--truth), never from the tracer's code."""
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -79,6 +80,12 @@ class Kvsim:
     def go(self):
         os.kill(self.pid, signal.SIGUSR1)
 
+    def stop(self, timeout=60):
+        """End a long --repeat run now (SIGUSR2: after the repetition in
+        progress, truth written, KV bytes checked); its exit status."""
+        os.kill(self.pid, signal.SIGUSR2)
+        return self.wait(timeout)
+
     def wait(self, timeout=60):
         return self.proc.wait(timeout)
 
@@ -89,6 +96,50 @@ class Kvsim:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def assert_one_line_error(r, code, *words):
+    """A user-facing failure: exit `code`, nothing on stdout, one line on
+    stderr that starts with the program's name and holds every word."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert lines[0].startswith("kvtrace-bpf"), lines[0]
+    assert r.stdout == "", r.stdout
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+# -- running without privileges ---------------------------------------------
+#
+# Two ways, neither of which depends on where the checkout lies (a fresh
+# clone under root's 0700 home, or a 0700 temporary folder, which uid 65534
+# could not even enter):
+# NOBODY: uid 65534 with one ambient capability, CAP_DAC_READ_SEARCH, so that
+#   it reads the checkout and the venv wherever they are; it still lacks
+#   CAP_BPF and CAP_PERFMON, which is what the tests are about.
+# NO_READ_OVERRIDE: root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
+#   (for it and anything it starts): file permissions bind it as they bind
+#   any user, so a file it does not own and may not read is refused.
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+          "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]
+NO_READ_OVERRIDE = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                    "--bounding-set=-dac_override,-dac_read_search", "--"]
+NOBODY_UID = 65534
+
+
+def run_as(prefix, *args, timeout=120):
+    """The CLI run under prefix (NOBODY, NO_READ_OVERRIDE).  Where that user
+    cannot even import the tracer the test FAILS: a skip would let CI pass
+    without the check."""
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import tracer.cli"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.fail(f"cannot run the tracer as {' '.join(prefix)}: "
+                    f"{probe.stderr.strip()[-300:]}")
+    return subprocess.run([*prefix, *kvtrace_cmd(*args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 class Tracer:
@@ -112,6 +163,72 @@ class Tracer:
         out, err = self.proc.communicate(timeout=timeout)
         fd_rest = _pending.pop(self.proc.stderr, b"").decode(errors="replace")
         return self.proc.returncode, out, self.early_err + fd_rest + err
+
+    def kill(self):
+        """Cleanup after a failed test: no tracer is left running."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def readelf_probes(path=KVSIM_LIB) -> list:
+    """[(provider, name)] of the USDT notes of path, as binutils' `readelf -n`
+    lists them: the counts the tests expect come from the binary itself, not
+    from a number written here nor from the tracer's own reader."""
+    out = subprocess.run(["readelf", "-n", str(path)], check=True, capture_output=True,
+                         text=True).stdout
+    probes = re.findall(r"Provider: (\S+)\s+Name: (\S+)", out)
+    assert probes, f"readelf found no USDT notes in {path}"
+    return probes
+
+
+def kvsim_truth(tmp_path, workload="default", *extra) -> dict:
+    """kvsim's ground truth for a workload from an untraced run of its own:
+    the layer and block counts a test needs before (or without) tracing."""
+    path = tmp_path / f"truth-untraced-{workload}-{time.monotonic_ns()}.json"
+    subprocess.run([str(KVSIM), "--workload", workload, "--truth", str(path), "--quiet",
+                    *map(str, extra)], check=True, timeout=120)
+    return json.loads(path.read_text())
+
+
+def kvsim_ops_log(path, leader=None):
+    """kvsim's --ops-log: [(op, cache_id, values, swap flags)] in firing order,
+    one per op fired while its probe was enabled (complete lines only: a
+    killed kvsim may leave half of one).
+
+    kvsim logs the read probe (block_table: cache_id is the group id) at
+    every layer, the tracer reads it at one layer a step, its group's leader:
+    `leader` (the layer's cache id, from the trace's groups), or by default
+    the first layer logged, which is the tracer's when it attached before
+    kvsim ran (--pause)."""
+    from tracer import abi
+
+    text = Path(path).read_text()
+    out = []
+    for line in text[:text.rfind("\n") + 1].splitlines():
+        name, cache_id, *values = line.split()
+        if name == "block_table":
+            layer, *values = values
+            if leader is None:
+                leader = int(layer)
+            if int(layer) != leader:
+                continue
+        name, _, direction = name.partition(":")
+        flags = {"": 0, "out": abi.EV_SWAP_OUT, "in": abi.EV_SWAP_IN}[direction]
+        out.append((name, int(cache_id), np.array(values, np.int64), flags))
+    return out
+
+
+def assert_log_covers(op_ids, fired):
+    """Every kind of op the tracer saw is one kvsim's --ops-log logs (a
+    probe added to kvsim without its log_op() would make every comparison
+    with the log wrong, so say that instead)."""
+    from tracer import abi
+
+    missing = {abi.OP_NAMES.get(int(x), str(x)) for x in np.unique(op_ids)} - \
+        {name for name, *_ in fired}
+    assert not missing, (f"kvsim's --ops-log has no {sorted(missing)}: call log_op() at "
+                         "their probe sites in tests/target/kvsim_ops.c")
 
 
 def semaphore_values(pid, lib=KVSIM_LIB):
@@ -137,7 +254,7 @@ def semaphore_values(pid, lib=KVSIM_LIB):
         for name, vaddr in syms.items():
             mem.seek(base + vaddr)
             values[name[len("vllm_"):-len("_semaphore")]] = int.from_bytes(mem.read(2), "little")
-    assert len(values) == 8, values  # one per probe of bpf/kvtrace_probes.h
+    assert len(values) == len(readelf_probes(lib)), values
     return values
 
 
@@ -164,6 +281,21 @@ def code_differences(pid, path=KVSIM_LIB):
                 where = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(want, np.uint8))
                 diffs += [off + int(i) for i in where]
     return diffs
+
+
+def code_byte(pid, path, offset):
+    """The byte at file offset `offset` of `path` as mapped in pid (read only)."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                off = int(parts[2], 16)
+                if off <= offset < off + hi - lo:
+                    with open(f"/proc/{pid}/mem", "rb") as mem:
+                        mem.seek(lo + offset - off)
+                        return mem.read(1)[0]
+    raise AssertionError(f"{path}+{offset:#x} not mapped in {pid}")
 
 
 def unused_pid():

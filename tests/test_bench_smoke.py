@@ -60,10 +60,12 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     for key in ("live_s", "ready_s", "compile_s", "detach_s"):
         check_stats(res["attach"][key], f"attach.{key}")
 
+    # record, report and export all exist here: a skipped row (record failed)
+    # is a failure of this test, never a pass without the checks
     offline = res["offline"]
-    if "skipped" not in offline:
-        check_stats(offline["report"], "offline.report")
-        check_stats(offline["export"], "offline.export")
+    assert "skipped" not in offline, offline["skipped"]
+    check_stats(offline["report"], "offline.report")
+    check_stats(offline["export"], "offline.export")
 
     prom = res["prometheus"]  # row 9: the tracer's CPU with --prometheus
     for key in ("quiet", "prometheus", "prometheus_scraped"):

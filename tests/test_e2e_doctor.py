@@ -8,11 +8,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, Kvsim, kvtrace_cmd, semaphore_values, unused_pid
+from conftest import NOBODY, ROOT, Kvsim, kvtrace_cmd, run_as, semaphore_values, unused_pid
 # the real-vLLM workload and its model, from their one home (a fixture too)
 from test_e2e_vllm import Workload, tiny_model  # noqa: F401
 from tracer.cmd_doctor import (FAIL, PASS, Check, config_state, exit_code,
@@ -23,7 +22,6 @@ ENVIRONMENT_CHECKS = ("architecture", "kernel config", "uprobe PMU", "BPF progra
                       "privileges", "bcc privileges", "bcc", "kernel headers", "tracefs",
                       "perf_event_paranoid")
 LINE = re.compile(r"(PASS|WARN|FAIL|SKIP|INFO)  (\S+(?: \S+)*) {2,}(.*)")
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
 
 
@@ -133,11 +131,7 @@ def test_doctor_missing_pid(bpf_env):
 
 
 def test_doctor_as_nobody_fails_privileges():
-    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import tracer.cli"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:
-        pytest.skip(f"this checkout is not readable by uid 65534: {probe.stderr.strip()[-120:]}")
-    r = doctor(prefix=NOBODY)
+    r = run_as(NOBODY, "doctor")
     assert r.returncode == EXIT_ENV, r.stdout + r.stderr
     checks = checks_of(r)
     status, detail, fix = checks["privileges"]

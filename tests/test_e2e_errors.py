@@ -5,27 +5,16 @@ import os
 import random
 import shutil
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import KVSIM, KVSIM_LIB, ROOT, kvtrace_cmd, run_kvtrace, unused_pid
+from conftest import (KVSIM, KVSIM_LIB, NO_READ_OVERRIDE, NOBODY, NOBODY_UID, ROOT,
+                      assert_one_line_error, kvtrace_cmd, run_as, run_kvtrace, unused_pid)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 EXIT_USAGE, EXIT_ENV, EXIT_TARGET = 1, 2, 3
-
-
-def assert_one_line_error(r, code, *words):
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    assert lines[0].startswith("kvtrace-bpf")
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 def test_missing_pid():
@@ -63,14 +52,7 @@ def test_without_privileges_root_without_capabilities():
 
 
 def test_without_privileges_as_nobody():
-    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                            sys.executable, "-c", "import tracer.cli"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:
-        pytest.skip(f"this checkout is not readable by uid 65534: {probe.stderr.strip()[-120:]}")
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                        *kvtrace_cmd("attach", "-p", os.getpid())],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = run_as(NOBODY, "attach", "-p", os.getpid())
     assert_one_line_error(r, EXIT_ENV, "needs root")
 
 
@@ -98,7 +80,6 @@ def test_usage_errors(args):
 # -- the offline commands' inputs, and the flags of report, export, record ---------
 
 EXIT_DATA = 4
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
 @pytest.fixture(scope="module")
@@ -130,44 +111,27 @@ def test_offline_commands_on_what_is_not_a_trace(tmp_path, cmd):
         assert r.stdout == ""
 
 
-def _nobody_can_run_the_tracer():
-    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import tracer.cli"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:
-        pytest.skip(f"this checkout is not readable by uid 65534: {probe.stderr.strip()[-120:]}")
-
-
-@pytest.fixture
-def public_dir():
-    """A directory uid 65534 may enter (pytest's tmp_path is root's, 0700), so
-    that what it is refused is the file itself."""
-    d = tempfile.mkdtemp(prefix="kvtrace-test-")
-    os.chmod(d, 0o755)
-    yield Path(d)
-    shutil.rmtree(d)
+def _someone_elses(path):
+    """path made another user's private file: root without its read
+    overrides (NO_READ_OVERRIDE) may not read it, as any user may not."""
+    os.chown(path, NOBODY_UID, NOBODY_UID)
+    os.chmod(path, 0o600)
+    return path
 
 
 @pytest.mark.parametrize("cmd", OFFLINE)
-def test_offline_commands_on_a_trace_they_may_not_read(recording, public_dir, cmd):
-    _nobody_can_run_the_tracer()
-    trace = public_dir / "root-only.kvt"
-    shutil.copy(recording, trace)
-    os.chmod(trace, 0o600)
-    r = subprocess.run([*NOBODY, *kvtrace_cmd(*cmd, trace)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+def test_offline_commands_on_a_trace_they_may_not_read(recording, tmp_path, cmd):
+    trace = _someone_elses(shutil.copy(recording, tmp_path / "private.kvt"))
+    r = run_as(NO_READ_OVERRIDE, *cmd, trace)
     assert_one_line_error(r, EXIT_DATA, "cannot read", str(trace), "Permission denied")
     # and root reads it (the same file, so the refusal was the permission)
     assert run_kvtrace(*cmd, trace).returncode == 0
 
 
-def test_probes_on_a_directory_and_an_unreadable_file(public_dir):
-    assert_one_line_error(run_kvtrace("probes", public_dir), EXIT_TARGET, "directory")
-    _nobody_can_run_the_tracer()
-    lib = public_dir / "libkvsim_ops.so"
-    shutil.copy(KVSIM_LIB, lib)
-    os.chmod(lib, 0o600)
-    r = subprocess.run([*NOBODY, *kvtrace_cmd("probes", lib)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+def test_probes_on_a_directory_and_an_unreadable_file(tmp_path):
+    assert_one_line_error(run_kvtrace("probes", tmp_path), EXIT_TARGET, "directory")
+    lib = _someone_elses(shutil.copy(KVSIM_LIB, tmp_path / "libkvsim_ops.so"))
+    r = run_as(NO_READ_OVERRIDE, "probes", lib)
     assert_one_line_error(r, EXIT_TARGET, str(lib), "ermission denied")
     assert run_kvtrace("probes", lib).returncode == 0  # root: the same file has probes
 
@@ -238,3 +202,60 @@ def test_record_bad_flags(tmp_path, args):
                                   ("/bin/true", "-p", "1")])
 def test_probes_bad_flags(args):
     assert_one_line_error(run_kvtrace("probes", *args), EXIT_USAGE)
+
+
+# -- a command that cannot be executed ----------------------------------------
+
+@pytest.mark.parametrize("content,mode,words", [
+    # found and executable, but the kernel refuses the exec: only the exec's
+    # own errno can tell (the tracer has compiled and forked by then)
+    ("#!/nonexistent/interpreter\necho hi\n", 0o755, ("No such file or directory",)),
+    ("\x7fELF not really\n", 0o755, ("Exec format error",)),
+    # refused before anything starts
+    ("#!/bin/sh\necho hi\n", 0o644, ("Permission denied",)),
+])
+def test_command_that_cannot_be_executed(tmp_path, content, mode, words):
+    cmd = tmp_path / "cmd"
+    cmd.write_text(content)
+    cmd.chmod(mode)
+    r = run_kvtrace("attach", "-q", "--", cmd)
+    assert_one_line_error(r, EXIT_TARGET, f"cannot execute {cmd}", *words)
+    r = run_kvtrace("record", "-o", tmp_path / "r.kvt", "--", cmd)
+    assert_one_line_error(r, EXIT_TARGET, f"cannot execute {cmd}", *words)
+
+
+def test_missing_command_path(tmp_path):
+    r = run_kvtrace("attach", "-q", "--", tmp_path / "missing")
+    assert_one_line_error(r, EXIT_TARGET, "command not found", str(tmp_path / "missing"),
+                          "No such file or directory")
+
+
+# -- inputs that are not regular files -------------------------------------------
+
+@pytest.mark.parametrize("cmd,code,words", [
+    (("report",), EXIT_DATA, ("cannot read", "a named pipe, not a trace file")),
+    (("export", "--folded"), EXIT_DATA, ("cannot read", "a named pipe, not a trace file")),
+    (("probes",), EXIT_TARGET, ("a named pipe, not an ELF file",)),
+])
+def test_offline_commands_refuse_a_named_pipe_without_waiting(tmp_path, cmd, code, words):
+    """A FIFO nobody writes to: opening it to read would block forever.  The
+    timeout is the test: the refusal comes at once."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = run_kvtrace(*cmd, fifo, timeout=30)
+    assert_one_line_error(r, code, str(fifo), *words)
+
+
+# -- commands agree on usage errors ----------------------------------------------
+
+@pytest.mark.parametrize("args", [("doctor", "-p", "0"), ("doctor", "-p", "-1"),
+                                  ("attach", "-p", "0"), ("probes", "-p", "0")])
+def test_non_positive_pid_is_a_usage_error_everywhere(args):
+    assert_one_line_error(run_kvtrace(*args), EXIT_USAGE, "must be > 0")
+
+
+@pytest.mark.parametrize("cmd", OFFLINE)
+def test_offline_pid_with_no_ops_is_a_usage_error(recording, cmd):
+    pid = unused_pid()
+    assert_one_line_error(run_kvtrace(*cmd, recording, "--pid", pid), EXIT_USAGE,
+                          f"no ops of pid {pid}")

@@ -6,11 +6,13 @@ import re
 import signal
 import time
 
+import numpy as np
 import pytest
 
-from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_matches_truth,
-                      assert_reads_match_truth, run_kvtrace, code_differences, semaphore_values,
-                      truth_records)
+from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_log_covers, assert_matches_truth,
+                      assert_reads_match_truth, code_differences, kvsim_ops_log, kvsim_truth,
+                      read_line, run_kvtrace, semaphore_values, truth_records)
+from tracer import abi, tracefile
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -72,15 +74,22 @@ def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
 
 def test_limits_are_reported_not_hidden(tmp_path):
     """Blocks and layers beyond --max-blocks / --max-layers: what is kept is
-    exact, the rest is counted as out of range and the run says NOT exact."""
+    exact, the rest is counted as out of range and the run says NOT exact.
+    The limits are half the workload's blocks and one layer fewer than it
+    has, both read from kvsim's truth of an untraced run."""
+    shape = kvsim_truth(tmp_path, "default")
+    max_blocks, max_layers = shape["num_blocks"] // 2, shape["num_layers"] - 1
+    assert max_blocks & (max_blocks - 1) == 0 and max_layers >= 1  # as attach needs
     out = tmp_path / "agg.json"
     truth_path = tmp_path / "truth.json"
-    r = run_kvtrace("attach", "--max-blocks", 256, "--max-layers", 3, "--json", out, "--",
-                    KVSIM, "--workload", "default", "--truth", truth_path, "--quiet")
+    r = run_kvtrace("attach", "--max-blocks", max_blocks, "--max-layers", max_layers,
+                    "--json", out, "--", KVSIM, "--workload", "default", "--truth",
+                    truth_path, "--quiet")
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     truth = json.loads(truth_path.read_text())
-    assert truth["num_blocks"] == 512 and truth["num_layers"] == 4
+    assert (truth["num_blocks"], truth["num_layers"]) == (shape["num_blocks"],
+                                                          shape["num_layers"])
     assert doc["exact"] is False
     assert any("--max-blocks" in why for why in doc["inexact_reasons"])
     assert any("--max-layers" in why for why in doc["inexact_reasons"])
@@ -89,10 +98,10 @@ def test_limits_are_reported_not_hidden(tmp_path):
     beyond = 0
     for want in truth["layers"]:
         got = layers[want["cache_id"]]
-        if want["layer"] < 3:  # kept: exact below the block limit
-            assert [c for b, c in got["writes"]] == [c for c in want["writes"][:256] if c]
-            assert got["out_of_range"] == sum(want["writes"][256:])
-        else:  # no row left for the 4th layer: all of it out of range
+        if want["layer"] < max_layers:  # kept: exact below the block limit
+            assert [c for b, c in got["writes"]] == [c for c in want["writes"][:max_blocks] if c]
+            assert got["out_of_range"] == sum(want["writes"][max_blocks:])
+        else:  # no row left for the last layer: all of it out of range
             assert got["writes"] == [] and got["out_of_range"] == sum(want["writes"])
         beyond += got["out_of_range"]
     assert doc["ops"]["reshape_and_cache"]["out_of_range"] == beyond
@@ -129,13 +138,16 @@ def test_folded_stacks_parse_and_sum_to_totals(tmp_path):
 
 
 def _attached_running_kvsim(tmp_path, *tracer_args):
-    """A kvsim that runs for a few seconds, with a tracer attached to it."""
-    sim = Kvsim(tmp_path, "default", "--repeat", 100, "--step-delay-us", 300)
+    """A kvsim that runs until it is told to stop (a --repeat it would take
+    hours to reach, then SIGUSR2), with a tracer attached to it and one
+    whole repetition of the workload done under it: events, not a guess at
+    how fast this machine runs it."""
+    sim = Kvsim(tmp_path, "default", "--repeat", 1000000, "--step-delay-us", 300, "--progress")
     tracer = Tracer("-q", "-p", sim.pid, *tracer_args)
     tracer.wait_attached()
     assert semaphore_values(sim.pid)["reshape_and_cache"] == 1  # the kernel turned it on
     sim.go()
-    time.sleep(0.5)
+    read_line(sim.proc.stderr, "repetition 1 done", 60)
     return sim, tracer
 
 
@@ -144,15 +156,15 @@ def test_sigkill_of_the_tracer_leaves_no_semaphore_on(tmp_path):
     try:
         tracer.proc.kill()
         tracer.proc.wait()
-        for _ in range(50):  # the fds close as the process is torn down
-            if not any(semaphore_values(sim.pid).values()):
-                break
+        deadline = time.monotonic() + 10  # the fds close as the process is torn down
+        while any(semaphore_values(sim.pid).values()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert semaphore_values(sim.pid) == dict.fromkeys(semaphore_values(sim.pid), 0)
         assert code_differences(sim.pid) == []  # every int3 taken out again
-        assert sim.proc.poll() is None  # the target runs on...
-        assert sim.wait() == 0  # ...and finishes with its KV bytes intact
+        assert sim.proc.poll() is None  # the target runs on (until told to stop)...
+        assert sim.stop() == 0  # ...and finishes with its KV bytes intact
     finally:
+        tracer.kill()
         sim.kill()
 
 
@@ -170,9 +182,13 @@ def test_signal_detaches_and_prints_summary(tmp_path, sig):
         assert code_differences(sim.pid) == []
         doc = json.loads(out.read_text())
         assert doc["stop_reason"] == sig.name
-        assert doc["ops"]["reshape_and_cache"]["calls"] > 0
-        assert sim.wait() == 0
+        # at least the repetition it saw whole: kvsim's truth counts it
+        one = kvsim_truth(tmp_path, "default")["ops"]["reshape_and_cache"]["calls"]
+        assert doc["ops"]["reshape_and_cache"]["calls"] >= one
+        assert sim.proc.poll() is None
+        assert sim.stop() == 0
     finally:
+        tracer.kill()
         sim.kill()
 
 
@@ -198,7 +214,8 @@ def test_target_killed_mid_trace(tmp_path):
     # layers fire in order within a step, so a kill mid-step leaves the
     # first layers one call ahead, never more
     calls = [l["calls"] for l in doc["processes"][0]["layers"]]
-    assert len(calls) == 4 and max(calls) - min(calls) <= 1 and calls == sorted(calls, reverse=True)
+    assert len(calls) == kvsim_truth(tmp_path, "default")["num_layers"]
+    assert max(calls) - min(calls) <= 1 and calls == sorted(calls, reverse=True)
 
 
 def test_only_the_traced_process_counts(tmp_path):
@@ -224,35 +241,62 @@ def test_only_the_traced_process_counts(tmp_path):
         other.kill()
 
 
+def assert_recorded_what_was_fired(doc, trace, log):
+    """Every op the tracer recorded is one kvsim fired while its probe was
+    enabled (its own --ops-log), in firing order, with the same values, and
+    the counters agree with the recording: whatever this machine's speed, and
+    whenever --duration fell (no "it must have seen some calls by now").
+    The log may hold more at either end: ops fired while a probe's semaphore
+    was already (or still) on but its program was not yet (or no longer)
+    attached, since each uprobe's open and close take time."""
+    t = tracefile.read(str(trace))
+    assert t.complete and t.ops.ops["complete"].all()
+    o = t.ops.ops
+    order = np.argsort(o["seq"], kind="stable")
+    got = [(abi.OP_NAMES[int(o["op"][i])], tuple(t.ops.values_of(i).tolist())) for i in order]
+    (group,) = t.groups  # the layer whose calls the tracer read
+    logged = kvsim_ops_log(log, leader=group["leader"])
+    assert_log_covers(o["op"], logged)
+    fired = [(name, tuple(v.tolist())) for name, _, v, _ in logged]
+    assert len(got) <= len(fired)
+    if got:  # a --repeat replays the same ops: any place where all of them fit
+        starts = [k for k in range(len(fired) - len(got) + 1) if fired[k] == got[0]]
+        assert any(fired[k:k + len(got)] == got for k in starts), "not what kvsim fired"
+    for op, st in doc["ops"].items():
+        assert st["calls"] == sum(1 for name, _ in got if name == op), op
+
+
 def test_duration_ends_a_command_we_started(tmp_path):
     """`-- CMD` outliving --duration is stopped and reaped, not left behind."""
-    out = tmp_path / "agg.json"
-    r = run_kvtrace("attach", "-q", "-d", 1, "--json", out, "--", KVSIM, "--workload",
-                    "default", "--repeat", 10000, "--step-delay-us", 1000, "--quiet")
+    out, log, trace = tmp_path / "agg.json", tmp_path / "ops.log", tmp_path / "run.kvt"
+    r = run_kvtrace("attach", "-q", "-d", 1, "--json", out, "-o", trace, "--", KVSIM, "--workload",
+                    "default", "--repeat", 1000000, "--step-delay-us", 1000, "--quiet",
+                    "--ops-log", log)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "duration"
     assert doc["target_exit_status"] == -signal.SIGTERM
-    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
+    assert_recorded_what_was_fired(doc, trace, log)
     pid = doc["processes"][0]["pid"]
     assert not os.path.exists(f"/proc/{pid}")  # reaped: not even a zombie
 
 
 def test_ending_a_command_ends_its_whole_process_group(tmp_path):
     """A command's own children (vLLM's engine and workers) go with it, even
-    one that ignores SIGTERM: the tracer ends the group, SIGKILL last."""
-    out = tmp_path / "agg.json"
-    script = (f"trap '' TERM; {KVSIM} --workload default --repeat 100000 "
-              "--step-delay-us 1000 --quiet & wait")
-    r = run_kvtrace("attach", "-q", "-d", 2, "--json", out, "--", "sh", "-c", script)
+    one that ignores SIGTERM: the tracer ends the group, SIGKILL last.  The
+    child's pid comes from the command itself, not from the tracer."""
+    out, log, pidfile = tmp_path / "agg.json", tmp_path / "ops.log", tmp_path / "child.pid"
+    trace = tmp_path / "run.kvt"
+    script = (f"trap '' TERM; {KVSIM} --workload default --repeat 1000000 "
+              f"--step-delay-us 1000 --quiet --ops-log {log} & echo $! > {pidfile}; wait")
+    r = run_kvtrace("attach", "-q", "-d", 2, "--json", out, "-o", trace, "--", "sh", "-c", script)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "duration"
     assert doc["target_exit_status"] == -signal.SIGKILL  # TERM was ignored
-    (kvsim,) = [p for p in doc["processes"] if p["comm"] == "kvsim"]
-    assert doc["ops"]["reshape_and_cache"]["calls"] > 0
-    for _ in range(100):  # the orphan's exit is reaped by init
-        if not os.path.exists(f"/proc/{kvsim['pid']}"):
-            break
+    assert_recorded_what_was_fired(doc, trace, log)
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5  # the orphan's exit is reaped by init
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{kvsim['pid']}"), "the command's child outlived it"
+    assert not os.path.exists(f"/proc/{child}"), "the command's child outlived it"

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (KVSIM, KVSIM_LIB, Kvsim, WRITE_OPS, assert_matches_truth, kvtrace_cmd,
-                      read_line, run_kvtrace, ROOT)
+from conftest import (KVSIM, KVSIM_LIB, Kvsim, WRITE_OPS, assert_matches_truth, kvsim_truth,
+                      kvtrace_cmd, read_line, run_kvtrace, ROOT)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -227,4 +227,5 @@ def test_killed_recorder_leaves_a_readable_prefix(tmp_path):
     assert doc["stream"]["ops"] > 0 and doc["stream"]["incomplete_ops"] == 0
     # what made it is consistent: the layers are at most the step in flight apart
     calls = [l["calls"] for l in doc["blocks"]["processes"][0]["layers"]]
-    assert len(calls) == 4 and max(calls) - min(calls) <= 1
+    assert len(calls) == kvsim_truth(tmp_path, "default")["num_layers"]
+    assert max(calls) - min(calls) <= 1

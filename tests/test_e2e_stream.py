@@ -8,7 +8,8 @@ copies, swaps, and the generations (true fill) kvsim keeps in its own books.
 import numpy as np
 import pytest
 
-from conftest import WRITE_OPS, assert_matches_truth, trace_stream, truth_records
+from conftest import (WRITE_OPS, assert_log_covers, assert_matches_truth, kvsim_ops_log,
+                      trace_stream, truth_records)
 from tracer import abi, occupancy, stream
 from tracer.aggregate import Aggregate
 
@@ -93,16 +94,31 @@ def test_stream_reproduces_truth(tmp_path, workload, extra):
 def test_losses_are_counted_and_marked_never_half_used(tmp_path):
     """A one-page perf buffer under the stress workload: ops lose chunks or
     their records.  Every loss is counted in the kernel, every op that lost
-    values is incomplete, and the complete ones are whole."""
-    s, raw, truth = trace_stream(tmp_path, "stress", perf_pages=1)
+    values is incomplete, and every op the stream calls complete carries
+    exactly the values kvsim handed its probe (kvsim's own per-op log, matched
+    by the op's sequence number: kvsim is paused until the tracer attached,
+    so op seq k is the k-th op it fired)."""
+    log = tmp_path / "ops.log"
+    s, raw, truth = trace_stream(tmp_path, "stress", "--ops-log", log, perf_pages=1)
     g = raw["globals"]
     assert len(s.ops) + g["records_lost"] == truth_records(truth)
     assert g["chunks_lost"] > 0  # the point of the test: there were losses
     lossy = (s.ops["flags"] & abi.EV_CHUNKS_LOST) != 0
     assert lossy.any() and not s.ops["complete"][lossy].any()
-    whole = s.ops["complete"]
-    assert np.array_equal((s.ops["stop"] - s.ops["start"])[whole],
-                          stream.expected_values(s.ops)[whole].astype(np.int64))
+    fired = kvsim_ops_log(log)
+    assert_log_covers(s.ops["op"], fired)
+    assert len(fired) == calls
+    whole = np.flatnonzero(s.ops["complete"])
+    assert len(whole) > 0
+    for i in whole:
+        op = s.ops[i]
+        name, cache_id, values, flags = fired[int(op["seq"])]
+        assert abi.OP_NAMES[int(op["op"])] == name, (i, int(op["seq"]))
+        assert np.array_equal(s.values_of(i), values), (i, name)
+        if name != "swap_blocks_batch":  # no cache: a batch of raw copies
+            assert int(op["cache_id"]) == cache_id, (i, name)
+        if name == "swap_blocks":
+            assert op["flags"] & (abi.EV_SWAP_OUT | abi.EV_SWAP_IN) == flags
     assert not s.complete
     # the exact counters do not care
     assert_matches_truth(Aggregate.from_maps(raw).to_json(), truth)

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, Tracer, code_differences, kvtrace_cmd, read_line
+from conftest import ROOT, Tracer, code_byte, code_differences, dense, kvtrace_cmd, read_line
 from tracer import abi, catalog, tracefile
 
 pytestmark = pytest.mark.vllm
@@ -89,6 +89,19 @@ class Workload:
     def round_done(self, round_no):
         return f"ROUND {round_no} DONE" in self.log.read_text()
 
+    def wait_log(self, needle, timeout=300):
+        """Wait for a line of the workload's log (an event it announces)."""
+        deadline = time.monotonic() + timeout
+        while needle not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {needle!r} in the log:\n"
+                                     + self.log.read_text()[-3000:])
+            time.sleep(0.1)
+
+    def stop_round(self):
+        """--until-stopped: end the round after the batch in progress."""
+        os.kill(self.pid, signal.SIGUSR2)
+
     def kill(self):
         try:
             os.killpg(self.pid, signal.SIGKILL)
@@ -111,18 +124,11 @@ def traced_layers(doc):
     return procs[0]
 
 
-def dense(pairs, n):
-    out = [0] * n
-    for block, count in pairs:
-        out[block] = count
-    return out
-
-
 def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers):
     """attach -p <the process the user started>: the tracer finds vLLM's
     worker among its descendants and counts what vLLM generated, exactly."""
     wl = Workload(tmp_path, tiny_model)
-    intruder = None
+    intruder = tracer = None
     try:
         # isolation: another process calls the same op of the same library
         # at the same time, and is not traced
@@ -144,6 +150,8 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
         generated = wl.result()
         rc, out, err = tracer.finish(timeout=120)  # ends with vLLM ("target exited")
     finally:
+        if tracer is not None:
+            tracer.kill()
         wl.kill()
         if intruder is not None and intruder.poll() is None:
             intruder.kill()
@@ -232,9 +240,7 @@ def test_ctrl_c_ends_a_vllm_started_under_the_tracer(tmp_path, tiny_model, no_le
         tracer.proc.send_signal(signal.SIGINT)
         rc, _, err = tracer.finish(timeout=120)
     finally:
-        if tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        tracer.kill()
     assert rc == 0, err[-3000:]
     doc = json.loads(out_json.read_text())
     assert doc["stop_reason"] == "SIGINT"
@@ -257,6 +263,7 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     torch's tensor layout): ops are counted, blocks are not, and the
     summary says the counts are not per block."""
     wl = Workload(tmp_path, tiny_model)
+    tracer = None
     try:
         out_json = tmp_path / "kv.json"
         tracer = Tracer("-q", "--calls-only", "-p", wl.pid, "--json", out_json)
@@ -265,6 +272,8 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
         generated = wl.result()
         rc, out, err = tracer.finish(timeout=120)
     finally:
+        if tracer is not None:
+            tracer.kill()
         wl.kill()
     assert rc == 0, err
     assert "calls only" in err
@@ -276,21 +285,6 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
     assert op["slots"] == 0
     (worker,) = [p for p in doc["processes"] if p["calls_only"]]
     assert all(not l["writes"] for l in worker["layers"])
-
-
-def code_byte(pid, path, offset):
-    """The byte at file offset `offset` of `path` as mapped in pid (read only)."""
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5] == path:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                off = int(parts[2], 16)
-                if off <= offset < off + hi - lo:
-                    with open(f"/proc/{pid}/mem", "rb") as mem:
-                        mem.seek(lo + offset - off)
-                        return mem.read(1)[0]
-    raise AssertionError(f"{path}+{offset:#x} not mapped in {pid}")
 
 
 def free_port():
@@ -310,12 +304,18 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         server = subprocess.Popen([ROOT / "scripts" / "vllm-serve.sh", tiny_model, str(port)],
                                   stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                   start_new_session=True)
+    tracer = None
     try:
         request = [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm-request.py"),
                    "--port", str(port), "--requests", "100:8,40:3,33:5,64:1"]
         # the first request (after the server is up) is not traced
         subprocess.run([*request[:-2], "--requests", "5:1", "--wait", "300"], check=True,
                        capture_output=True, timeout=330)
+        # the help's way of finding the server, `-p $(pgrep ...)`, finds it
+        # (on a machine that runs one vLLM server, as here)
+        from test_e2e_examples import run_pid_expression, vllm_pid_expressions
+        for expr in vllm_pid_expressions():
+            assert run_pid_expression(expr) == str(server.pid), expr
         out_json = tmp_path / "kv.json"
         tracer = Tracer("-q", "-p", server.pid, "--json", out_json)
         tracer.wait_attached(timeout=180)
@@ -337,6 +337,8 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
         # nothing left behind in the running worker: the original code is back
         assert code_byte(worker_pid, lib, site.offset) == original
     finally:
+        if tracer is not None:
+            tracer.kill()
         server.send_signal(signal.SIGINT)
         try:
             server.wait(60)
@@ -353,7 +355,8 @@ def test_vllm_serve_traced_exactly(tmp_path, tiny_model, no_leftovers):
     generated["block_size"] = BLOCK_SIZE
     want = expected(generated)
     worker = traced_layers(doc)
-    assert len(worker["layers"]) == 2  # scripts/make-tiny-model.py's default
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert len(worker["layers"]) == config["num_hidden_layers"]
     for layer in worker["layers"]:
         assert layer["slots"] == want["slots_per_layer"]
 
@@ -414,11 +417,18 @@ def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
         assert sorted(g.fill.tolist()) == want_fills, key
         assert g.max_writes <= bs
 
-    # and `report` shows it
+    # and `report` shows it: every layer's histogram of generations by the
+    # tokens they held at their end is the formula's
     r = subprocess.run(kvtrace_cmd("report", trace, "--format", "json"), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    json.loads(r.stdout)
+    occupancy = [o for o in json.loads(r.stdout)["occupancy"] if o["generations"]]
+    assert sorted(o["layer"] for o in occupancy) == list(range(generated["num_layers"]))
+    want_hist = np.bincount(want_fills, minlength=bs + 1).tolist()
+    for o in occupancy:
+        assert o["block_size"] == bs
+        assert o["fill_hist"] == want_hist, o["layer"]
+        assert o["generations"] == len(want_fills)
 
 
 VLLM_EXTENSION = re.compile(r"/vllm/_C(_[A-Za-z0-9]+)?\.abi3\.so$")
@@ -462,64 +472,92 @@ def wait_unpatched(mappings, timeout=10):
     return patched(mappings)
 
 
-# Each round generates the request batch this many times: long enough (some
-# seconds) for a tracer to be signalled while vLLM generates.
-ROUND_REPEAT = 12
-
-
 def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
     """One vLLM, six rounds of the same greedy batch.  Round 1 untraced is the
     reference; in rounds 2-4 the tracer is stopped by SIGINT, SIGTERM and
     SIGKILL while vLLM generates; in round 5 two tracers count at once, both
-    exactly; round 6 runs untraced again.  Every round generates the
-    reference's tokens, and once the tracers are gone vLLM's code is its
-    library's again (no int3 left)."""
-    wl = Workload(tmp_path, tiny_model, "--rounds", 6, "--repeat", ROUND_REPEAT)
-    try:
+    exactly; round 6 runs untraced again.  Every batch of every round
+    generates the reference's tokens, and once the tracers are gone vLLM's
+    code is its library's again (no int3 left).
+
+    Each round generates the batch again and again until it is told to stop
+    (--until-stopped), and announces every batch: the tracer is signalled
+    once a whole batch went through vLLM under it, and the round is stopped
+    only after that, so "while vLLM generates" holds whatever this machine's
+    speed."""
+    wl = Workload(tmp_path, tiny_model, "--rounds", 6, "--until-stopped")
+
+    def run_round(round_no, while_running=lambda: None):
         wl.go()
-        first = wl.round_result(1)
-        reference = first["requests"]
-        assert len(reference) == len(REQUESTS.split(",")) * ROUND_REPEAT
+        wl.wait_log(f"ROUND {round_no} BATCH 1")
+        while_running()
+        assert not wl.round_done(round_no)  # it runs until stopped
+        wl.stop_round()
+        return wl.round_result(round_no)
+
+    def batches(generated):
+        n = len(REQUESTS.split(","))
+        reqs = generated["requests"]
+        assert generated["batches"] >= 1 and len(reqs) == n * generated["batches"]
+        return [reqs[i:i + n] for i in range(0, len(reqs), n)]
+
+    try:
+        first = run_round(1)
+        reference = batches(first)[0]
+        assert all(b == reference for b in batches(first))
         mappings = vllm_code_mappings(wl.pid)
         assert mappings and not patched(mappings)
 
         for round_no, sig in ((2, signal.SIGINT), (3, signal.SIGTERM), (4, signal.SIGKILL)):
             out = tmp_path / f"round{round_no}.json"
             tracer = Tracer("-q", "-p", wl.pid, "--json", out)
-            tracer.wait_attached(timeout=180)
-            assert patched(mappings), "attached, yet no uprobe in vLLM's code"
-            wl.go()
-            time.sleep(first["generate_s"] / 4)
-            assert not wl.round_done(round_no), "the round ended before the signal"
-            tracer.proc.send_signal(sig)
-            rc, _, err = tracer.finish(timeout=120)
+            try:
+                tracer.wait_attached(timeout=180)
+                assert patched(mappings), "attached, yet no uprobe in vLLM's code"
+                result = {}
+
+                def signal_the_tracer():
+                    tracer.proc.send_signal(sig)
+                    result["tracer"] = tracer.finish(timeout=120)
+                    # the kernel took the uprobes out as the tracer's fds
+                    # closed, however it died, while vLLM still generates
+                    result["left"] = wait_unpatched(mappings)
+
+                generated = run_round(round_no, signal_the_tracer)
+            finally:
+                tracer.kill()
+            rc, _, err = result["tracer"]
             if sig == signal.SIGKILL:
                 assert rc == -signal.SIGKILL
             else:
                 assert rc == 0 and "Traceback" not in err, err
                 doc = json.loads(out.read_text())
                 assert doc["stop_reason"] == sig.name
-                assert doc["ops"]["cpu_attn_reshape_and_cache"]["slots"] > 0
-            # the kernel took the uprobes out as the tracer's fds closed,
-            # however it died, and vLLM generated on unharmed
-            assert wait_unpatched(mappings) == [], f"{sig.name}: int3 left in vLLM's code"
-            assert wl.round_result(round_no)["requests"] == reference, sig.name
+                # at least the batch it saw whole, in every layer
+                want = expected({"requests": reference, "block_size": BLOCK_SIZE})
+                assert doc["ops"]["cpu_attn_reshape_and_cache"]["slots"] >= \
+                    want["slots_per_layer"] * first["num_layers"]
+            assert result["left"] == [], f"{sig.name}: int3 left in vLLM's code"
+            assert all(b == reference for b in batches(generated)), sig.name
 
         # two tracers at once: both exact; the code is restored only when
         # the second leaves
         a_json, b_json = tmp_path / "a.json", tmp_path / "b.json"
         a = Tracer("-q", "-p", wl.pid, "--json", a_json)
         b = Tracer("-q", "-p", wl.pid, "--json", b_json)
-        a.wait_attached(timeout=180)
-        b.wait_attached(timeout=180)
-        wl.go()
-        generated = wl.round_result(5)
-        assert generated["requests"] == reference
-        a.proc.send_signal(signal.SIGINT)
-        assert a.finish(timeout=120)[0] == 0
-        assert patched(mappings), "the second tracer lost its uprobes when the first left"
-        b.proc.send_signal(signal.SIGINT)
-        assert b.finish(timeout=120)[0] == 0
+        try:
+            a.wait_attached(timeout=180)
+            b.wait_attached(timeout=180)
+            generated = run_round(5)
+            assert all(b_ == reference for b_ in batches(generated))
+            a.proc.send_signal(signal.SIGINT)
+            assert a.finish(timeout=120)[0] == 0
+            assert patched(mappings), "the second tracer lost its uprobes when the first left"
+            b.proc.send_signal(signal.SIGINT)
+            assert b.finish(timeout=120)[0] == 0
+        finally:
+            a.kill()
+            b.kill()
         assert wait_unpatched(mappings) == []
         want = expected(generated)
         for path in (a_json, b_json):
@@ -529,7 +567,8 @@ def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
             assert len(layers) == generated["num_layers"]
             assert [l["slots"] for l in layers] == [want["slots_per_layer"]] * len(layers)
 
-        wl.go()
-        assert wl.result()["requests"] == reference  # round 6, untraced; exits 0
+        last = run_round(6)  # untraced
+        assert all(b == reference for b in batches(last))
+        assert wl.proc.wait(120) == 0
     finally:
         wl.kill()

@@ -4,12 +4,13 @@ apply, the probe header copy, where the sites are.  No compiler needed."""
 import os
 import re
 import subprocess
+import sys
 import tarfile
 
 import pytest
 
-from fork import (BUILD_SCRIPT, PATCH, PROBES_H, patch_files, patched_tree, sdist_env,
-                  sdist_path, sha256)
+from fork import (BUILD_SCRIPT, FORK_DIR, PATCH, PROBES_H, ROOT, patch_files, patched_tree,
+                  sdist_env, sdist_path, sha256)
 
 SLOT_OPS = ("reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla")
 
@@ -35,9 +36,37 @@ def host_function(source: str, name: str) -> str:
 def test_sdist_is_the_pinned_one():
     env = sdist_env()
     assert env["VLLM_VERSION"] == "0.33.0"
-    assert env["SDIST_URL"].endswith(f"/vllm-{env['VLLM_VERSION']}.tar.gz")
+    assert env["SDIST_FILE"] == f"vllm-{env['VLLM_VERSION']}.tar.gz"
     assert re.fullmatch(r"[0-9a-f]{64}", env["SDIST_SHA256"])
     assert sha256(sdist_path()) == env["SDIST_SHA256"]
+    # only these three: where to fetch it from is pip's index's business
+    assert set(env) == {"VLLM_VERSION", "SDIST_FILE", "SDIST_SHA256"}
+
+
+def test_no_registry_host_is_named_in_the_repository():
+    # the names are spelled in two halves so that this file does not match
+    hosts = ["python" + "hosted", "pypi" + r"\.org"]
+    r = subprocess.run(["git", "grep", "-n", "-i", *(a for h in hosts for a in ("-e", h))],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+
+
+def test_sdist_url_resolves_through_a_configured_index(tmp_path):
+    """sdist-url.py asks the index pip is told about, here a local PEP 503
+    index (file://) given by PIP_INDEX_URL: the link it prints is that
+    index's, whatever the default registry would say."""
+    env = sdist_env()
+    page = tmp_path / "simple" / "vllm"
+    page.mkdir(parents=True)
+    (page / "index.html").write_text(
+        f'<a href="../../files/{env["SDIST_FILE"]}#sha256={env["SDIST_SHA256"]}">x</a>\n'
+        '<a href="../../files/vllm-0.1.0.tar.gz">y</a>\n')
+    r = subprocess.run([sys.executable, FORK_DIR / "sdist-url.py", "vllm", env["SDIST_FILE"]],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PIP_INDEX_URL": (tmp_path / "simple").as_uri(),
+                            "PIP_EXTRA_INDEX_URL": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (tmp_path / "files" / env["SDIST_FILE"]).as_uri()
 
 
 def test_patch_applies_cleanly_to_the_pristine_sdist(tmp_path):

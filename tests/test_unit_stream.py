@@ -6,6 +6,9 @@ KVTRACE_CHUNK values (shorter ones here by default, to make many), then the
 op record.
 """
 
+import re
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -51,12 +54,57 @@ class Wire:
         return stream.RawBatch(b"".join(self.ops), b"".join(self.hdrs), b"".join(self.values))
 
 
-def test_layouts_come_from_the_header():
-    # the C compiler's layout: 8-byte fields aligned, the record type first
-    assert stream.EVENT.names[0] == "type" and stream.CHUNK_HDR.names[0] == "type"
-    assert stream.EVENT.itemsize % 8 == 0
-    assert stream.CHUNK_HDR.itemsize == 24
-    assert stream.EVENT.fields["seq"][1] == 8
+def c_layouts(structs: dict, tmp_path) -> dict:
+    """{struct: (sizeof, {field: (offsetof, sizeof)})} as gcc lays out
+    bpf/kvtrace.h on this machine: a tiny C program prints them."""
+    lines = []
+    for name, fields in structs.items():
+        lines.append(f'\tprintf("%s %zu\\n", "{name}", sizeof(struct {name}));')
+        lines += [f'\tprintf("%s.%s %zu %zu\\n", "{name}", "{f}", '
+                  f"offsetof(struct {name}, {f}), sizeof(((struct {name} *)0)->{f}));"
+                  for f in fields]
+    src = tmp_path / "layout.c"
+    src.write_text("#include <linux/types.h>\n#include <stddef.h>\n#include <stdio.h>\n"
+                   f'#include "{abi.SHARED_HEADER}"\n\nint main(void)\n{{\n'
+                   + "\n".join(lines) + "\n\treturn 0;\n}\n")
+    exe = tmp_path / "layout"
+    subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Werror", "-o", exe, src], check=True,
+                   capture_output=True, text=True)
+    out = {}
+    for line in subprocess.run([exe], check=True, capture_output=True,
+                               text=True).stdout.splitlines():
+        key, *nums = line.split()
+        if "." in key:
+            name, field = key.split(".")
+            out[name][1][field] = tuple(map(int, nums))
+        else:
+            out[key] = (int(nums[0]), {})
+    return out
+
+
+def test_layouts_are_the_c_compilers(tmp_path):
+    """Every struct of bpf/kvtrace.h that abi.struct_dtype reads (the
+    scalar-only ones): its size and every field's offset and size equal
+    gcc's, so a record decoded in Python is the record the BPF side wrote."""
+    names = re.findall(r"^struct\s+(\w+)\s*\{", abi.SHARED_HEADER.read_text(), re.M)
+    handled = {}
+    for name in names:
+        try:
+            handled[name] = abi.struct_dtype(name)
+        except RuntimeError:  # arrays or nested structs: bcc's ctypes read those
+            continue
+    # the records user space decodes without bcc are among them
+    assert {"kvtrace_event", "kvtrace_chunk_hdr"} <= set(handled), sorted(handled)
+    c = c_layouts({n: dt.names for n, dt in handled.items()}, tmp_path)
+    assert set(c) == set(handled)
+    for name, dt in handled.items():
+        size, fields = c[name]
+        assert dt.itemsize == size, name
+        assert list(fields) == list(dt.names), name
+        for f, (offset, fsize) in fields.items():
+            assert (dt.fields[f][1], dt.fields[f][0].itemsize) == (offset, fsize), (name, f)
+    assert stream.EVENT == handled["kvtrace_event"]
+    assert stream.CHUNK_HDR == handled["kvtrace_chunk_hdr"]
 
 
 def test_values_are_reassembled_per_op_in_order():

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import run_kvtrace
+from conftest import assert_one_line_error, run_kvtrace
 from tracer import abi, stream, tracefile
 from tracer.errors import DataError
 
@@ -139,15 +139,6 @@ def test_wrong_version_and_not_a_trace(tmp_path, trace_path):
         tracefile.read(str(short))
     with pytest.raises(DataError, match="cannot read"):
         tracefile.read(str(tmp_path / "missing"))
-
-
-def assert_one_line_error(r, code, *words):
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvtrace-bpf:"), r.stderr
-    assert "Traceback" not in r.stderr and r.stdout == ""
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("cmd", [("report",), ("export", "--folded")])

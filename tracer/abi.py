@@ -81,10 +81,12 @@ def struct_dtype(name: str):
         raise RuntimeError(f"struct {name} missing from {SHARED_HEADER}")
     fields = []
     for decl in filter(None, (d.strip() for d in m.group(1).split(";"))):
-        ctype, field = decl.split()
-        if ctype not in _CTYPES:
+        parts = decl.split()
+        # `type name` only: an array (`__u16 pad[3]`) or a nested struct is not
+        # a scalar field, and is refused rather than misread
+        if len(parts) != 2 or parts[0] not in _CTYPES or not parts[1].isidentifier():
             raise RuntimeError(f"struct {name}: {decl!r} is not a scalar field")
-        fields.append((field, _CTYPES[ctype]))
+        fields.append((parts[1], _CTYPES[parts[0]]))
     return np.dtype(fields, align=True)
 
 

@@ -1,24 +1,24 @@
 """`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
 
 import argparse
-import os
 import sys
 
 from . import (__version__, cmd_attach, cmd_doctor, cmd_export, cmd_probes, cmd_record,
                cmd_report)
-from .errors import EXIT_USAGE, KvtraceError
+from .errors import EXIT_OUTPUT, EXIT_USAGE, KvtraceError
+from .files import WatchedStdout, silence_stdout
 
 EPILOG = """\
 examples:
-  sudo kvtrace-bpf attach -p $(pgrep -f 'vllm serve')   # live per-block histograms
+  sudo kvtrace-bpf attach -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # live view
   sudo kvtrace-bpf attach -- tests/target/kvsim --workload swap
   sudo kvtrace-bpf record -o run.kvt -- tests/target/kvsim --workload swap
-  kvtrace-bpf report run.kvt                            # histograms, heatmap, true fill
+  kvtrace-bpf report run.kvt                         # histograms, heatmap, true fill
   kvtrace-bpf export --folded run.kvt --by block > run.folded
   kvtrace-bpf probes tests/target/libkvsim_ops.so
-  sudo kvtrace-bpf doctor -p $(pgrep -f 'vllm serve')    # can this machine trace it?
+  sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # can it be traced?
 
-exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data
+exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data, 5 output
 """
 
 
@@ -49,8 +49,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.error("give a COMMAND: attach, record, report, export, probes or doctor")
+    watched = sys.stdout = WatchedStdout(sys.stdout)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a full disk behind stdout shows here, not at exit
+        return code
     except KvtraceError as e:
         if args.debug:
             raise
@@ -59,8 +62,18 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `report ... | head`: the reader left, not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         return 141
+    except OSError as e:
+        # a view written to stdout that cannot take it (a full disk); any
+        # other OSError is a bug and keeps its traceback
+        if args.debug or watched.error is not e:
+            raise
+        silence_stdout()
+        print(f"kvtrace-bpf: cannot write to stdout: {e.strerror or e}", file=sys.stderr)
+        return EXIT_OUTPUT
+    finally:
+        sys.stdout = watched._f
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ import time
 
 from rich.console import Console
 from rich.live import Live
+from rich.segment import Segment
+from rich.style import Style
 
 from . import abi, discover, follow, live, prom, target as target_mod
 from .aggregate import Aggregate, probed_ops
 from .errors import TargetError, UsageError
 from .export import folded_lines
-from .files import check_writable, open_private
+from .files import Outputs, check_writable, write_file
 # session imports no bcc at module level: --help still works without it
 from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
 from .tracefile import Recorder
@@ -209,7 +211,7 @@ def run(args) -> int:
                   " (not loopback: whoever reaches it sees the traffic's shape)"))
         _announce(args, tracer, target, follower, t_start)
         _trace_loop(args, tracer, target, follower, stop,
-                    on_poll=recorder.tick if recorder else None,
+                    on_poll=recorder.tick if recorder else None, recorder=recorder,
                     on_refresh=exporter.publish if exporter else None)
     except BaseException:
         if tracer is not None:
@@ -228,12 +230,12 @@ def run(args) -> int:
         if server is not None:
             prom.stop_server(server)
     try:
-        _finish(args, tracer, target, stop["reason"] or "?", recorder)
+        rc = _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
         tracer.close()
     if getattr(args, "cmd_output_path", None):
         _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
-    return 0
+    return rc
 
 
 def _open_recorder(args, tracer, target):
@@ -383,7 +385,33 @@ def _where(at) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=None):
+class _FitScreen:
+    """The live view cut to the terminal's height less one line.  A frame as
+    tall as the screen scrolls it by the newline after its last line, and
+    rich's Live then cannot move back over its top line: that line, the
+    header, stayed behind on stop and showed twice above the summary."""
+
+    def __init__(self, renderable):
+        self.renderable = renderable
+
+    def __rich_console__(self, console, options):
+        lines = console.render_lines(self.renderable, options.update(height=None), pad=False)
+        room = max(1, console.height - 1)
+        if len(lines) > room:
+            more = Segment(f"... {len(lines) - room + 1} more lines: a taller terminal "
+                           "shows them", Style(dim=True))
+            lines = lines[:room - 1] + [[more]]
+        for line in lines:
+            yield from line
+            yield Segment.line()
+
+
+def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=None,
+                recorder=None):
+    def recorder_failed():
+        return recorder is not None and recorder.error is not None and \
+            not getattr(args, "summary", True)
+
     console = Console(highlight=False)
     show_live = console.is_terminal and not args.quiet
     deadline = time.monotonic() + args.duration if args.duration else None
@@ -395,9 +423,9 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
     note = f"{os.path.basename(args.command[0])}'s output: {out}" if out else ""
 
     def view():
-        return live.render(agg, prev, title=_title(tracer, target),
-                           width=min(console.width, 120), note=note,
-                           elapsed=time.monotonic() - tracer.started)
+        return _FitScreen(live.render(agg, prev, title=_title(tracer, target),
+                                      width=min(console.width, 120), note=note,
+                                      elapsed=time.monotonic() - tracer.started))
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
         if show_live else None
@@ -411,7 +439,11 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
             if on_poll:
                 on_poll()
             now = time.monotonic()
-            if target.exited():
+            if recorder_failed():
+                # record: the trace file is its only output, so tracing on
+                # would be for nothing (attach -o keeps its view and summary)
+                stop["reason"] = "output failed"
+            elif target.exited():
                 stop["reason"] = "target exited"
             elif deadline is not None and now >= deadline:
                 stop["reason"] = "duration"
@@ -435,32 +467,38 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
             live_ctx.stop()
 
 
-def _finish(args, tracer, target, reason, recorder=None):
+def _finish(args, tracer, target, reason, recorder=None) -> int:
+    """The summary, the trace file's end, --json and --folded: each written
+    on its own, so that one that fails (a full disk) loses only itself; the
+    failures are one line and exit 5 at the end (files.Outputs)."""
     tracer.drain()
     raw = tracer.read_maps()
     agg = _aggregate(tracer, raw)
     elapsed = time.monotonic() - tracer.started
     console = Console(highlight=False)
+    out = Outputs()
     if getattr(args, "summary", True):
-        console.print(live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
-                                  width=min(console.width, 120), elapsed=elapsed))
+        out.write("the summary to stdout", lambda: console.print(
+            live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
+                        width=min(console.width, 120), elapsed=elapsed)), stdout=True)
     doc = agg.to_json(duration_s=round(elapsed, 3), stop_reason=reason,
                       target_exit_status=target.status if target.child else None,
                       max_blocks=tracer.max_blocks, max_layers=tracer.max_caches)
     if recorder:
         _finish_recording(recorder, tracer, raw, doc)
+        if recorder.error:
+            out.fail(recorder.error)
     if args.json:
-        with open_private(args.json) as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        out.write(args.json, lambda: write_file(args.json, json.dumps(doc, indent=1) + "\n"))
     if args.folded:
         layer_of = {(l.pid, l.index): l.layer for p in agg.processes.values() for l in p.layers}
         lines = folded_lines(
             raw["stacks"], tracer.stack_frames,
             lambda pid: tracer.procs[pid].comm if pid in tracer.procs else str(pid),
             lambda pid, idx: layer_of.get((pid, idx)))
-        with open_private(args.folded) as f:
-            f.write("".join(line + "\n" for line in lines))
+        out.write(args.folded,
+                  lambda: write_file(args.folded, "".join(line + "\n" for line in lines)))
+    return out.finish()
 
 
 def _finish_recording(recorder, tracer, raw, doc):
@@ -468,6 +506,8 @@ def _finish_recording(recorder, tracer, raw, doc):
     stacks = {f"{pid}:{sid}": tracer.stack_frames(sid, pid)
               for pid, sid in {(pid, sid) for pid, sid, _, _, _ in raw["stacks"]}}
     recorder.finish(doc, stacks)
+    if recorder.error:
+        return
     c = tracer.stream
     lost = raw["globals"]["records_lost"] + raw["globals"]["chunks_lost"]
     print(f"kvtrace-bpf: recorded {c.op_records:,} ops and {c.chunk_records:,} slot chunks "

@@ -23,12 +23,13 @@ from dataclasses import asdict, dataclass
 
 from . import __version__, abi, catalog, discover, follow, session, uprobe_pmu
 from . import target as target_mod
+from .cmd_attach import positive_int
 from .errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
 
 EXAMPLES = """\
 examples:
   sudo kvtrace-bpf doctor                    # can this machine trace?
-  sudo kvtrace-bpf doctor -p $(pgrep -f 'vllm serve')   # ... and which probes this vLLM offers
+  sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # ... and this vLLM's probes
   sudo kvtrace-bpf doctor -p 1234 --json     # the same, for scripts
 
 exit codes: 0 every check passed (WARN is fine), 2 an environment check
@@ -63,7 +64,8 @@ def add_parser(sub):
                     "descendants) offers probe sites and of which tier. Compiles "
                     "nothing; takes about a second.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-p", "--pid", type=int,
+    # a pid <= 0 is a usage error (exit 1), as in attach, record and probes
+    p.add_argument("-p", "--pid", type=positive_int,
                    help="also check this process and its descendants (vLLM's workers)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.set_defaults(run=run)

@@ -32,7 +32,7 @@ import numpy as np
 from . import abi, access, stream, tracefile
 from .errors import UsageError
 from .export import block_lines, folded_lines, process_frame
-from .files import check_writable, open_private
+from .files import Outputs, check_writable, write_file
 
 EXAMPLES = """\
 examples:
@@ -194,6 +194,10 @@ def run(args) -> int:
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
     ops = trace.ops
     if args.pid is not None:
+        # as report does: a pid the trace has no ops of is a usage error,
+        # not an empty output that reads as "nothing happened"
+        if not np.any(ops.ops["pid"] == args.pid):
+            raise UsageError(f"no ops of pid {args.pid} in {trace.path}")
         ops = ops.select(ops.ops["pid"] == args.pid)
     lost = ((trace.end or {}).get("aggregate") or {}).get("lost_records", 0)
     incomplete = int(np.count_nonzero(~ops.ops["complete"]))
@@ -208,9 +212,9 @@ def run(args) -> int:
             print(f"kvtrace-bpf: {left_out} block numbers from {tracefile.MAX_BLOCKS} up "
                   "left out", file=sys.stderr)
     text = "".join(line + "\n" for line in lines)
+    out = Outputs()
     if args.output:
-        with open_private(args.output) as f:
-            f.write(text)
+        out.write(args.output, lambda: write_file(args.output, text))
     else:
-        sys.stdout.write(text)
-    return 0
+        out.write("the folded stacks to stdout", lambda: sys.stdout.write(text), stdout=True)
+    return out.finish()

@@ -16,6 +16,7 @@ from elftools.elf.elffile import ELFFile
 
 from . import abi, cache as _cache
 from .errors import TargetError
+from .files import IsNotRegular, open_regular
 
 # Byte offsets of the registers in the kernel's struct pt_regs (x86_64),
 # keyed by every name an SDT argument may use for them.
@@ -110,7 +111,9 @@ def vaddr_to_offset(elf: ELFFile, vaddr: int) -> int:
 def read_probes(path: str, provider: str = abi.PROVIDER) -> list:
     """All USDT probes of `provider` in the ELF file at `path` (empty if none)."""
     try:
-        with open(path, "rb") as f:
+        # a regular file only: opening a named pipe nobody writes to would
+        # wait forever (files.open_regular)
+        with open_regular(path) as f:
             elf = ELFFile(f)
             notes = elf.get_section_by_name(".note.stapsdt")
             if notes is None:
@@ -147,8 +150,9 @@ def read_probes(path: str, provider: str = abi.PROVIDER) -> list:
         raise TargetError(f"{path}: not a readable ELF file ({e})") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise TargetError(f"{path}: malformed .note.stapsdt ({e})") from None
-    except IsADirectoryError:
-        raise TargetError(f"{path}: is a directory, not an ELF file") from None
+    except IsNotRegular as e:
+        what = "is a directory" if str(e) == "a directory" else f"{e}"
+        raise TargetError(f"{path}: {what}, not an ELF file") from None
     except PermissionError:
         raise TargetError(f"{path}: permission denied") from None
     except FileNotFoundError:

@@ -10,6 +10,7 @@ EXIT_USAGE = 1  # bad flags or arguments
 EXIT_ENV = 2  # privileges, kernel support, bcc, headers, tracefs
 EXIT_TARGET = 3  # no such process, no probes, target went away during attach
 EXIT_DATA = 4  # unreadable or corrupt input files
+EXIT_OUTPUT = 5  # an output could not be written once tracing or reading was done
 
 
 class KvtraceError(Exception):
@@ -30,3 +31,9 @@ class TargetError(KvtraceError):
 
 class DataError(KvtraceError):
     exit_code = EXIT_DATA
+
+
+class OutputError(KvtraceError):
+    """A write failed (disk full, I/O error) after the work was done: the
+    message names every output lost; the others were written."""
+    exit_code = EXIT_OUTPUT

@@ -1,16 +1,23 @@
-"""Output files: created 0600 (they describe another process's memory use)."""
+"""Output files: created 0600 (they describe another process's memory use),
+and written so that a failed write (a full disk, an I/O error) is one line
+with its exit code, never a traceback, and costs only that one output."""
 
+import errno
 import os
+import stat
+import sys
 
-from .errors import UsageError
+from .errors import OutputError, UsageError
 
 
 def open_private(path: str, binary: bool = False):
     """Open path for writing (text, or bytes unbuffered), created with mode
-    0600 (an existing file is truncated and narrowed to 0600 too)."""
+    0600 (an existing regular file is truncated and narrowed to 0600 too; a
+    device such as /dev/null keeps its mode: it is not ours)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.fchmod(fd, 0o600)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fchmod(fd, 0o600)
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror}") from None
     return os.fdopen(fd, "wb", buffering=0) if binary else os.fdopen(fd, "w")
@@ -25,3 +32,114 @@ def check_writable(path: str):
         raise UsageError(f"cannot write {path}: is a directory")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(f"cannot write {path}: permission denied")
+
+
+def not_regular(mode: int) -> str:
+    """What a file that is not a regular file is ("" for a regular file):
+    the offline commands read regular files only, since a named pipe with no
+    writer, or a device such as /dev/zero, would keep them waiting forever."""
+    for test, what in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return what
+    return "" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def open_regular(path: str):
+    """Open path for reading (bytes) without blocking on a named pipe, and
+    refuse anything that is not a regular file: OSError as open() raises
+    it, or (what it is) as IsNotRegular."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what:
+            raise IsNotRegular(what)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+class IsNotRegular(Exception):
+    pass
+
+
+def silence_stdout():
+    """After a failed write to stdout: point its fd at /dev/null, so that the
+    interpreter's own flush at exit (of what is still buffered) cannot fail
+    again and print a traceback of its own."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, sys.stdout.fileno())
+    os.close(fd)
+
+
+class WatchedStdout:
+    """sys.stdout, noting the error of a write or flush that failed: so that
+    the CLI tells a full disk behind stdout (one line, exit 5) from an
+    OSError of anything else (a bug: its traceback is kept)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error = None
+
+    def write(self, s):
+        try:
+            return self._f.write(s)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        try:
+            return self._f.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+class Outputs:
+    """Writes several outputs, each on its own: one that fails is noted and
+    the rest are still written.  finish() then raises one OutputError naming
+    every failure, or returns 141 if only stdout's reader left (`| head`)."""
+
+    def __init__(self):
+        self.failed = []
+        self.pipe_closed = False
+
+    def write(self, what: str, fn, stdout: bool = False):
+        try:
+            fn()
+            if stdout:
+                sys.stdout.flush()  # a full disk shows here, not at exit
+        except OutputError as e:
+            self.failed.append(str(e))
+        except OSError as e:
+            if stdout:
+                silence_stdout()
+                if e.errno == errno.EPIPE:
+                    self.pipe_closed = True
+                    return
+            self.failed.append(f"cannot write {what}: {e.strerror or e}")
+
+    def fail(self, message: str):
+        self.failed.append(message)
+
+    def finish(self) -> int:
+        if self.failed:
+            raise OutputError("; ".join(self.failed))
+        return 141 if self.pipe_closed else 0
+
+
+def write_file(path: str, text: str):
+    """Write text to a new 0600 file; a failed write is an OutputError."""
+    f = open_private(path)
+    try:
+        with f:
+            f.write(text)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None

@@ -1,6 +1,7 @@
 """The traced target: start a command paused at its entry point, or watch an
 existing pid, and notice when it exits."""
 
+import errno
 import os
 import select
 import shutil
@@ -95,7 +96,12 @@ def check_pid(pid: int):
 def resolve_command(argv: list) -> str:
     exe = shutil.which(argv[0])
     if exe is None:
-        raise TargetError(f"command not found: {argv[0]}")
+        if os.sep in argv[0] and os.path.exists(argv[0]):
+            # a path that is there but cannot run: say why, as the shell does
+            why = "is a directory" if os.path.isdir(argv[0]) else os.strerror(errno.EACCES)
+            raise TargetError(f"cannot execute {argv[0]}: {why}")
+        raise TargetError(f"command not found: {argv[0]}" + (
+            f": {os.strerror(errno.ENOENT)}" if os.sep in argv[0] else ""))
     return os.path.realpath(exe)
 
 
@@ -106,17 +112,24 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
     exe = resolve_command(argv)
     entry = discover.entry_offset(exe) if wait_for_entry else None
     gate_r, gate_w = os.pipe()
+    # the exec's errno, if it fails; closed by a successful exec (O_CLOEXEC),
+    # so that the parent's read ends either way
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # child: wait for the gate, then become the command
         try:
             os.close(gate_w)
+            os.close(err_r)
             os.setpgid(0, 0)  # its own process group: end_child ends all of it
             if os.read(gate_r, 2) == b"go":
                 os.execv(exe, argv)
+        except OSError as e:
+            os.write(err_w, str(e.errno).encode())
         except BaseException:
             pass
         os._exit(127)
     os.close(gate_r)
+    os.close(err_w)
     try:
         os.setpgid(pid, pid)  # as the child does: whichever runs first
     except OSError:
@@ -132,6 +145,11 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
             os.write(gate_w, b"go")
         finally:
             os.close(gate_w)  # without "go" the child exits instead of exec
+        failed = _read_all(err_r)
+        if failed:  # a bad #! line, an unknown binary format, ...
+            _, status = os.waitpid(pid, 0)
+            target.status = os.waitstatus_to_exitcode(status)
+            raise TargetError(f"cannot execute {argv[0]}: {os.strerror(int(failed))}")
         if entry_probe is not None:
             _, status = os.waitpid(pid, os.WUNTRACED)
             if not os.WIFSTOPPED(status):
@@ -143,6 +161,14 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
             os.waitpid(pid, 0)
         raise
     finally:
+        os.close(err_r)
         if entry_probe is not None:
             entry_probe.close()
     return target
+
+
+def _read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 64):
+        data += chunk
+    return data

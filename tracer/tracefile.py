@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import socket
-import stat
 import struct
 import time
 import zlib
@@ -31,7 +30,7 @@ import numpy as np
 from . import __version__, abi, occupancy, stream
 from .aggregate import probed_ops
 from .errors import DataError
-from .files import open_private
+from .files import IsNotRegular, open_private, open_regular
 
 MAGIC = b"KVTRACE\0"
 VERSION = 1
@@ -212,11 +211,14 @@ def read(path: str) -> Trace:
     computes anything from it, so that a made-up or mangled file is a
     DataError naming the frame, never a numpy or JSON exception later."""
     try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would never end
-                raise DataError(f"cannot read {path}: a device, not a trace file")
-            data = f.read()  # a pipe is fine: it ends
+        # a regular file only: a named pipe nobody writes to, or /dev/zero,
+        # would never end (files.open_regular)
+        with open_regular(path) as f:
+            data = f.read()
+    except IsNotRegular as e:
+        what = str(e)
+        raise DataError(f"cannot read {path}: " + (
+            "Is a directory" if what == "a directory" else f"{what}, not a trace file")) from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
     except MemoryError:
@@ -500,12 +502,33 @@ class Recorder:
     def __init__(self, path: str, tracer, target: dict, flush_s: float = 0.5,
                  flush_bytes: int = 1 << 20):
         self.tracer = tracer
-        self.writer = TraceWriter(path, trace_meta(target))
+        self.path = path
+        # why the file stopped being written (a full disk, an I/O error), if
+        # it did: the tracing goes on, what was written stays readable with
+        # --partial, and the CLI names it at the end (exit 5)
+        self.error = None
+        self.writer = None
         self.flush_s, self.flush_bytes = flush_s, flush_bytes
         self._next = time.monotonic() + flush_s
         self._caches = {}
         self._groups = {}
         self._procs = {}
+        self._guard(lambda: setattr(self, "writer", TraceWriter(path, trace_meta(target))))
+
+    def _guard(self, fn):
+        if self.error is not None:
+            return
+        try:
+            fn()
+        except OSError as e:
+            self.error = f"cannot write {self.path}: {e.strerror or e}" + (
+                f" (recording stopped after {self.writer.bytes / 2**20:.1f} MiB)"
+                if self.writer else "")
+            if self.writer is not None:
+                try:
+                    self.writer.close()
+                except OSError:
+                    pass
 
     def _describe(self):
         for pid, p in self.tracer.procs.items():
@@ -548,17 +571,18 @@ class Recorder:
             return
         self._next = now + self.flush_s
         batch = self.tracer.stream.take()  # taken first: its caches exist by now
-        self._describe()
-        self.writer.batch(batch)
+        if self.error is None:  # after a failed write, taken and dropped
+            self._guard(lambda: (self._describe(), self.writer.batch(batch)))
 
     def finish(self, aggregate_doc: dict, stacks: dict):
         """After detach and drain: the rest, then the END document."""
         self.tick(force=True)
         c = self.tracer.stream
-        self.writer.end({"aggregate": aggregate_doc, "stacks": stacks,
-                         "records": {"op": c.op_records, "chunk": c.chunk_records,
-                                     "unknown": c.unknown_records}})
-        self.writer.close()
+        self._guard(lambda: self.writer.end(
+            {"aggregate": aggregate_doc, "stacks": stacks,
+             "records": {"op": c.op_records, "chunk": c.chunk_records,
+                         "unknown": c.unknown_records}}))
+        self._guard(lambda: self.writer.close())
 
 
 def _cmdline(pid: int) -> list:

@@ -18,7 +18,7 @@ DRIVER_DIR = ROOT / "tests" / "fork"
 
 
 def sdist_env() -> dict:
-    """scripts/vllm-fork/sdist.env: VLLM_VERSION, SDIST_URL, SDIST_SHA256."""
+    """scripts/vllm-fork/sdist.env: VLLM_VERSION, SDIST_FILE, SDIST_SHA256."""
     env = {}
     for line in (FORK_DIR / "sdist.env").read_text().splitlines():
         line = line.strip()
@@ -29,7 +29,7 @@ def sdist_env() -> dict:
 
 
 def sdist_path() -> Path:
-    return WORK / f"vllm-{sdist_env()['VLLM_VERSION']}.tar.gz"
+    return WORK / sdist_env()["SDIST_FILE"]
 
 
 def sha256(path: Path) -> str:

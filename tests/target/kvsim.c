@@ -162,7 +162,7 @@ struct config {
 	uint64_t seed;
 	const char *truth_path;
 	bool truth_steps; /* --truth-steps: per-step read rows in the truth */
-	bool pause, quiet;
+	bool pause, quiet, progress;
 	uint64_t repeat;
 	uint64_t rounds; /* each round waits for SIGUSR1, runs, rewrites the truth */
 	uint64_t step_delay_us;
@@ -1376,6 +1376,18 @@ static void complete_step(struct sim *s)
 	s->nrunning = kept;
 }
 
+/* SIGUSR2: stop after the current repetition, then end as if --repeat (and
+ * --rounds) had been reached: truth written, KV contents checked.  Tests run
+ * a long --repeat and stop it when they are done with it, instead of
+ * guessing how long a run takes on a loaded machine. */
+static volatile sig_atomic_t stop_requested;
+
+static void on_sigusr2(int sig)
+{
+	(void)sig;
+	stop_requested = 1;
+}
+
 static void run_once(struct sim *s)
 {
 	const struct timespec delay = {
@@ -1689,8 +1701,15 @@ static void print_help(void)
 	       "  --sliding-window N   override the sliding window (tokens, 0 none)\n"
 	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
+	       "  --ops-log FILE       one line per op fired with its probe enabled\n"
+	       "                       (traced): NAME CACHE_ID VALUES... (per-op truth)\n"
+	       "  --progress           print 'kvsim: repetition N done' to stderr\n"
+	       "                       after each repetition (an event to wait on)\n"
 	       "  --quiet              no summary line\n"
 	       "  --help               this text\n"
+	       "\n"
+	       "SIGUSR2 stops it after the current repetition (truth written, KV\n"
+	       "checked, exit as if --repeat and --rounds were reached).\n"
 	       "\n"
 	       "Exit status: 0 ok, 1 KV contents mismatch or failure, 2 bad usage.\n");
 }
@@ -1736,6 +1755,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 		bool has_arg = !strcmp(flag, "--workload") ||
 			       !strcmp(flag, "--seed") ||
 			       !strcmp(flag, "--truth") ||
+			       !strcmp(flag, "--ops-log") ||
 			       !strcmp(flag, "--repeat") ||
 			       !strcmp(flag, "--rounds") ||
 			       !strcmp(flag, "--step-delay-us") ||
@@ -1764,6 +1784,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			c->quiet = true;
 		} else if (!strcmp(flag, "--truth-steps")) {
 			c->truth_steps = true;
+		} else if (!strcmp(flag, "--progress")) {
+			c->progress = true;
 		} else if (!strcmp(flag, "--workload")) {
 			workload = val;
 		} else if (!strcmp(flag, "--seed")) {
@@ -1772,6 +1794,14 @@ static void parse_args(int argc, char **argv, struct config *c)
 			if (!*val)
 				usage_error("%s needs a file name", flag);
 			c->truth_path = val;
+		} else if (!strcmp(flag, "--ops-log")) {
+			if (!*val)
+				usage_error("%s needs a file name", flag);
+			kv_ops_log = fopen(val, "w");
+			if (!kv_ops_log)
+				usage_error("cannot write %s", val);
+			/* a line per op as it fires: a SIGTERM loses none */
+			setvbuf(kv_ops_log, NULL, _IOLBF, 0);
 		} else if (!strcmp(flag, "--repeat")) {
 			c->repeat = parse_u64(flag, val, 1, 1000000);
 		} else if (!strcmp(flag, "--rounds")) {
@@ -1848,23 +1878,36 @@ int main(int argc, char **argv)
 	static struct sim sim;
 
 	parse_args(argc, argv, &cfg);
+	struct sigaction sa = { .sa_handler = on_sigusr2 };
+	sigemptyset(&sa.sa_mask);
+	if (sigaction(SIGUSR2, &sa, NULL) != 0)
+		fatal("sigaction failed");
 	/* Everything (library, KV buffers, requests) is set up before --pause. */
 	sim_init(&sim, &cfg);
 	double elapsed = 0;
-	for (uint64_t r = 0; r < cfg.rounds; r++) {
+	uint64_t reps = 0;
+	for (uint64_t r = 0; r < cfg.rounds && !stop_requested; r++) {
 		/* the truth file is complete before the next pause is announced,
 		 * so a tracer test can read each window's truth at the pause */
 		if (cfg.pause || cfg.rounds > 1)
 			wait_for_sigusr1();
 		double t0 = now_s();
-		for (uint64_t i = 0; i < cfg.repeat; i++)
+		for (uint64_t i = 0; i < cfg.repeat && !stop_requested; i++) {
 			run_once(&sim);
+			if (cfg.progress) {
+				fprintf(stderr, "kvsim: repetition %" PRIu64 " done\n",
+					++reps);
+				fflush(stderr);
+			}
+		}
 		elapsed += now_s() - t0;
 		sim.rounds_done++;
 		if (cfg.truth_path)
 			write_truth(&sim, cfg.truth_path);
 	}
 
+	if (kv_ops_log && fclose(kv_ops_log) != 0)
+		fatal("cannot write the --ops-log file");
 	const struct truth *t = &sim.t;
 	if (!cfg.quiet)
 		fprintf(stderr,

@@ -33,6 +33,19 @@ const char *kv_write_op_name(int write_op)
 	return write_op_names[write_op];
 }
 
+FILE *kv_ops_log;
+
+static void log_op(const char *name, uint64_t cache_id, const int64_t *v,
+		   int64_t n)
+{
+	if (!kv_ops_log)
+		return;
+	fprintf(kv_ops_log, "%s %llu", name, (unsigned long long)cache_id);
+	for (int64_t i = 0; i < n; i++)
+		fprintf(kv_ops_log, " %lld", (long long)v[i]);
+	fputc('\n', kv_ops_log);
+}
+
 static void die(const char *op, const char *what, int64_t v)
 {
 	fprintf(stderr, "kvsim_ops: %s: %s (%lld)\n", op, what, (long long)v);
@@ -58,31 +71,39 @@ static void fire_write_probe(int write_op, const struct kv_layer *layer,
 	/* One site per probe: each probe has its own note and semaphore. */
 	switch (write_op) {
 	case KV_OP_RESHAPE_AND_CACHE:
-		if (KVTRACE_ENABLED(reshape_and_cache))
+		if (KVTRACE_ENABLED(reshape_and_cache)) {
+			log_op("reshape_and_cache", kv_cache_id(layer), slots, n);
 			KVTRACE_RESHAPE_AND_CACHE(slots, n, layer->block_size,
 						  kv_cache_id(layer),
 						  layer->num_blocks);
+		}
 		break;
 	case KV_OP_RESHAPE_AND_CACHE_FLASH:
-		if (KVTRACE_ENABLED(reshape_and_cache_flash))
+		if (KVTRACE_ENABLED(reshape_and_cache_flash)) {
+			log_op("reshape_and_cache_flash", kv_cache_id(layer), slots, n);
 			KVTRACE_RESHAPE_AND_CACHE_FLASH(slots, n,
 							layer->block_size,
 							kv_cache_id(layer),
 							layer->num_blocks);
+		}
 		break;
 	case KV_OP_CONCAT_AND_CACHE_MLA:
-		if (KVTRACE_ENABLED(concat_and_cache_mla))
+		if (KVTRACE_ENABLED(concat_and_cache_mla)) {
+			log_op("concat_and_cache_mla", kv_cache_id(layer), slots, n);
 			KVTRACE_CONCAT_AND_CACHE_MLA(slots, n,
 						     layer->block_size,
 						     kv_cache_id(layer),
 						     layer->num_blocks);
+		}
 		break;
 	case KV_OP_CPU_ATTN_RESHAPE_AND_CACHE:
-		if (KVTRACE_ENABLED(cpu_attn_reshape_and_cache))
+		if (KVTRACE_ENABLED(cpu_attn_reshape_and_cache)) {
+			log_op("cpu_attn_reshape_and_cache", kv_cache_id(layer), slots, n);
 			KVTRACE_CPU_ATTN_RESHAPE_AND_CACHE(slots, n,
 							   layer->block_size,
 							   kv_cache_id(layer),
 							   layer->num_blocks);
+		}
 		break;
 	default:
 		die("kv_write_slots", "bad write op", write_op);
@@ -115,8 +136,10 @@ void kv_copy_blocks(struct kv_layer *layer, const int64_t *pairs,
 {
 	const int64_t bpb = kv_bytes_per_block(layer);
 
-	if (KVTRACE_ENABLED(copy_blocks))
+	if (KVTRACE_ENABLED(copy_blocks)) {
+		log_op("copy_blocks", kv_cache_id(layer), pairs, 2 * npairs);
 		KVTRACE_COPY_BLOCKS(pairs, npairs, bpb, kv_cache_id(layer));
+	}
 
 	for (int64_t i = 0; i < npairs; i++) {
 		uint8_t *src = block_ptr(layer, pairs[2 * i], "kv_copy_blocks");
@@ -146,9 +169,13 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 		return;
 	}
 
-	if (KVTRACE_ENABLED(swap_blocks))
+	if (KVTRACE_ENABLED(swap_blocks)) {
+		log_op(direction == KV_SWAP_OUT ? "swap_blocks:out"
+						: "swap_blocks:in",
+		       kv_cache_id(gpu), pairs, 2 * npairs);
 		KVTRACE_SWAP_BLOCKS(pairs, npairs, bpb, direction,
 				    kv_cache_id(gpu));
+	}
 
 	for (int64_t i = 0; i < npairs; i++)
 		memcpy(block_ptr(to, pairs[2 * i + 1], "kv_swap_blocks"),
@@ -159,8 +186,10 @@ void kv_swap_blocks(struct kv_layer *gpu, struct kv_layer *cpu,
 void kv_swap_blocks_batch(const uint64_t *src, const uint64_t *dst,
 			  const uint64_t *sizes, int64_t n)
 {
-	if (KVTRACE_ENABLED(swap_blocks_batch))
+	if (KVTRACE_ENABLED(swap_blocks_batch)) {
+		log_op("swap_blocks_batch", 0, NULL, 0);
 		KVTRACE_SWAP_BLOCKS_BATCH(src, dst, sizes, n);
+	}
 
 	for (int64_t i = 0; i < n; i++)
 		memcpy((void *)(uintptr_t)dst[i],
@@ -179,6 +208,29 @@ static uint64_t checksum(const uint8_t *p, int64_t n)
 	return sum;
 }
 
+/*
+ * --ops-log for the read probe, every layer's call: "block_table GROUP
+ * LAYER" and then what the tracer streams for a step, row after row: the
+ * row's seq_len, then its ceil(seq_len / block_size) entries.  The tracer
+ * reads one layer's calls (its group's leader): the test picks those.
+ */
+static void log_table(const struct kv_layer *layer, const int32_t *table,
+		      int64_t row_stride, int64_t num_reqs,
+		      const int32_t *seq_lens, uint64_t group_id)
+{
+	if (!kv_ops_log)
+		return;
+	fprintf(kv_ops_log, "block_table %llu %llu", (unsigned long long)group_id,
+		(unsigned long long)kv_cache_id(layer));
+	for (int64_t i = 0; i < num_reqs; i++) {
+		int64_t len = seq_lens[i], n = (len + layer->block_size - 1) / layer->block_size;
+		fprintf(kv_ops_log, " %lld", (long long)len);
+		for (int64_t j = 0; j < n; j++)
+			fprintf(kv_ops_log, " %d", table[i * row_stride + j]);
+	}
+	fputc('\n', kv_ops_log);
+}
+
 uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
 		      int64_t row_stride, int64_t num_reqs,
 		      const int32_t *seq_lens, uint64_t group_id)
@@ -190,10 +242,13 @@ uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
 	(void)group_id; /* only the probe needs it */
 	if (bpt % 8)
 		die("kv_attention", "bytes per token not whole words", bpt);
-	if (KVTRACE_ENABLED(block_table))
+	if (KVTRACE_ENABLED(block_table)) {
 		KVTRACE_BLOCK_TABLE(block_table, row_stride, num_reqs, seq_lens,
 				    bs, group_id, layer->num_blocks,
 				    kv_cache_id(layer));
+		log_table(layer, block_table, row_stride, num_reqs, seq_lens,
+			  group_id);
+	}
 
 	for (int64_t i = 0; i < num_reqs; i++) {
 		const int32_t *row = block_table + i * row_stride;

@@ -15,6 +15,7 @@
 #define KVSIM_OPS_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 /* Slot-write ops; each fires the probe of the same name. */
 enum kv_write_op {
@@ -47,6 +48,20 @@ static inline uint64_t kv_cache_id(const struct kv_layer *layer)
 {
 	return (uint64_t)(uintptr_t)layer->bytes;
 }
+
+/*
+ * When set (kvsim --ops-log FILE), every op whose probe is enabled (a
+ * tracer is attached: the kernel set its semaphore) appends one line here,
+ * line-buffered, just before the probe fires, in firing order: exactly what
+ * a tracer could see, whenever it attached and detached.
+ * "NAME CACHE_ID V..." with the
+ * values the probe hands over (a write op's slots as given, padding
+ * included; the block pairs of copies and swaps, flattened, a swap's
+ * name saying its direction, "swap_blocks:out" or ":in"; nothing for
+ * swap_blocks_batch, whose probe streams no index values).  Per-op truth
+ * for the index stream's tests; off by default (it costs a line per op).
+ */
+extern FILE *kv_ops_log;
 
 /* Probe name of a write op ("reshape_and_cache", ...), NULL if invalid. */
 const char *kv_write_op_name(int write_op);
