@@ -18,7 +18,7 @@ from . import abi, discover, follow, live, prom, target as target_mod
 from .aggregate import Aggregate, probed_ops
 from .errors import TargetError, UsageError
 from .export import folded_lines
-from .files import Outputs, check_writable, write_file
+from .files import Outputs, check_writable, open_private, write_file
 # session imports no bcc at module level: --help still works without it
 from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
 from .tracefile import Recorder
