@@ -492,8 +492,10 @@ def _finish(args, tracer, target, reason, recorder=None) -> int:
         out.write(args.json, lambda: write_file(args.json, json.dumps(doc, indent=1) + "\n"))
     if args.folded:
         layer_of = {(l.pid, l.index): l.layer for p in agg.processes.values() for l in p.layers}
+        # weighted by slots written and pairs moved (as export's default):
+        # the read probe's stacks weigh reads, export --weight reads has them
         lines = folded_lines(
-            raw["stacks"], tracer.stack_frames,
+            [st for st in raw["stacks"] if st[2] not in abi.READ_OPS], tracer.stack_frames,
             lambda pid: tracer.procs[pid].comm if pid in tracer.procs else str(pid),
             lambda pid, idx: layer_of.get((pid, idx)))
         out.write(args.folded,
