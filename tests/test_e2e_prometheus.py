@@ -175,6 +175,8 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
             reads["distinct"] / reads["steps"]
         assert value(m, "kvtrace_true_utilization_ratio", group=0) == \
             reads["held_tokens"] / (reads["distinct"] * truth["block_size"])
+        assert value(m, "kvtrace_internal_fragmentation_ratio", group=0) == pytest.approx(
+            1 - reads["held_tokens"] / (reads["distinct"] * truth["block_size"]))
         assert_documented(m)
         sim.go()  # round 2; the tracer stops when kvsim exits
         assert sim.wait() == 0

@@ -473,6 +473,11 @@ def access_view(figs: list, width: int) -> list:
         t.add_row("working set, blocks a step", pct(f["wss_blocks"], lambda v: f"{v:,.0f}"))
         t.add_row("utilization of the working set",
                   pct(f["utilization"], lambda v: f"{100 * v:.1f}%"))
+        # the live set's internal fragmentation: what occupancy from writes
+        # (below) can only estimate, as it sees neither frees nor held blocks
+        t.add_row("internal fragmentation (live set)",
+                  pct([[100 - p, 1 - v] for p, v in reversed(f["utilization"])],
+                      lambda v: f"{100 * v:.1f}%"))
         if f["sharing_mean"] is not None:
             t.add_row("sharing (requests a block)", f"mean {f['sharing_mean']:.2f}; most at "
                       f"one step: " + ", ".join(f"{d}: {n} blocks" for d, n in

@@ -318,6 +318,9 @@ class Exporter:
                  ["group"])
         util = fam(GaugeMetricFamily, "kvtrace_true_utilization_ratio", "tokens held / "
                    "(distinct blocks read x block size) over the last interval", ["group"])
+        frag = fam(GaugeMetricFamily, "kvtrace_internal_fragmentation_ratio", "1 - true "
+                   "utilization: the share of the live blocks' slots holding no token, "
+                   "over the last interval", ["group"])
         freq = fam(GaugeHistogramMetricFamily, "kvtrace_block_access_frequency",
                    "blocks by reads in the last interval (blocks read at least once)",
                    ["group"])
@@ -354,8 +357,9 @@ class Exporter:
                 group_layers.add_metric(gl, g["layers"])
                 ws.add_metric(gl, g["working_set"])
                 util.add_metric(gl, g["utilization"])
+                frag.add_metric(gl, 1 - g["utilization"])  # NaN stays NaN
                 buckets, total = g["freq"]
                 freq.add_metric(gl, buckets, total)
         yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
-                    ws, util, freq, wfill)
+                    ws, util, frag, freq, wfill)
