@@ -211,9 +211,9 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
     A request has no id in the table, so it is followed by its row from
     step to step: a row continues an earlier request's row when that row is
     a prefix of it (a request's row only grows; a block a sliding window
-    dropped reads 0) and the last token the earlier row held was not
-    written at this step (a new request that got a finished one's freed
-    blocks writes its own tokens there now).  A row that continues no
+    dropped reads 0), its seq_len grew, and the last token the earlier row
+    held was not written at this step (a new request that got a finished
+    one's freed blocks writes its own tokens there now).  A row that continues no
     request is a request's first step.  What a step wrote: the leader
     layer's write op just before the table op (vLLM and kvsim write a
     layer's tokens, then attend), and the copies and swaps into that cache
@@ -226,6 +226,8 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
     whose writes were not found}."""
     o = ops.ops
     bs = steps.block_size
+    if bs <= 0:  # no block size: no row can be split (a damaged trace)
+        return {"requests": 0, "blocks": 0, "per_block": {}, "steps_without_writes": 0}
     order = np.argsort(o["seq"], kind="stable")
     seqs = o["seq"][order]
     mine = (o["pid"][order] == steps.pid) & (o["cache_id"][order] == leader) & \
@@ -260,13 +262,16 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
             if not out_swap:  # a copy's destination, a swap-in's device block
                 written.update(pairs[1::2].tolist())
 
-        def continues(r, p_seq, p):
-            if len(p) > len(r) or p_seq < 1:
+        def continues(r, seq, p_seq, p):
+            # a request's seq_len grows at every step it is scheduled: a
+            # new request given a finished one's freed tail block, with
+            # fewer tokens than that one had, is not it
+            if len(p) > len(r) or p_seq < 1 or seq <= p_seq:
                 return False
             if any(a != b and a and b for a, b in zip(p, r)):
                 return False
             last = p_seq - 1  # the earlier row's last token, in r's blocks
-            return r[last // bs] * bs + last % bs not in slots
+            return last // bs < len(r) and r[last // bs] * bs + last % bs not in slots
 
         new_count, running, claimed = {}, set(), []
         for seq, r in rows:
@@ -275,7 +280,7 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
             match = None
             for b in dict.fromkeys(r):
                 for cand in open_by_last.get(b, ()):
-                    if cand not in claimed and continues(r, *cand):
+                    if cand not in claimed and continues(r, seq, *cand):
                         match = cand
                         break
                 if match:

@@ -600,11 +600,12 @@ def _header(rep: Report) -> Text:
     t, m = rep.trace, rep.trace.meta
     text = Text()
     text.append(f"{t.path}\n", style="bold")
-    text.append(f"recorded {m['created_utc']} on {m['host']} ({m['kernel'].split()[1]})\n")
+    release = (m['kernel'].split() + ["?", "?"])[1]  # "Linux RELEASE VERSION"
+    text.append(f"recorded {m['created_utc']} on {m['host']} ({release})\n")
     text.append(f"{rep.duration_ns() / 1e9:.1f} s, {len(rep.ops.ops):,} ops, "
                 f"{len(rep.ops.values):,} index values\n")
     for pid, p in sorted(t.processes.items()):
-        ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f['build_id'] or '?')[:12]}"
+        ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f.get('build_id') or '?')[:12]}"
                         for f in p.get("probe_files", []))
         proc = rep.agg.processes.get(pid)
         who = live.describe(proc) if proc is not None else f"pid {pid} ({p.get('comm', '?')})"

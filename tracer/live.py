@@ -323,7 +323,7 @@ def reads_panel(proc, width: int) -> list:
                  Text(f"working set: {_n(now)} blocks read at the last step, "
                       f"{_n(read_ever)} read at least once, of {_n(len(reads))}")]
         summ = access.group_summary(g) if g.steps else None
-        if summ is not None and summ["utilization"] is not None:
+        if summ is not None and summ["utilization"] is not None and len(last):
             # the true figure the write-derived occupancy cannot give: tokens
             # held in the blocks attention reads, over their capacity
             ages = access.age_steps(last, int(last.max()))
