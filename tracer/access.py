@@ -150,14 +150,6 @@ def step_entries(ops: stream.OpStream, steps: Steps) -> tuple:
     return np.concatenate(idx), np.concatenate(blocks).astype(np.int64)
 
 
-def wss_percentiles(distinct: np.ndarray) -> list:
-    """[(percentile, blocks)] of the per-step working-set size, as `damo
-    report wss` gives them."""
-    if not len(distinct):
-        return []
-    return [(p, int(np.percentile(distinct, p, method="lower"))) for p in PERCENTILES]
-
-
 def sharing_by_block(step_of: np.ndarray, block: np.ndarray) -> np.ndarray:
     """Per block: the most requests that read it at one step."""
     if not len(block):
