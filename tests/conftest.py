@@ -158,9 +158,19 @@ class Tracer:
             out, err = self.proc.communicate()
             raise AssertionError(f"tracer did not attach: {e}\n{out}{err}") from None
 
-    def finish(self, timeout=60):
-        """(exit code, stdout, all of stderr)."""
-        out, err = self.proc.communicate(timeout=timeout)
+    def finish(self, timeout=300):
+        """(exit code, stdout, all of stderr).  A tracer still running after
+        timeout is asked where it is (SIGQUIT: faulthandler's stacks), then
+        killed, and the test fails with its stderr's end."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGQUIT)
+            time.sleep(3)
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"tracer still running {timeout}s on; its stderr ends:\n"
+                                 f"{(self.early_err + err)[-6000:]}") from None
         fd_rest = _pending.pop(self.proc.stderr, b"").decode(errors="replace")
         return self.proc.returncode, out, self.early_err + fd_rest + err
 

@@ -297,7 +297,7 @@ def test_vllm_scraped_during_generation_equals_the_identities(tmp_path, tiny_mod
         m, _ = scrape_after(port, done)
         wl.go()  # round 2; the tracer stops when vLLM exits
         generated_2 = wl.result()
-        rc, out, err = tracer.finish(timeout=120)
+        rc, out, err = tracer.finish(timeout=300)
     finally:
         wl.kill()
         if tracer is not None and tracer.proc.poll() is None:

@@ -148,7 +148,7 @@ def test_attach_pid_counts_every_slot_exactly(tmp_path, tiny_model, no_leftovers
         intruder_slots = int(read_line(intruder.stdout, "DONE", 120)[-1].split()[1])
         assert intruder.wait(60) == 0
         generated = wl.result()
-        rc, out, err = tracer.finish(timeout=120)  # ends with vLLM ("target exited")
+        rc, out, err = tracer.finish(timeout=300)  # ends with vLLM ("target exited")
     finally:
         if tracer is not None:
             tracer.kill()
@@ -238,7 +238,7 @@ def test_ctrl_c_ends_a_vllm_started_under_the_tracer(tmp_path, tiny_model, no_le
         # the worker is found once vLLM has started it and loaded the model
         tracer.early_err += "".join(read_line(tracer.proc.stderr, "tracing pid", 300))
         tracer.proc.send_signal(signal.SIGINT)
-        rc, _, err = tracer.finish(timeout=120)
+        rc, _, err = tracer.finish(timeout=300)
     finally:
         tracer.kill()
     assert rc == 0, err[-3000:]
@@ -270,7 +270,7 @@ def test_calls_only_without_tensor_layout(tmp_path, tiny_model, no_leftovers):
         tracer.wait_attached(timeout=180)
         wl.go()
         generated = wl.result()
-        rc, out, err = tracer.finish(timeout=120)
+        rc, out, err = tracer.finish(timeout=300)
     finally:
         if tracer is not None:
             tracer.kill()
@@ -518,7 +518,7 @@ def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
 
                 def signal_the_tracer():
                     tracer.proc.send_signal(sig)
-                    result["tracer"] = tracer.finish(timeout=120)
+                    result["tracer"] = tracer.finish(timeout=300)
                     # the kernel took the uprobes out as the tracer's fds
                     # closed, however it died, while vLLM still generates
                     result["left"] = wait_unpatched(mappings)
@@ -551,10 +551,10 @@ def test_tracer_faults_leave_vllm_unharmed(tmp_path, tiny_model, no_leftovers):
             generated = run_round(5)
             assert all(b_ == reference for b_ in batches(generated))
             a.proc.send_signal(signal.SIGINT)
-            assert a.finish(timeout=120)[0] == 0
+            assert a.finish(timeout=300)[0] == 0
             assert patched(mappings), "the second tracer lost its uprobes when the first left"
             b.proc.send_signal(signal.SIGINT)
-            assert b.finish(timeout=120)[0] == 0
+            assert b.finish(timeout=300)[0] == 0
         finally:
             a.kill()
             b.kill()

@@ -301,7 +301,7 @@ def trace_round(tmp_path, model, requests, *extra, trace_file=None):
         wl.go()
         generated = wl.result()
         if tracer is not None:
-            rc, out, err = tracer.finish(timeout=120)  # ends with vLLM
+            rc, out, err = tracer.finish(timeout=300)  # ends with vLLM
             if rc != 0 or "target exited" not in out:
                 failure = AssertionError(f"tracer exit {rc}:\n{err[-3000:]}")
             else:

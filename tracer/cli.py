@@ -1,6 +1,8 @@
 """`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
 
 import argparse
+import faulthandler
+import signal
 import sys
 
 from . import (__version__, cmd_attach, cmd_doctor, cmd_export, cmd_probes, cmd_record,
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.error("give a COMMAND: attach, record, report, export, probes or doctor")
+    # `kill -QUIT` prints where every thread is, and the run goes on: how a
+    # tracer that seems stuck tells what it waits for (the tests use it too)
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     watched = sys.stdout = WatchedStdout(sys.stdout)
     try:
         code = args.run(args)
