@@ -43,6 +43,14 @@
 #define KVTRACE_SWAP_BLOCKS(...) do { } while (0)
 #define KVTRACE_SWAP_BLOCKS_BATCH(...) do { } while (0)
 #define KVTRACE_BLOCK_TABLE(...) do { } while (0)
+#define KVTRACE_BLOCK_ALLOC(...) do { } while (0)
+#define KVTRACE_BLOCK_HIT(...) do { } while (0)
+#define KVTRACE_BLOCK_CACHE(...) do { } while (0)
+#define KVTRACE_BLOCK_FREE(...) do { } while (0)
+#define KVTRACE_BLOCK_EVICT(...) do { } while (0)
+#define KVTRACE_REQUEST(...) do { } while (0)
+#define KVTRACE_REQ_PREEMPT(...) do { } while (0)
+#define KVTRACE_REQ_FINISH(...) do { } while (0)
 
 #else /* probes compiled in */
 
@@ -68,6 +76,14 @@ _KVTRACE_SEMAPHORE(copy_blocks);
 _KVTRACE_SEMAPHORE(swap_blocks);
 _KVTRACE_SEMAPHORE(swap_blocks_batch);
 _KVTRACE_SEMAPHORE(block_table);
+_KVTRACE_SEMAPHORE(block_alloc);
+_KVTRACE_SEMAPHORE(block_hit);
+_KVTRACE_SEMAPHORE(block_cache);
+_KVTRACE_SEMAPHORE(block_free);
+_KVTRACE_SEMAPHORE(block_evict);
+_KVTRACE_SEMAPHORE(request);
+_KVTRACE_SEMAPHORE(req_preempt);
+_KVTRACE_SEMAPHORE(req_finish);
 
 /* Non-zero while at least one tracer has the probe attached. */
 #define KVTRACE_ENABLED(name) __builtin_expect(vllm_##name##_semaphore != 0, 0)
@@ -176,6 +192,81 @@ _KVTRACE_SEMAPHORE(block_table);
 		    (int64_t)(stride), (int64_t)(nreqs),                       \
 		    (const int32_t *)(seqlens), (int64_t)(bsize),               \
 		    (uint64_t)(group), (int64_t)(nblocks), (uint64_t)(layer))
+
+/*
+ * The plugin tier (plugin/, docs/tiers.md): probes fired by the kvtrace vLLM
+ * plugin from vLLM's scheduler and block pool, in the EngineCore process, in
+ * Python, on any device.  The plugin also fires block_table above, once per
+ * step and KV-cache group, from the step's SchedulerOutput (layer_id 0).
+ *
+ * A request is named by req, the 64-bit FNV-1a hash of its vLLM request id
+ * (UTF-8 bytes; offset basis 0xcbf29ce484222325, prime 0x100000001b3).
+ * The request probe maps req to the id string once, when vLLM first sees
+ * the request; the tracer keeps the pair so that reports name requests.
+ *
+ * Block events: a list of physical block ids of one KV-cache group, what
+ * happened to them, and the request it happened for.
+ *   req         uint64_t         the request (hash above)
+ *   group_id    int64_t          the KV-cache group (vLLM's kv_cache_group_id)
+ *   block_ids   const int32_t *  HOST pointer to num_ids block ids
+ *   num_ids     int64_t          entries in block_ids
+ *   num_blocks  int64_t          blocks in the pool (the null block 0 included)
+ *
+ *   block_alloc  blocks taken from the free queue for req (BlockPool.
+ *                get_new_blocks while the scheduler allocates for req)
+ *   block_hit    prefix-cache hits: cached blocks req shares instead of
+ *                computing them (BlockPool.touch)
+ *   block_cache  req's full blocks that got a hash: now reusable by others
+ *                (BlockPool.cache_full_blocks)
+ *   block_free   blocks req released (one reference dropped: a block is back
+ *                in the free queue only once nobody holds it), at its end or
+ *                its preemption (KVCacheManager.free)
+ *   block_evict  cached blocks whose hash was dropped so that they could be
+ *                given to req (BlockPool._maybe_evict_cached_block): the
+ *                content a later request can no longer hit
+ * Block 0 (the null block) never appears in a list.
+ */
+#define _KVTRACE_BLOCKS_PROBE(name, req, group, ids, nids, nblocks)          \
+	STAP_PROBE5(vllm, name, (uint64_t)(req), (int64_t)(group),            \
+		    (const int32_t *)(ids), (int64_t)(nids), (int64_t)(nblocks))
+
+#define KVTRACE_BLOCK_ALLOC(req, group, ids, nids, nblocks)                   \
+	_KVTRACE_BLOCKS_PROBE(block_alloc, req, group, ids, nids, nblocks)
+#define KVTRACE_BLOCK_HIT(req, group, ids, nids, nblocks)                     \
+	_KVTRACE_BLOCKS_PROBE(block_hit, req, group, ids, nids, nblocks)
+#define KVTRACE_BLOCK_CACHE(req, group, ids, nids, nblocks)                   \
+	_KVTRACE_BLOCKS_PROBE(block_cache, req, group, ids, nids, nblocks)
+#define KVTRACE_BLOCK_FREE(req, group, ids, nids, nblocks)                    \
+	_KVTRACE_BLOCKS_PROBE(block_free, req, group, ids, nids, nblocks)
+#define KVTRACE_BLOCK_EVICT(req, group, ids, nids, nblocks)                   \
+	_KVTRACE_BLOCKS_PROBE(block_evict, req, group, ids, nids, nblocks)
+
+/*
+ * request: names a request, once, when the scheduler first sees it.
+ *   req      uint64_t      the hash above
+ *   id       const char *  HOST pointer to the request id, UTF-8, not
+ *                          NUL-terminated (the tracer reads id_len bytes,
+ *                          at most 64: an id is a name, never a prompt)
+ *   id_len   int64_t
+ *   prompt_tokens int64_t  tokens of its prompt (a count, never the tokens)
+ */
+#define KVTRACE_REQUEST(req, id, idlen, ntok)                                 \
+	STAP_PROBE4(vllm, request, (uint64_t)(req), (const char *)(id),        \
+		    (int64_t)(idlen), (int64_t)(ntok))
+
+/*
+ * req_preempt: the scheduler preempted req (its blocks are freed by the
+ * block_free that follows; its computed tokens are computed again later).
+ *   req             uint64_t
+ *   computed_tokens int64_t  tokens it had computed, now to recompute
+ * req_finish: req finished (any reason) and leaves the scheduler.
+ *   req             uint64_t
+ *   output_tokens   int64_t  tokens it generated
+ */
+#define KVTRACE_REQ_PREEMPT(req, ntok)                                        \
+	STAP_PROBE2(vllm, req_preempt, (uint64_t)(req), (int64_t)(ntok))
+#define KVTRACE_REQ_FINISH(req, ntok)                                         \
+	STAP_PROBE2(vllm, req_finish, (uint64_t)(req), (int64_t)(ntok))
 
 #endif /* KVTRACE_DISABLE_PROBES */
 #endif /* KVTRACE_PROBES_H */
