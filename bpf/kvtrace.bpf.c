@@ -52,6 +52,18 @@ BPF_HASH(groups, struct kvtrace_group_key, struct kvtrace_group, 1024);
 BPF_F_TABLE("array", u32, struct kvtrace_read_row, block_reads,
 	    KVTRACE_MAX_GROUPS + 1, BPF_F_MMAPABLE);
 
+/*
+ * The plugin tier's lifecycle events, per block: row = proc index *
+ * KVTRACE_NR_LIFE + enum kvtrace_life.  Per request: `requests`.
+ */
+BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_life,
+	    KVTRACE_MAX_PROCS * KVTRACE_NR_LIFE, BPF_F_MMAPABLE);
+BPF_TABLE("lru_hash", struct kvtrace_request_key, struct kvtrace_request, requests,
+	  KVTRACE_MAX_REQUESTS);
+/* A zeroed kvtrace_request to insert from (never written): on the stack it
+ * would not fit beside the stages' own variables. */
+BPF_PERCPU_ARRAY(request_zero, struct kvtrace_request, 1);
+
 #define RECORD_VALUES (KVTRACE_RECORD_CHUNKS * KVTRACE_CHUNK)
 
 /* Up to KVTRACE_RECORD_CHUNKS chunks of a user index array, read one after
@@ -86,7 +98,7 @@ struct work {
 	u64 rec_start;  /* index stream: the first value of the record being read */
 	u32 row, src_row, dst_row, proc;
 	s32 err;
-	u32 pad;
+	u32 id_len;     /* request: bytes of the id at arr */
 	/* block_table (reads): n = rows, done = stream values sent so far */
 	u64 seqs;        /* user address of the int32 seq_lens */
 	u64 stride;      /* int32 entries from one row to the next */
@@ -368,6 +380,58 @@ static __always_inline void chunks_lost(struct work *w, u64 lost)
 	}
 }
 
+/*
+ * The plugin tier: the request an event concerns.  One scheduler thread
+ * fires them, one after the other; the adds are atomic all the same (a
+ * second EngineCore, data parallel, is a second process and key).
+ */
+static __always_inline void request_event(struct work *w)
+{
+	struct kvtrace_event *ev = &w->ev;
+	struct kvtrace_request_key key = {.pid = ev->pid, .req = ev->cache_id};
+	struct kvtrace_request *r = requests.lookup(&key);
+	if (!r) {
+		u32 zero = 0;
+		struct kvtrace_request *init = request_zero.lookup(&zero);
+		if (init && !requests.insert(&key, init)) /* BPF_NOEXIST */
+			global_add(KVTRACE_G_REQUESTS_SEEN, 1);
+		r = requests.lookup(&key);
+		if (!r) {
+			global_add(KVTRACE_G_REQUEST_FULL, 1);
+			return;
+		}
+	}
+	if (!r->first_ns)
+		r->first_ns = ev->ts_ns;
+	r->last_ns = ev->ts_ns;
+	switch (ev->op) {
+	case KVTRACE_OP_REQUEST:
+	{
+		/* a name, capped: never more than KVTRACE_REQ_ID_LEN bytes */
+		u32 n = w->id_len;
+		if (n > KVTRACE_REQ_ID_LEN)
+			n = KVTRACE_REQ_ID_LEN;
+		r->prompt_tokens = ev->items;
+		r->id_len = n;
+		bpf_probe_read_user(r->id, n, (void *)w->arr);
+		break;
+	}
+	case KVTRACE_OP_REQ_PREEMPT:
+		__sync_fetch_and_add(&r->preemptions, 1);
+		__sync_fetch_and_add(&r->recomputed, ev->items);
+		break;
+	case KVTRACE_OP_REQ_FINISH:
+		r->finish_ns = ev->ts_ns;
+		r->output_tokens = ev->items;
+		break;
+	default: {
+		u32 kind = ev->op - KVTRACE_OP_BLOCK_ALLOC;
+		if (kind < KVTRACE_NR_LIFE)
+			__sync_fetch_and_add(&r->blocks[kind], ev->slots);
+	}
+	}
+}
+
 /* Everything an op does after its index array has been read. */
 static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 {
@@ -384,6 +448,8 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 		truncated /= 2; /* values -> pairs */
 	if (op == KVTRACE_OP_BLOCK_TABLE)
 		truncated = w->trunc; /* rows not (wholly) read */
+	if (op >= KVTRACE_OP_REQUEST)
+		truncated = 0; /* no array */
 	if (truncated)
 		ev->flags |= KVTRACE_EV_TRUNCATED;
 	if (w->err)
@@ -413,6 +479,9 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 			__sync_fetch_and_add(&g->read_errors, w->err ? 1 : 0);
 		}
 	}
+
+	if (op >= KVTRACE_OP_BLOCK_ALLOC && op <= KVTRACE_OP_REQ_FINISH)
+		request_event(w);
 
 	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
 		struct kvtrace_cache_key ckey = {.pid = ev->pid,
@@ -584,6 +653,69 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	w->oor += oor;
 	chunks_lost(w, lost);
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_PAIRS);
+}
+
+/*
+ * Stage: count a lifecycle event's block ids (int32) into the process's
+ * block_life row for the event.  Block 0, vLLM's null block, is never
+ * counted (vLLM never hands it out; a 0 here is padding).  The ids are read
+ * KVTRACE_CHUNK at a time; streamed, they go out as int64 like the others.
+ */
+int kvtrace_stage_ids(struct pt_regs *ctx)
+{
+	struct work *w;
+	struct chunk *buf;
+	if (stage_state(&w, &buf))
+		return 0;
+	u32 zero = 0;
+	struct table_chunk *tb = table_scratch.lookup(&zero);
+	u32 r = w->row;
+	struct kvtrace_block_row *row = block_life.lookup(&r);
+	if (!tb || !row)
+		return 0;
+	u64 valid = 0, nulls = 0, oor = 0, lost = 0;
+
+	w->rec_start = w->done;
+
+#pragma clang loop unroll(disable)
+	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
+		u64 done = w->done, n = w->n;
+		if (done >= n)
+			break;
+		u64 left = n - done;
+		u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+		OPAQUE(cnt);
+		u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(u32);
+		if (bpf_probe_read_user(tb->v, size, (const u32 *)w->arr + done)) {
+			w->err = 1;
+			break;
+		}
+		w->done = done + cnt;
+#pragma clang loop unroll(disable)
+		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
+			u64 id = tb->v[i]; /* a negative int32 is >= 2^31 here */
+			u64 live = lt(i, cnt);
+			u64 nz = lt(0, id);
+			u64 ok = live & nz & lt(id, KVTRACE_MAX_BLOCKS);
+			valid += ok;
+			nulls += live & (nz ^ 1);
+			oor += live & nz & (ok ^ 1);
+			__sync_fetch_and_add(&row->count[id & BLOCK_MASK], ok);
+#ifdef KVTRACE_WITH_INDEX_STREAM
+			buf->v[(k * KVTRACE_CHUNK + i) & (2 * RECORD_VALUES - 1)] =
+			    (s64)(s32)tb->v[i];
+#endif
+		}
+		if (k == KVTRACE_RECORD_CHUNKS - 1)
+			lost += emit_chunk(ctx, w, buf);
+	}
+	lost += emit_chunk(ctx, w, buf);
+	w->ev.slots += valid;
+	w->ev.padding += nulls;
+	w->oor += oor;
+	chunks_lost(w, lost);
+	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_IDS);
 }
 
 /* Stage: sum the sizes array of swap_blocks_batch. */
@@ -898,6 +1030,31 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->keep = g->index < KVTRACE_MAX_GROUPS;
 		w->row = w->keep ? g->index : KVTRACE_MAX_GROUPS; /* the sink */
 		stage = KVTRACE_STAGE_TABLE;
+	} else if (op >= KVTRACE_OP_BLOCK_ALLOC && op <= KVTRACE_OP_BLOCK_EVICT) {
+		/* (req, group_id, block_ids, num_ids, num_blocks) */
+		u64 n = (s64)a[3] > 0 ? a[3] : 0;
+		w->ev.cache_id = a[0];
+		w->ev.cache_index = (u32)a[1];
+		w->ev.items = n;
+		w->ev.bytes = a[4];
+		w->arr = a[2];
+		w->n = n;
+		w->row = proc_index * KVTRACE_NR_LIFE + (op - KVTRACE_OP_BLOCK_ALLOC);
+		stage = KVTRACE_STAGE_IDS;
+	} else if (op >= KVTRACE_OP_REQUEST && op <= KVTRACE_OP_REQ_FINISH) {
+		/* request: (req, id, id_len, prompt_tokens)
+		 * req_preempt, req_finish: (req, tokens) */
+		w->ev.cache_id = a[0];
+		if (op == KVTRACE_OP_REQUEST) {
+			w->arr = a[1];
+			w->id_len = (s64)a[2] > 0 ? (a[2] > KVTRACE_REQ_ID_LEN
+						     ? KVTRACE_REQ_ID_LEN : a[2]) : 0;
+			w->ev.items = a[3];
+		} else {
+			w->ev.items = a[1];
+		}
+		start_record(w);
+		return finish(ctx, w);
 	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {
 		/* (src_ptrs, dst_ptrs, sizes, count): no block numbers here */
 		u64 n = (s64)a[3] > 0 ? a[3] : 0;

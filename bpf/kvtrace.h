@@ -19,7 +19,17 @@ enum kvtrace_op {
 	KVTRACE_OP_SWAP_BLOCKS = 5,
 	KVTRACE_OP_SWAP_BLOCKS_BATCH = 6,
 	KVTRACE_OP_BLOCK_TABLE = 7, /* reads: the blocks attention reads at a step */
-	KVTRACE_NR_OPS = 8,
+	/* the plugin tier (the scheduler's decisions): BLOCK_ALLOC..BLOCK_EVICT
+	 * in the order of enum kvtrace_life */
+	KVTRACE_OP_BLOCK_ALLOC = 8,
+	KVTRACE_OP_BLOCK_HIT = 9,
+	KVTRACE_OP_BLOCK_CACHE = 10,
+	KVTRACE_OP_BLOCK_FREE = 11,
+	KVTRACE_OP_BLOCK_EVICT = 12,
+	KVTRACE_OP_REQUEST = 13,
+	KVTRACE_OP_REQ_PREEMPT = 14,
+	KVTRACE_OP_REQ_FINISH = 15,
+	KVTRACE_NR_OPS = 16,
 };
 
 /* Per-block movement counters: the rows of block_moves for one process are
@@ -30,6 +40,19 @@ enum kvtrace_move {
 	KVTRACE_MOVE_SWAP_OUT = 2, /* device block of a device->host swap */
 	KVTRACE_MOVE_SWAP_IN = 3,  /* device block of a host->device swap */
 	KVTRACE_NR_MOVES = 4,
+};
+
+/* Per-block lifecycle counters (the plugin tier): the rows of block_life for
+ * one process are proc_index * KVTRACE_NR_LIFE + kind, kind = op -
+ * KVTRACE_OP_BLOCK_ALLOC.  A block's count is how many times the event
+ * happened to it (block_hit: how many requests shared it from the cache). */
+enum kvtrace_life {
+	KVTRACE_LIFE_ALLOC = 0,
+	KVTRACE_LIFE_HIT = 1,
+	KVTRACE_LIFE_CACHE = 2,
+	KVTRACE_LIFE_FREE = 3,
+	KVTRACE_LIFE_EVICT = 4,
+	KVTRACE_NR_LIFE = 5,
 };
 
 /* Indices of the globals array. */
@@ -43,7 +66,12 @@ enum kvtrace_global {
 	KVTRACE_G_CHUNKS_LOST = 6,  /* index chunk records the perf buffer refused */
 	KVTRACE_G_NEXT_GROUP = 7,   /* next free group index (block_reads row) */
 	KVTRACE_G_GROUP_FULL = 8,   /* groups beyond KVTRACE_MAX_GROUPS */
-	KVTRACE_NR_GLOBALS = 9,
+	KVTRACE_G_REQUEST_FULL = 9, /* lifecycle events of requests the requests
+				     * map had no room for (counted per block
+				     * all the same) */
+	KVTRACE_G_REQUESTS_SEEN = 10, /* requests entered into `requests`: more
+				       * than it holds = some were evicted */
+	KVTRACE_NR_GLOBALS = 11,
 };
 
 /* swap_blocks direction (same values as KVTRACE_SWAP_* in kvtrace_probes.h) */
@@ -94,7 +122,8 @@ enum kvtrace_stage {
 	KVTRACE_STAGE_SIZES = 2, /* sum swap_blocks_batch sizes */
 	KVTRACE_STAGE_SLOTS_POW2 = 3, /* SLOTS for power-of-two block sizes */
 	KVTRACE_STAGE_TABLE = 4, /* count block-table entries into block_reads */
-	KVTRACE_NR_STAGES = 5,
+	KVTRACE_STAGE_IDS = 5,   /* count block ids into block_life */
+	KVTRACE_NR_STAGES = 6,
 };
 
 /*
@@ -118,6 +147,9 @@ enum kvtrace_stage {
 #endif
 #ifndef KVTRACE_MAX_PROCS
 #define KVTRACE_MAX_PROCS 8 /* traced processes */
+#endif
+#ifndef KVTRACE_MAX_REQUESTS
+#define KVTRACE_MAX_REQUESTS 16384 /* requests kept in `requests` (LRU) */
 #endif
 #ifndef KVTRACE_MAX_GROUPS
 #define KVTRACE_MAX_GROUPS 16 /* (pid, KV-cache group) pairs with read rows */
@@ -203,6 +235,29 @@ struct kvtrace_group {
 	__u64 read_errors;  /* steps whose table or seq_lens could not be read */
 };
 
+/* requests: the plugin tier's per-request totals, one entry per (process,
+ * request hash).  An LRU map: on a long run the least recently active
+ * requests make room (their per-block counts stay in block_life). */
+#define KVTRACE_REQ_ID_LEN 64
+struct kvtrace_request_key {
+	__u32 pid;
+	__u32 pad;
+	__u64 req; /* FNV-1a 64 of vLLM's request id (kvtrace_probes.h) */
+};
+struct kvtrace_request {
+	__u64 first_ns;      /* its first event (bpf_ktime_get_ns) */
+	__u64 last_ns;       /* its latest event */
+	__u64 finish_ns;     /* req_finish, 0 while it runs */
+	__u64 prompt_tokens; /* from the request probe */
+	__u64 output_tokens; /* from req_finish */
+	__u64 preemptions;
+	__u64 recomputed;    /* computed tokens it lost to preemptions */
+	__u64 blocks[KVTRACE_NR_LIFE]; /* block ids per lifecycle event */
+	__u32 id_len;        /* bytes of id (at most KVTRACE_REQ_ID_LEN) */
+	__u32 pad;
+	char id[KVTRACE_REQ_ID_LEN]; /* vLLM's request id, from the request probe */
+};
+
 /* op_stats: exact per-(process, op) totals */
 struct kvtrace_op_key {
 	__u32 pid;
@@ -284,6 +339,12 @@ enum kvtrace_rec {
  *   at the step sees it), flags as for the other ops;
  * and its index stream is, row after row, the row's seq_len followed by its
  * ceil(seq_len / block_size) entries (null entries included).
+ *
+ * The plugin tier's ops: cache_id = the request hash; block events
+ * (block_alloc..block_evict) have cache_index = the KV-cache group, items =
+ * ids passed, slots = ids counted, padding = null ids (0), bytes = blocks in
+ * the pool, and their index stream is the block ids; request, req_preempt
+ * and req_finish have items = their token count and no stream.
  */
 struct kvtrace_event {
 	__u32 type; /* KVTRACE_REC_OP */

@@ -57,10 +57,16 @@ DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
 DEFAULT_MAX_GROUPS = define("KVTRACE_MAX_GROUPS")
 TABLE_CHUNK = define("KVTRACE_TABLE_CHUNK")
 READ_OPS = frozenset(("block_table",))
+LIFE = tuple(_strip("KVTRACE_LIFE_", _enum("kvtrace_life")))  # block_life rows, in order
+LIFE_OPS = tuple(f"block_{kind}" for kind in LIFE)  # the ops that count them
+REQUEST_OPS = ("request", "req_preempt", "req_finish")
+PLUGIN_OPS = frozenset(LIFE_OPS + REQUEST_OPS)  # fired by the plugin (plugin/)
+REQ_ID_LEN = define("KVTRACE_REQ_ID_LEN")
 EV_TRUNCATED = define("KVTRACE_EV_TRUNCATED")
 EV_READ_ERROR = define("KVTRACE_EV_READ_ERROR")
 
-assert set(OPS) >= WRITE_OPS and len(OPS) == NR_OPS
+assert set(OPS) >= WRITE_OPS | PLUGIN_OPS and len(OPS) == NR_OPS
+assert [OPS[o] - OPS["block_alloc"] for o in LIFE_OPS] == list(range(len(LIFE)))
 
 # -- the perf stream's records (struct kvtrace_event, struct kvtrace_chunk_hdr)
 

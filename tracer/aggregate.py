@@ -17,6 +17,9 @@ JSON_VERSION = 1
 
 # the ops whose probes carry a byte count (copies and swaps); elsewhere
 # "bytes" is not measured
+# the per-request totals of the plugin tier (struct kvtrace_request), as JSON
+REQUEST_FIELDS = ("first_ns", "last_ns", "finish_ns", "prompt_tokens", "output_tokens",
+                  "preemptions", "recomputed")
 BYTES_OPS = frozenset(("copy_blocks", "swap_blocks", "swap_blocks_batch"))
 
 OP_COUNTERS = ("calls", "items", "slots", "padding", "bytes", "truncated",
@@ -94,6 +97,10 @@ class Process:
     # "not probed on this build", not a 0 that reads as "did not happen".
     probed_ops: list = None
     groups: list = field(default_factory=list)  # ReadGroup: reads per KV-cache group
+    # the plugin tier: lifecycle kind (abi.LIFE) -> uint64 per block, and
+    # the per-request totals (dicts as session.read_maps gives them)
+    life: dict = field(default_factory=dict)
+    requests: list = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -163,6 +170,11 @@ class Aggregate:
 
         for pid in raw.get("moves", {}):
             proc(pid)
+        for pid, rows in raw.get("life", {}).items():
+            if rows.any():  # processes without the plugin have no rows to show
+                proc(pid).life = {kind: _trim(rows[i], 0) for i, kind in enumerate(abi.LIFE)}
+        for r in raw.get("requests", []):
+            proc(r["pid"]).requests.append(r)
         by_pid = {}
         for c in raw["caches"]:
             by_pid.setdefault(c["pid"], []).append(c)
@@ -232,6 +244,14 @@ class Aggregate:
         if self.globals.get("group_full"):
             reasons.append(f"{self.globals['group_full']} KV-cache groups beyond the "
                            "read rows (their reads are not counted per block)")
+        if self.globals.get("request_full"):
+            reasons.append(f"{self.globals['request_full']} lifecycle events of requests "
+                           "beyond the requests map (counted per block, not per request)")
+        kept = sum(len(p.requests) for p in self.processes.values())
+        if self.globals.get("requests_seen", 0) > kept:
+            reasons.append(f"{self.globals['requests_seen'] - kept} requests' totals were "
+                           "evicted from the requests map (least recently active first; "
+                           "their blocks are counted per block)")
         if self.globals.get("missed_hits"):
             reasons.append(f"{self.globals['missed_hits']} probe hits the kernel skipped "
                            "(another BPF program was running on that CPU)")
@@ -275,6 +295,14 @@ class Aggregate:
                 } for g in p.groups],
                 "blocks": {"num_blocks": p.num_blocks, "tokens": sparse(p.tokens),
                            **{k: sparse(v) for k, v in p.moves.items()}},
+                "lifecycle": {
+                    "blocks": {k: sparse(v) for k, v in p.life.items()},
+                    "totals": {k: int(v.sum()) for k, v in p.life.items()},
+                    "requests": [{
+                        "req": f"{r['req']:016x}", "id": r["id"],
+                        **{k: r[k] for k in REQUEST_FIELDS}, "blocks": r["blocks"],
+                    } for r in sorted(p.requests, key=lambda r: (r["first_ns"], r["req"]))],
+                } if p.life or p.requests else None,
             })
         reasons = self.inexact_reasons()
         return {

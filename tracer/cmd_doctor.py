@@ -44,7 +44,8 @@ REQUIRED_CONFIG = ("CONFIG_BPF", "CONFIG_BPF_SYSCALL", "CONFIG_BPF_EVENTS",
                    "CONFIG_UPROBES", "CONFIG_UPROBE_EVENTS")
 TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 # the probe tiers, as TracedProcess.tier names them, in the user's words
-TIER_NAMES = {"usdt": "fork USDT", "uprobe": "stock uprobe", "none": "none"}
+TIER_NAMES = {"plugin": "plugin USDT", "usdt": "fork USDT", "uprobe": "stock uprobe",
+              "none": "none"}
 
 
 @dataclass
@@ -358,7 +359,8 @@ def check_target(pid: int) -> list:
     if not found:
         checks.append(_no_probes(pid, tree))
         return checks
-    tier = "usdt" if "usdt" in tiers.values() else "uprobe"
+    # the richest tier any process of the tree offers (docs/tiers.md)
+    tier = next(t for t in ("plugin", "usdt", "uprobe") if t in tiers.values() or t == "uprobe")
     where = [f"{_proc(p)}{', a descendant' if p != pid else ''}: "
              + describe_probes(files, tiers[p] == "uprobe") for p, files in found.items()]
     checks.append(Check("probe tier", PASS, f"{TIER_NAMES[tier]}: {'; '.join(where)}"))

@@ -164,7 +164,8 @@ class Follower:
             if added:
                 attached.append(pid)
                 names = ", ".join(os.path.basename(f) for f in files)
-                how = {"usdt": "USDT probes", "uprobe": "stock uprobes"}.get(proc.tier, "")
+                how = {"plugin": "plugin USDT probes", "usdt": "USDT probes",
+                       "uprobe": "stock uprobes"}.get(proc.tier, "")
                 extra = ""
                 if layout is not None:
                     extra = f", torch {layout.torch} tensor layout"

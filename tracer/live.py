@@ -100,12 +100,15 @@ def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
               title="ops, all processes", title_justify="left", title_style="bold")
     t.add_column("op", no_wrap=True, min_width=len("cpu_attn_reshape_and_cache"))
     heads = {"calls": "calls", "calls/s": f"calls/s\n{basis}", "slots": "slots\nall layers",
-             "padding": "padding\nall layers", "pairs": "pairs\nmoved", "bytes": "bytes\nmoved"}
+             "padding": "padding\nall layers", "pairs": "pairs\nmoved", "bytes": "bytes\nmoved",
+             "blocks": "blocks\n(plugin)"}
     cols = ["calls", "calls/s", "slots", "padding"]
     if width < 100:
         cols.remove("padding")
     if any(op in MOVE_OPS for op in totals):
         cols.append("pairs")
+    if any(op in abi.LIFE_OPS for op in totals):
+        cols.append("blocks")
     cols.append("bytes")
     for col in cols:
         t.add_column(heads[col], justify="right", no_wrap=True)
@@ -118,6 +121,8 @@ def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
                  "slots": _n(st["slots"]) if writes else "-",
                  "padding": _n(st["padding"]) if writes else "-",
                  "pairs": _n(st["items"]) if op in MOVE_OPS else "-",
+                 # lifecycle events: the block ids counted (null ids not)
+                 "blocks": _n(st["slots"]) if op in abi.LIFE_OPS else "-",
                  "bytes": _bytes(st["bytes"]) if op in BYTES_OPS else "-"}
         t.add_row(op, *(cells[c] for c in cols))
     if not t.row_count:
@@ -260,7 +265,8 @@ def log2_table(agg: Aggregate) -> Table:
 
 # -- a process's panel ----------------------------------------------------------
 
-TIER_WORDS = {"usdt": "fork USDT", "uprobe": "stock uprobe", "none": "no probes"}
+TIER_WORDS = {"plugin": "plugin USDT", "usdt": "fork USDT", "uprobe": "stock uprobe",
+              "none": "no probes"}
 
 
 def describe(proc) -> str:
@@ -277,7 +283,8 @@ def is_idle(proc) -> bool:
     """No probe of this process has fired: nothing to draw for it."""
     return not proc.layers and not any(st["calls"] for st in proc.ops.values()) \
         and not any(a.any() for a in proc.moves.values()) \
-        and not getattr(proc, "groups", None)
+        and not getattr(proc, "groups", None) \
+        and not getattr(proc, "life", None) and not getattr(proc, "requests", None)
 
 
 def writes_panel(proc, width: int) -> list:
@@ -349,7 +356,46 @@ def reads_panel(proc, width: int) -> list:
 
 
 # Each entry: (process, width) -> renderables; an empty list draws nothing.
-PROCESS_PANELS = [writes_panel, reads_panel]
+LIFE_WORDS = {"alloc": "allocated", "hit": "prefix hits", "cache": "cached",
+              "free": "freed", "evict": "evicted"}
+
+
+def lifecycle_panel(proc, width: int) -> list:
+    """The plugin tier (the scheduler's view): block events per kind, the
+    share of the blocks requests needed that the prefix cache served, the
+    requests and their preemptions, and the blocks hit most.  Empty for a
+    process without the plugin's probes."""
+    life = getattr(proc, "life", None) or {}
+    reqs = getattr(proc, "requests", None) or []
+    if not life and not reqs:
+        return []
+    totals = {k: int(np.asarray(v, dtype=np.uint64).sum()) for k, v in life.items()}
+    line = Text("lifecycle (scheduler): ", style="bold")
+    line.append(", ".join(f"{_n(totals.get(k, 0))} {w}" for k, w in LIFE_WORDS.items()))
+    needed = totals.get("hit", 0) + totals.get("alloc", 0)
+    if needed:
+        # a request's blocks come from the prefix cache (hit) or the free
+        # queue (alloc): the share served by the cache, in blocks
+        line.append(f"\nprefix cache served {100 * totals.get('hit', 0) / needed:.1f}% of "
+                    f"the {_n(needed)} blocks requests needed")
+    body = [line]
+    if reqs:
+        done = sum(1 for r in reqs if r["finish_ns"])
+        pre = sum(r["preemptions"] for r in reqs)
+        rl = Text(f"requests: {_n(len(reqs))} seen, {_n(len(reqs) - done)} running, "
+                  f"{_n(done)} finished, {_n(pre)} preemptions")
+        if pre:
+            rl.append(f" ({_n(sum(r['recomputed'] for r in reqs))} tokens to recompute)")
+        body.append(rl)
+    hits = np.asarray(life.get("hit", []), dtype=np.uint64)
+    if hits.any():
+        top = np.argsort(hits, kind="stable")[::-1][:8]
+        body.append(Text("hit most: " + "  ".join(
+            f"b{int(b)} x{_n(hits[b])}" for b in top if hits[b]), style="dim"))
+    return body
+
+
+PROCESS_PANELS = [writes_panel, reads_panel, lifecycle_panel]
 
 
 def process_panel(proc, width: int) -> Panel:

@@ -118,12 +118,21 @@ class TracedProcess:
 
     @property
     def tier(self) -> str:
-        """Which probe source serves this process: 'usdt' (a kvtrace build
-        of vLLM, or kvsim), 'uprobe' (stock vLLM), or 'none' yet."""
-        probes = [p for ps in self.probe_files.values() for p in ps]
-        if not probes:
-            return "none"
-        return "uprobe" if all(p.stock for p in probes) else "usdt"
+        """Which probe source serves this process: 'plugin' (the kvtrace
+        vLLM plugin's scheduler probes, plugin/), 'usdt' (a kvtrace build of
+        vLLM, or kvsim), 'uprobe' (stock vLLM), or 'none' yet."""
+        return tier_of([p for ps in self.probe_files.values() for p in ps])
+
+
+def tier_of(probes) -> str:
+    """The tier a process's probes offer (docs/tiers.md): 'plugin' when the
+    plugin's scheduler probes are among them (and the fork's op probes may
+    be too), 'usdt' for op probes compiled in, 'uprobe' for stock sites."""
+    if not probes:
+        return "none"
+    if any(p.name in abi.PLUGIN_OPS and not p.stock for p in probes):
+        return "plugin"
+    return "uprobe" if all(p.stock for p in probes) else "usdt"
 
 
 class Tracer:
@@ -191,6 +200,12 @@ class Tracer:
         self.moves = np.frombuffer(self._moves_map, dtype=np.uint64,
                                    count=max_procs * len(abi.MOVES) * max_blocks
                                    ).reshape(max_procs, len(abi.MOVES), max_blocks)
+        # the plugin tier's lifecycle events per block (enum kvtrace_life)
+        self._life_map = self._mmap(self.bpf["block_life"],
+                                    max_procs * len(abi.LIFE) * row_bytes)
+        self.life = np.frombuffer(self._life_map, dtype=np.uint64,
+                                  count=max_procs * len(abi.LIFE) * max_blocks
+                                  ).reshape(max_procs, len(abi.LIFE), max_blocks)
 
         self.records = 0
         self.lost = 0
@@ -341,8 +356,8 @@ class Tracer:
     def close(self):
         self.detach()
         # numpy views first: an mmap with live views cannot close
-        self.writes = self.moves = self.reads = self.last_read = None
-        for m in (self._writes_map, self._moves_map, self._reads_map):
+        self.writes = self.moves = self.reads = self.last_read = self.life = None
+        for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map):
             m.close()
         # let bcc free the perf buffer while its map is still open
         self._events = None
@@ -401,6 +416,15 @@ class Tracer:
         # starts vLLM) can have no counts: they are not shown
         moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()
                  if p.probe_files}
+        life = {pid: self.life[p.index].copy() for pid, p in self.procs.items()
+                if p.probe_files}
+        requests = []
+        for k, v in self.bpf["requests"].items():
+            r = {name: int(getattr(v, name)) for name, _ in v._fields_
+                 if name not in ("pad", "id", "blocks")}
+            r["blocks"] = dict(zip(abi.LIFE, (int(b) for b in v.blocks)))
+            r["id"] = bytes(v.id[:min(v.id_len, abi.REQ_ID_LEN)]).decode(errors="replace")
+            requests.append(dict(pid=k.pid, req=k.req, **r))
         stacks = []
         if self.stacks:
             for k, v in self.bpf["stack_weights"].items():
@@ -410,7 +434,7 @@ class Tracer:
         glob["missed_hits"] = self.prog_misses()
         return dict(time=time.monotonic(), caches=caches, groups=groups, op_stats=op_stats,
                     log2=log2,
-                    moves=moves, stacks=stacks, globals=glob, records=self.records,
+                    moves=moves, life=life, requests=requests, stacks=stacks, globals=glob, records=self.records,
                     lost=max(self.lost, glob["records_lost"]))
 
     def stack_frames(self, stack_id: int, pid: int) -> list:
