@@ -52,3 +52,49 @@ def test_roles(comm, want):
 ])
 def test_model_name(argv, want):
     assert prom.model_name(argv) == want
+
+
+def test_lifecycle_metrics_from_a_plugin_process():
+    """The plugin tier's series: blocks per event, blocks held (taken by
+    alloc or hit more often than freed) and the request counters, from a
+    hand-made aggregate whose answer is worked out here by hand."""
+    import numpy as np
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from tracer.aggregate import Aggregate, Process
+
+    z = dict(calls=0, items=0, slots=0, padding=0, bytes=0, truncated=0, read_errors=0,
+             out_of_range=0)
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    # blocks 1..4: 1 allocated and freed; 2 allocated, hit once, freed once
+    # (still held); 3 allocated (held); 4 hit only, from before attach (held)
+    p = Process(pid=7, comm="EngineCore_DP0", tier="plugin",
+                life={"alloc": u(0, 1, 1, 1, 0), "hit": u(0, 0, 1, 0, 1),
+                      "cache": u(0, 1, 1, 0, 0), "free": u(0, 1, 1, 0, 0),
+                      "evict": u(0, 0, 0, 0, 0)},
+                ops={"request": {**z, "calls": 3}, "req_finish": {**z, "calls": 1},
+                     "req_preempt": {**z, "calls": 2, "items": 40}})
+    agg = Aggregate(time=1.0, processes={7: p}, log2={}, globals={}, records=0, lost=0)
+    exp = prom.Exporter()
+    exp.publish(agg)
+    reg = CollectorRegistry()
+    reg.register(exp)
+    text = generate_latest(reg).decode()
+
+    from prometheus_client.parser import text_string_to_metric_families
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def value(name, **extra):
+        return samples[(name, tuple(sorted({"pid": "7", "role": "engine_core",
+                                            **extra}.items())))]
+
+    assert value("kvtrace_block_events_total", event="alloc") == 3
+    assert value("kvtrace_block_events_total", event="hit") == 2
+    assert value("kvtrace_block_events_total", event="free") == 2
+    assert value("kvtrace_blocks_held") == 3
+    assert value("kvtrace_requests_total") == 3
+    assert value("kvtrace_requests_finished_total") == 1
+    assert value("kvtrace_preemptions_total") == 2
+    assert value("kvtrace_recomputed_tokens_total") == 40

@@ -427,3 +427,23 @@ def test_cmd_output_path_choice():
         assert os.stat(path).st_mode & 0o777 == 0o600
     finally:
         os.unlink(path)
+
+
+def test_lifecycle_panel_says_what_the_scheduler_did():
+    """The plugin tier's panel: per event the blocks, the share of needed
+    blocks the prefix cache served (3 hits of 3 + 9 needed: 25.0%), the
+    requests, and the blocks hit most; nothing for a process without it."""
+    from tracer.aggregate import Process
+
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    p = Process(pid=5, comm="EngineCore", tier="plugin",
+                life={"alloc": u(0, 4, 5), "hit": u(0, 0, 3), "cache": u(0, 2, 0),
+                      "free": u(0, 4, 5), "evict": u(0, 1, 0)},
+                requests=[dict(finish_ns=1, preemptions=0, recomputed=0),
+                          dict(finish_ns=0, preemptions=2, recomputed=48)])
+    text = "\n".join(str(part) for part in live.lifecycle_panel(p, 100))
+    assert "9 allocated, 3 prefix hits, 2 cached, 9 freed, 1 evicted" in text
+    assert "served 25.0% of the 12 blocks" in text
+    assert "2 seen, 1 running, 1 finished, 2 preemptions (48 tokens to recompute)" in text
+    assert "b2 x3" in text and "b1 x" not in text
+    assert live.lifecycle_panel(Process(pid=6, comm="w"), 100) == []

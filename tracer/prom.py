@@ -161,6 +161,32 @@ def _buckets(values, bounds):
     return pairs, float(values.sum())
 
 
+def _life(p):
+    """The plugin tier's figures for one process, or None without it: blocks
+    per lifecycle event, and the blocks held now (a block is held while the
+    references requests took, by allocation or prefix hit, outnumber those
+    they dropped; since the tracer attached)."""
+    if not p.life:
+        return None
+    n = max(len(v) for v in p.life.values())
+
+    def full(kind):
+        a = np.zeros(n, dtype=np.int64)
+        v = p.life.get(kind)
+        if v is not None:
+            a[:len(v)] = v
+        return a
+
+    taken = full("alloc") + full("hit")
+    ops = p.ops
+    return dict(events={k: int(v.sum()) for k, v in p.life.items()},
+                held=int(np.count_nonzero(taken > full("free"))),
+                requests=ops.get("request", {}).get("calls", 0),
+                finished=ops.get("req_finish", {}).get("calls", 0),
+                preemptions=ops.get("req_preempt", {}).get("calls", 0),
+                recomputed=ops.get("req_preempt", {}).get("items", 0))
+
+
 class Exporter:
     """A prometheus_client collector over the snapshot the loop publishes."""
 
@@ -219,6 +245,7 @@ class Exporter:
                 block_size=max([l.block_size for l in p.layers] +
                                [g.block_size for g in p.groups] + [0]),
                 moves={k: int(v.sum()) for k, v in p.moves.items()},
+                life=_life(p),
                 groups=groups,
                 written=_buckets(written, WRITE_BUCKETS)))
         self._snap = dict(
@@ -321,6 +348,18 @@ class Exporter:
         frag = fam(GaugeMetricFamily, "kvtrace_internal_fragmentation_ratio", "1 - true "
                    "utilization: the share of the live blocks' slots holding no token, "
                    "over the last interval", ["group"])
+        events = fam(CounterMetricFamily, "kvtrace_block_events", "blocks per lifecycle "
+                     "event the scheduler decided (plugin tier)", ["event"])
+        held_blocks = fam(GaugeMetricFamily, "kvtrace_blocks_held", "blocks some request "
+                          "holds now (plugin tier, since attach)")
+        req_seen = fam(CounterMetricFamily, "kvtrace_requests", "requests the scheduler "
+                       "took in (plugin tier)")
+        req_done = fam(CounterMetricFamily, "kvtrace_requests_finished", "requests that "
+                       "finished (plugin tier)")
+        preempt = fam(CounterMetricFamily, "kvtrace_preemptions", "requests preempted "
+                      "(plugin tier)")
+        recomp = fam(CounterMetricFamily, "kvtrace_recomputed_tokens", "computed tokens "
+                     "preempted requests lost (plugin tier)")
         freq = fam(GaugeHistogramMetricFamily, "kvtrace_block_access_frequency",
                    "blocks by reads in the last interval (blocks read at least once)",
                    ["group"])
@@ -347,6 +386,15 @@ class Exporter:
             bsize.add_metric(lv, p["block_size"])
             buckets, total = p["written"]
             wfill.add_metric(lv, buckets, total)
+            life = p.get("life")
+            if life:
+                for kind, n in life["events"].items():
+                    events.add_metric([*lv, kind], n)
+                held_blocks.add_metric(lv, life["held"])
+                req_seen.add_metric(lv, life["requests"])
+                req_done.add_metric(lv, life["finished"])
+                preempt.add_metric(lv, life["preemptions"])
+                recomp.add_metric(lv, life["recomputed"])
             for g in p["groups"]:
                 gl = [*lv, str(g["group"])]
                 reads.add_metric(gl, g["reads"])
@@ -362,4 +410,5 @@ class Exporter:
                 freq.add_metric(gl, buckets, total)
         yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
-                    ws, util, frag, freq, wfill)
+                    ws, util, frag, freq, wfill, events, held_blocks, req_seen, req_done,
+                    preempt, recomp)
