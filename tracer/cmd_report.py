@@ -20,7 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import abi, access, heatmap, live, occupancy, stream, tracefile
+from . import abi, access, heatmap, lifecycle, live, occupancy, stream, tracefile
 from .aggregate import Aggregate
 from .errors import UsageError
 
@@ -103,6 +103,8 @@ class Report:
         # what the generations were computed from (a live set may replace it)
         self.occupancy_source = occupancy.FROM_WRITES
         self.reasons = stream_reasons(ops, trace, self.agg)
+        # the plugin tier's block events (empty without the plugin)
+        self.life = lifecycle.events(ops)
 
     def duration_ns(self) -> int:
         end = self.trace.end or {}
@@ -457,6 +459,63 @@ ACCESS_MEANS = ("reads: (request, block) pairs at a forward step, counted once p
                 "first write (docs/access.md)")
 
 
+def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
+    """The plugin tier's figures (docs/lifecycle.md), or None without it."""
+    ev = rep.life
+    if not len(ev) and not ev.incomplete:
+        return None
+    res = lifecycle.residency(ev)
+    names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
+    return {"summary": lifecycle.summary(ev),
+            "residency_buckets_s": list(lifecycle.RESIDENCY_BUCKETS),
+            **{name: {"count": int(len(v)), "sum_s": float(v.sum()),
+                      "buckets": lifecycle.histogram(v)} for name, v in res.items()},
+            "requests": lifecycle.timelines(ev, rep.t0, names, limit=timelines)}
+
+
+LIFE_SHOWN_REQUESTS = 12
+
+
+def lifecycle_view(figs: dict, width: int) -> list:
+    if not figs:
+        return []
+    s = figs["summary"]
+    head = Text(", ".join(f"{n:,} {live.LIFE_WORDS[k]}" for k, n in s["blocks"].items()))
+    if s["prefix_served_share"] is not None:
+        head.append(f"; the prefix cache served {100 * s['prefix_served_share']:.1f}% of the "
+                    "blocks requests needed")
+    if s["incomplete_events"]:
+        head.append(f"; {s['incomplete_events']:,} events with ids missing (left out)",
+                    style="red")
+    hist = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="block residency, every block "
+                 "(vLLM's kv_block_* buckets, seconds; cumulative)", title_justify="left")
+    hist.add_column("le", justify="right")
+    names = ("lifetime", "idle_before_evict", "reuse_gap")
+    for n in names:
+        hist.add_column(f"{n}\n{figs[n]['count']:,}", justify="right")
+    rows = list(zip(*(figs[n]["buckets"] for n in names)))
+    last = None
+    for row in rows:
+        counts = tuple(c for _, c in row)
+        if counts == last and row[0][0] != "+Inf":
+            continue  # runs of equal rows say nothing
+        last = counts
+        hist.add_row(str(row[0][0]), *(f"{c:,}" for c in counts))
+    reqs = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                 title=f"requests (first {LIFE_SHOWN_REQUESTS} of {len(figs['requests']):,})",
+                 title_justify="left")
+    for col in ("request", "first (s)", "last (s)", *abi.LIFE):
+        reqs.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
+    for r in figs["requests"][:LIFE_SHOWN_REQUESTS]:
+        per = dict.fromkeys(abi.LIFE, 0)
+        for _, kind, _, blocks in r["events"]:
+            per[kind] += len(blocks)
+        reqs.add_row(r["id"] or r["req"], f"{r['events'][0][0]:.3f}", f"{r['events'][-1][0]:.3f}",
+                     *(f"{per[k]:,}" for k in abi.LIFE))
+    return [Panel(Group(head, hist, reqs), title="block lifecycle (plugin tier)",
+                  title_align="left", width=width)]
+
+
 def access_view(figs: list, width: int) -> list:
     parts = []
     for f in figs:
@@ -533,6 +592,7 @@ def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
         "heatmap": hm.to_json(),
         "occupancy": _occupancy_json(rep),
         "access": access_figures(rep),
+        "lifecycle": lifecycle_figures(rep),
     }
 
 
@@ -752,6 +812,7 @@ def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int
     parts += [Text(f"{hm.what}: time (rows) x blocks (columns)", style="bold"),
               heatmap.render(hm)]
     parts += access_view(access_figures(rep), width)
+    parts += lifecycle_view(lifecycle_figures(rep, timelines=LIFE_SHOWN_REQUESTS), width)
     parts += _occupancy_view(rep, layer, width)
     return Group(*parts)
 

@@ -1,0 +1,76 @@
+"""tracer/lifecycle.py on hand-made streams: the residency figures as vLLM's
+KVCacheMetricsCollector defines them, worked out here by hand."""
+
+import numpy as np
+
+from tracer import abi, lifecycle, stream
+
+
+def make_stream(events):
+    """events: (ts_ns, op name, req, group, [block ids]) in firing order."""
+    ops = np.zeros(len(events), dtype=stream.OP_TABLE)
+    values, at = [], 0
+    for i, (ts, op, req, group, ids) in enumerate(events):
+        ops[i]["seq"], ops[i]["ts_ns"], ops[i]["op"] = i, ts, abi.OPS[op]
+        ops[i]["cache_id"], ops[i]["cache_index"] = req, group
+        ops[i]["items"] = len(ids)
+        ops[i]["start"], ops[i]["stop"], ops[i]["complete"] = at, at + len(ids), True
+        values += ids
+        at += len(ids)
+    return stream.OpStream(ops, np.array(values, dtype=np.int64))
+
+
+S = 1_000_000_000
+
+
+def test_residency_as_vllm_defines_it():
+    ev = lifecycle.events(make_stream([
+        (0 * S, "block_alloc", 1, 0, [5, 6]),     # 5 and 6 born at 0
+        (1 * S, "block_hit", 2, 0, [5]),          # 5 touched at 1
+        (3 * S, "block_hit", 3, 0, [5]),          # and at 3: reuse gap 2
+        (4 * S, "block_free", 1, 0, [5, 6]),      # a free is no access
+        (10 * S, "block_alloc", 4, 0, [5, 0]),    # 5 reused: life 10, idle 7; 0 is padding
+        (12 * S, "block_hit", 5, 0, [7]),         # 7: first seen by a hit (born before)
+        (15 * S, "block_alloc", 6, 0, [7, 6]),    # 7: idle 3, no lifetime; 6: life 15, idle 15
+    ]))
+    assert len(ev) == 10  # the null id is not a block
+    r = lifecycle.residency(ev)
+    assert sorted(r["lifetime"].tolist()) == [10.0, 15.0]
+    assert sorted(r["idle_before_evict"].tolist()) == [3.0, 7.0, 15.0]
+    assert r["reuse_gap"].tolist() == [2.0]
+    assert lifecycle.histogram(r["lifetime"])[-1] == ("+Inf", 2)
+    assert dict(lifecycle.histogram(r["lifetime"], bounds=(10, 20))) == {10: 1, 20: 2, "+Inf": 2}
+
+
+def test_groups_are_separate_pools():
+    ev = lifecycle.events(make_stream([
+        (0, "block_alloc", 1, 0, [3]), (5 * S, "block_alloc", 1, 1, [3]),
+        (9 * S, "block_alloc", 2, 0, [3])]))
+    r = lifecycle.residency(ev)
+    assert r["lifetime"].tolist() == [9.0]  # group 1's block 3 is another block
+
+
+def test_timeline_and_summary():
+    ev = lifecycle.events(make_stream([
+        (1 * S, "block_alloc", 0xab, 0, [1, 2]), (2 * S, "block_hit", 0xcd, 0, [1]),
+        (3 * S, "block_free", 0xab, 0, [1, 2])]))
+    tl = lifecycle.timelines(ev, t0_ns=S, names={0xab: "req-a"})
+    assert tl == [{"req": f"{0xab:016x}", "id": "req-a",
+                   "events": [[0.0, "alloc", 0, [1, 2]], [2.0, "free", 0, [1, 2]]]},
+                  {"req": f"{0xcd:016x}", "id": "", "events": [[1.0, "hit", 0, [1]]]}]
+    s = lifecycle.summary(ev)
+    assert s["blocks"] == {"alloc": 2, "hit": 1, "cache": 0, "free": 2, "evict": 0}
+    assert abs(s["prefix_served_share"] - 1 / 3) < 1e-12 and s["requests"] == 2
+
+
+def test_incomplete_event_left_out_and_counted():
+    st = make_stream([(0, "block_alloc", 1, 0, [1, 2]), (1, "block_alloc", 2, 0, [3])])
+    st.ops["complete"][1] = False
+    ev = lifecycle.events(st)
+    assert ev.block.tolist() == [1, 2] and ev.incomplete == 1
+
+
+def test_request_names_from_the_end_document():
+    end = {"processes": [{"lifecycle": {"requests": [{"req": "00000000000000ff", "id": "x"}]}},
+                         {"lifecycle": None}, {}]}
+    assert lifecycle.request_names(end) == {255: "x"}

@@ -1,0 +1,162 @@
+"""The plugin tier's block lifecycle, from a recorded stream (docs/lifecycle.md).
+
+Each block event (block_alloc, block_hit, block_cache, block_free,
+block_evict) is one op record with its block ids as the index stream:
+cache_id is the request's hash, cache_index its KV-cache group, ts_ns when
+the scheduler decided (bpf/kvtrace.h).  From them, exactly and for every
+block (vLLM samples 1% of blocks, and only with --kv-cache-metrics):
+
+- block residency as vLLM's KVCacheMetricsCollector defines it (v1/core/
+  kv_cache_metrics.py): a block is born when get_new_blocks hands it out,
+  last accessed at birth or at its latest prefix hit (touch), and "evicted"
+  when get_new_blocks hands it out again.  lifetime = that reallocation's
+  time - birth; idle before evict = reallocation - last access; reuse gaps
+  = the gaps between consecutive prefix hits of one life (vLLM keeps the
+  last 4 hits of a life, so at most 3 gaps; these are all of them).  The
+  bucket bounds are vLLM's KV_CACHE_RESIDENCY_BUCKETS, so the two overlay.
+- per request, its timeline: each event with its time and blocks.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import abi, stream
+
+# vllm/v1/metrics/buckets.py KV_CACHE_RESIDENCY_BUCKETS (seconds), the
+# buckets of vllm:kv_block_lifetime_seconds, idle_before_evict, reuse_gap
+RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20,
+                     30, 60, 120, 300, 600, 1200, 1800)
+
+KIND_OF_OP = {abi.OPS[op]: kind for op, kind in zip(abi.LIFE_OPS, abi.LIFE)}
+
+
+@dataclass
+class Events:
+    """Every block of every complete block event, one row per (event, block),
+    in the order the scheduler decided them."""
+
+    ts_ns: np.ndarray   # int64
+    kind: np.ndarray    # index into abi.LIFE
+    req: np.ndarray     # uint64 request hash
+    group: np.ndarray   # int64 KV-cache group
+    block: np.ndarray   # int64 block id
+    event: np.ndarray   # int64: which op (row of the op table) it came from
+    incomplete: int = 0  # block events whose ids did not all arrive
+
+    def __len__(self):
+        return len(self.block)
+
+
+def events(ops: stream.OpStream) -> Events:
+    """The block events of a decoded stream (numpy, no loop per block).
+    Null ids (0, padding) are left out, as the kernel leaves them out of its
+    counts; an op whose ids did not all arrive is left out whole and counted."""
+    o = ops.ops
+    is_life = np.isin(o["op"], list(KIND_OF_OP))
+    idx = np.flatnonzero(is_life & o["complete"])
+    incomplete = int(np.count_nonzero(is_life & ~o["complete"]))
+    n = (o["stop"][idx] - o["start"][idx]).astype(np.int64)
+    first = np.repeat(o["start"][idx].astype(np.int64), n)
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    blocks = ops.values[first + within].astype(np.int64)
+    kind_table = np.zeros(abi.NR_OPS, dtype=np.int64)
+    for op_id, kind in KIND_OF_OP.items():
+        kind_table[op_id] = abi.LIFE.index(kind)
+    rows = np.repeat(idx, n)
+    keep = blocks > 0
+    rows, blocks = rows[keep], blocks[keep]
+    return Events(ts_ns=o["ts_ns"][rows].astype(np.int64),
+                  kind=kind_table[o["op"][rows]],
+                  req=o["cache_id"][rows].astype(np.uint64),
+                  group=o["cache_index"][rows].astype(np.int64),
+                  block=blocks, event=rows.astype(np.int64), incomplete=incomplete)
+
+
+def residency(ev: Events) -> dict:
+    """{"lifetime", "idle_before_evict", "reuse_gap"}: seconds, one sample
+    per block life (reuse gaps: per gap), as vLLM's collector defines them
+    (module doc).  Lives still running at the end of the trace have no
+    lifetime yet and are not counted (vLLM's neither: it records at
+    eviction)."""
+    alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
+    sel = np.isin(ev.kind, (alloc, hit))
+    group, block, ts = ev.group[sel], ev.block[sel], ev.ts_ns[sel]
+    is_alloc = ev.kind[sel] == alloc
+    # one block's accesses in time order (stable: the scheduler's order)
+    order = np.lexsort((np.arange(len(ts)), ts, block, group))
+    group, block, ts, is_alloc = group[order], block[order], ts[order], is_alloc[order]
+    same_block = np.r_[False, (group[1:] == group[:-1]) & (block[1:] == block[:-1])]
+    gaps = np.diff(ts)
+    # reuse gaps: between consecutive prefix hits of one life.  vLLM's
+    # access_history records touches only (not the birth), so the gap from
+    # the allocation to the first hit is not one
+    reuse = gaps[same_block[1:] & ~is_alloc[1:] & ~is_alloc[:-1]]
+    # a reallocation ends the life before it: lifetime from that life's birth,
+    # idle from its last access (the access just before the reallocation)
+    realloc = np.flatnonzero(is_alloc & same_block)
+    births = np.flatnonzero(is_alloc | ~same_block)
+    born_at = ts[births][np.searchsorted(births, realloc - 1, side="right") - 1]
+    # a "life" that began with a hit (its allocation before the trace) has
+    # no known birth: no lifetime, but its idle time is known
+    began_alloc = is_alloc[births][np.searchsorted(births, realloc - 1, side="right") - 1]
+    lifetime = (ts[realloc] - born_at)[began_alloc]
+    idle = ts[realloc] - ts[realloc - 1]
+    return {"lifetime": lifetime / 1e9, "idle_before_evict": idle / 1e9,
+            "reuse_gap": reuse / 1e9}
+
+
+def histogram(seconds: np.ndarray, bounds=RESIDENCY_BUCKETS) -> list:
+    """Cumulative [(le, count)], Prometheus style, +Inf last."""
+    s = np.asarray(seconds, dtype=np.float64)
+    rows = [(b, int(np.count_nonzero(s <= b))) for b in bounds]
+    rows.append(("+Inf", int(len(s))))
+    return rows
+
+
+def request_names(end_doc: dict) -> dict:
+    """{request hash: vLLM request id} from a trace's END aggregate (the
+    tracer's per-request map, kept with the id the request probe gave)."""
+    names = {}
+    for p in (end_doc or {}).get("processes", []):
+        for r in ((p.get("lifecycle") or {}).get("requests") or []):
+            try:
+                names[int(r["req"], 16)] = r.get("id", "")
+            except (KeyError, TypeError, ValueError):
+                continue
+    return names
+
+
+def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None) -> list:
+    """Per request (first seen first): its id, and its events in order, each
+    (seconds since t0, kind, group, [blocks])."""
+    names = names or {}
+    out = {}
+    if not len(ev):
+        return []
+    # one entry per event (op row), its blocks together
+    starts = np.flatnonzero(np.r_[True, ev.event[1:] != ev.event[:-1]])
+    ends = np.r_[starts[1:], len(ev)]
+    for s, e in zip(starts, ends):
+        req = int(ev.req[s])
+        if req not in out:
+            if limit is not None and len(out) >= limit:
+                continue
+            out[req] = {"req": f"{req:016x}", "id": names.get(req, ""), "events": []}
+        out[req]["events"].append([round((int(ev.ts_ns[s]) - t0_ns) / 1e9, 6),
+                                   abi.LIFE[int(ev.kind[s])], int(ev.group[s]),
+                                   ev.block[s:e].tolist()])
+    return list(out.values())
+
+
+def summary(ev: Events) -> dict:
+    """Blocks per kind, and the share of the blocks requests needed that the
+    prefix cache served (hit / (hit + alloc))."""
+    counts = np.bincount(ev.kind, minlength=len(abi.LIFE)) if len(ev) else \
+        np.zeros(len(abi.LIFE), np.int64)
+    totals = {k: int(counts[i]) for i, k in enumerate(abi.LIFE)}
+    needed = totals["hit"] + totals["alloc"]
+    return {"blocks": totals,
+            "prefix_served_share": totals["hit"] / needed if needed else None,
+            "requests": int(len(np.unique(ev.req))) if len(ev) else 0,
+            "incomplete_events": ev.incomplete}
