@@ -502,7 +502,8 @@ def lifecycle_view(figs: dict, width: int) -> list:
         last = counts
         hist.add_row(str(row[0][0]), *(f"{c:,}" for c in counts))
     reqs = Table(box=box.SIMPLE_HEAD, pad_edge=False,
-                 title=f"requests (first {LIFE_SHOWN_REQUESTS} of {len(figs['requests']):,})",
+                 title=f"requests (the first {min(LIFE_SHOWN_REQUESTS, s['requests'])} of "
+                       f"{s['requests']:,}; --format json has all, event by event)",
                  title_justify="left")
     for col in ("request", "first (s)", "last (s)", *abi.LIFE):
         reqs.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
