@@ -99,6 +99,8 @@ struct work {
 	u32 row, src_row, dst_row, proc;
 	s32 err;
 	u32 id_len;     /* request: bytes of the id at arr */
+	/* block events: ids to count (n - nids values of hashes follow) */
+	u64 nids, hashes;
 	/* block_table (reads): n = rows, done = stream values sent so far */
 	u64 seqs;        /* user address of the int32 seq_lens */
 	u64 stride;      /* int32 entries from one row to the next */
@@ -680,7 +682,7 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 #pragma clang loop unroll(disable)
 	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
 		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
-		u64 done = w->done, n = w->n;
+		u64 done = w->done, n = w->nids;
 		if (done >= n)
 			break;
 		u64 left = n - done;
@@ -715,7 +717,39 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 	w->ev.padding += nulls;
 	w->oor += oor;
 	chunks_lost(w, lost);
-	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_IDS);
+	if (w->done < w->nids && !w->err)
+		stages.call(ctx, KVTRACE_STAGE_IDS);
+	if (w->done < w->n && !w->err) {
+		/* the hashes: value i of the stream is hashes[i - nids] */
+		w->arr = w->hashes - 8 * w->nids;
+		stages.call(ctx, KVTRACE_STAGE_HASHES);
+	}
+	return finish(ctx, w);
+}
+
+/* Stage: stream a block event's content hashes (int64 each), after its
+ * ids; nothing is counted from them in the kernel. */
+int kvtrace_stage_hashes(struct pt_regs *ctx)
+{
+	struct work *w;
+	struct chunk *buf;
+	if (stage_state(&w, &buf))
+		return 0;
+	u64 lost = 0;
+
+	w->rec_start = w->done;
+
+#pragma clang loop unroll(disable)
+	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
+		if (next_chunk(w, buf, k) <= 0)
+			break;
+		if (k == KVTRACE_RECORD_CHUNKS - 1)
+			lost += emit_chunk(ctx, w, buf);
+	}
+	lost += emit_chunk(ctx, w, buf);
+	chunks_lost(w, lost);
+	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_HASHES);
 }
 
 /* Stage: sum the sizes array of swap_blocks_batch. */
@@ -1031,14 +1065,23 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->row = w->keep ? g->index : KVTRACE_MAX_GROUPS; /* the sink */
 		stage = KVTRACE_STAGE_TABLE;
 	} else if (op >= KVTRACE_OP_BLOCK_ALLOC && op <= KVTRACE_OP_BLOCK_EVICT) {
-		/* (req, group_id, block_ids, num_ids, num_blocks) */
+		/* (req, group_id, block_ids, num_ids, num_blocks[, hashes]) */
 		u64 n = (s64)a[3] > 0 ? a[3] : 0;
 		w->ev.cache_id = a[0];
 		w->ev.cache_index = (u32)a[1];
 		w->ev.items = n;
 		w->ev.bytes = a[4];
 		w->arr = a[2];
-		w->n = n;
+		w->n = w->nids = n;
+#ifdef KVTRACE_WITH_INDEX_STREAM
+		/* the content hashes follow the ids in the stream (miss-ratio
+		 * curves, report); without the stream they are not read */
+		if (a[5] && n) {
+			w->hashes = a[5];
+			w->n = 2 * n;
+			w->ev.flags |= KVTRACE_EV_HASHES;
+		}
+#endif
 		w->row = proc_index * KVTRACE_NR_LIFE + (op - KVTRACE_OP_BLOCK_ALLOC);
 		stage = KVTRACE_STAGE_IDS;
 	} else if (op >= KVTRACE_OP_REQUEST && op <= KVTRACE_OP_REQ_FINISH) {

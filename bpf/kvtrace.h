@@ -123,7 +123,8 @@ enum kvtrace_stage {
 	KVTRACE_STAGE_SLOTS_POW2 = 3, /* SLOTS for power-of-two block sizes */
 	KVTRACE_STAGE_TABLE = 4, /* count block-table entries into block_reads */
 	KVTRACE_STAGE_IDS = 5,   /* count block ids into block_life */
-	KVTRACE_NR_STAGES = 6,
+	KVTRACE_STAGE_HASHES = 6, /* stream a block event's content hashes */
+	KVTRACE_NR_STAGES = 7,
 };
 
 /*
@@ -343,7 +344,9 @@ enum kvtrace_rec {
  * The plugin tier's ops: cache_id = the request hash; block events
  * (block_alloc..block_evict) have cache_index = the KV-cache group, items =
  * ids passed, slots = ids counted, padding = null ids (0), bytes = blocks in
- * the pool, and their index stream is the block ids; request, req_preempt
+ * the pool, and their index stream is the block ids, followed (flag
+ * KVTRACE_EV_HASHES) by their content hashes when the probe passes them;
+ * request, req_preempt
  * and req_finish have items = their token count and no stream.
  */
 struct kvtrace_event {
@@ -371,6 +374,8 @@ struct kvtrace_event {
 #define KVTRACE_EV_CHUNKS_LOST 4 /* some of this op's chunk records were refused */
 #define KVTRACE_EV_SWAP_OUT 8    /* swap_blocks, device -> host */
 #define KVTRACE_EV_SWAP_IN 16    /* swap_blocks, host -> device */
+#define KVTRACE_EV_HASHES 32     /* block event: its stream is the ids, then
+				  * as many content hashes (uint64) */
 
 /* One chunk of an op's index array: the record's header, followed by
  * `count` int64 values (the record is sent only that long). */

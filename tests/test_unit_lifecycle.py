@@ -74,3 +74,49 @@ def test_request_names_from_the_end_document():
     end = {"processes": [{"lifecycle": {"requests": [{"req": "00000000000000ff", "id": "x"}]}},
                          {"lifecycle": None}, {}]}
     assert lifecycle.request_names(end) == {255: "x"}
+
+
+def brute_distances(hashes):
+    """Stack distances the slow way: the distinct hashes between two references."""
+    out = []
+    for i, h in enumerate(hashes):
+        prev = [j for j in range(i) if hashes[j] == h]
+        out.append(len(set(hashes[prev[-1] + 1:i]) - {h}) if prev else -1)
+    return out
+
+
+def test_stack_distances_match_the_definition():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        h = rng.integers(1, 12, size=int(rng.integers(0, 60))).astype(np.uint64)
+        assert lifecycle.stack_distances(h).tolist() == brute_distances(h.tolist())
+    assert lifecycle.stack_distances(np.array([5, 6, 7, 5, 5], np.uint64)).tolist() == \
+        [-1, -1, -1, 2, 0]
+
+
+def test_miss_ratio_curve_from_hits_and_caches():
+    """Contents a, b, c cached, then a hit, then c and b computed again
+    (evicted meanwhile): an LRU cache of 3 blocks would have hit all three
+    re-references, one of 2 blocks only c's (distance 1), one block none."""
+    a, b, c = 11, 12, 13
+    st = make_stream([
+        (1, "block_cache", 1, 0, [1, 2, 3]), (2, "block_hit", 2, 0, [1]),
+        (3, "block_cache", 3, 0, [4]), (4, "block_cache", 4, 0, [5])])
+    # the hashes follow the ids in the stream: rebuild with them
+    ops, vals = st.ops.copy(), []
+    hashes = [[a, b, c], [a], [c], [b]]
+    at = 0
+    for i, hs in enumerate(hashes):
+        ids = st.values[st.ops["start"][i]:st.ops["stop"][i]].tolist()
+        ops[i]["flags"] |= abi.EV_HASHES
+        ops[i]["start"], ops[i]["stop"] = at, at + 2 * len(ids)
+        vals += ids + hs
+        at += 2 * len(ids)
+    ev = lifecycle.events(stream.OpStream(ops, np.array(vals, np.int64)))
+    assert ev.block.tolist() == [1, 2, 3, 1, 4, 5] and ev.hash.tolist() == [a, b, c, a, c, b]
+    mrc = lifecycle.miss_ratio_curve(ev, sizes=[1, 2, 3])
+    # distances: a -1, b -1, c -1, a 2, c 1, b 2
+    assert mrc["references"] == 6 and mrc["compulsory"] == 3 and mrc["observed_hits"] == 1
+    assert mrc["refetched"] == 2
+    assert mrc["curve"] == [[1, 0.0], [2, 1 / 6], [3, 3 / 6]]
+    assert lifecycle.miss_ratio_curve(lifecycle.events(st)) is None  # no hashes passed

@@ -470,6 +470,7 @@ def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
             "residency_buckets_s": list(lifecycle.RESIDENCY_BUCKETS),
             **{name: {"count": int(len(v)), "sum_s": float(v.sum()),
                       "buckets": lifecycle.histogram(v)} for name, v in res.items()},
+            "miss_ratio_curve": lifecycle.miss_ratio_curve(ev),
             "requests": lifecycle.timelines(ev, rep.t0, names, limit=timelines)}
 
 
@@ -513,7 +514,20 @@ def lifecycle_view(figs: dict, width: int) -> list:
             per[kind] += len(blocks)
         reqs.add_row(r["id"] or r["req"], f"{r['events'][0][0]:.3f}", f"{r['events'][-1][0]:.3f}",
                      *(f"{per[k]:,}" for k in abi.LIFE))
-    return [Panel(Group(head, hist, reqs), title="block lifecycle (plugin tier)",
+    parts = [head, hist]
+    mrc = figs.get("miss_ratio_curve")
+    if mrc:
+        m = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+                  title=f"miss-ratio curve (Mattson, LRU over {mrc['references']:,} block "
+                        f"references; {mrc['refetched']:,} recomputed that a larger cache "
+                        "would have hit)")
+        m.add_column("cache blocks", justify="right")
+        m.add_column("hit ratio", justify="right")
+        for size, ratio in mrc["curve"]:
+            m.add_row(f"{size:,}", f"{100 * ratio:.1f}%")
+        parts.append(m)
+    parts.append(reqs)
+    return [Panel(Group(*parts), title="block lifecycle (plugin tier)",
                   title_align="left", width=width)]
 
 

@@ -42,6 +42,7 @@ class Events:
     group: np.ndarray   # int64 KV-cache group
     block: np.ndarray   # int64 block id
     event: np.ndarray   # int64: which op (row of the op table) it came from
+    hash: np.ndarray = None  # uint64 content hash, 0 if the probe passed none
     incomplete: int = 0  # block events whose ids did not all arrive
 
     def __len__(self):
@@ -56,21 +57,26 @@ def events(ops: stream.OpStream) -> Events:
     is_life = np.isin(o["op"], list(KIND_OF_OP))
     idx = np.flatnonzero(is_life & o["complete"])
     incomplete = int(np.count_nonzero(is_life & ~o["complete"]))
-    n = (o["stop"][idx] - o["start"][idx]).astype(np.int64)
+    # the ids come first; with KVTRACE_EV_HASHES as many hashes follow
+    n = o["items"][idx].astype(np.int64)
     first = np.repeat(o["start"][idx].astype(np.int64), n)
     within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
     blocks = ops.values[first + within].astype(np.int64)
+    has_hash = np.repeat((o["flags"][idx] & abi.EV_HASHES) != 0, n)
+    hashes = np.where(has_hash, ops.values[np.where(has_hash, first + within + np.repeat(n, n),
+                                                    first + within)], 0).astype(np.uint64)
     kind_table = np.zeros(abi.NR_OPS, dtype=np.int64)
     for op_id, kind in KIND_OF_OP.items():
         kind_table[op_id] = abi.LIFE.index(kind)
     rows = np.repeat(idx, n)
     keep = blocks > 0
-    rows, blocks = rows[keep], blocks[keep]
+    rows, blocks, hashes = rows[keep], blocks[keep], hashes[keep]
     return Events(ts_ns=o["ts_ns"][rows].astype(np.int64),
                   kind=kind_table[o["op"][rows]],
                   req=o["cache_id"][rows].astype(np.uint64),
                   group=o["cache_index"][rows].astype(np.int64),
-                  block=blocks, event=rows.astype(np.int64), incomplete=incomplete)
+                  block=blocks, event=rows.astype(np.int64), incomplete=incomplete,
+                  hash=hashes)
 
 
 def residency(ev: Events) -> dict:
@@ -160,3 +166,79 @@ def summary(ev: Events) -> dict:
             "prefix_served_share": totals["hit"] / needed if needed else None,
             "requests": int(len(np.unique(ev.req))) if len(ev) else 0,
             "incomplete_events": ev.incomplete}
+
+
+def stack_distances(hashes: np.ndarray) -> np.ndarray:
+    """Mattson's LRU stack distance of each reference in a stream of content
+    hashes: how many distinct other hashes were referenced since this hash's
+    previous reference (-1 for a first reference: a compulsory miss).  An
+    LRU cache of C blocks hits exactly the references with distance < C.
+    O(n log n): a Fenwick tree marks the latest reference of every hash."""
+    h = np.asarray(hashes)
+    n = len(h)
+    # previous reference of the same hash, -1 if none (numpy, no loop)
+    order = np.lexsort((np.arange(n), h))
+    prev = np.full(n, -1, dtype=np.int64)
+    same = np.r_[False, h[order][1:] == h[order][:-1]]
+    prev[order[same]] = order[np.flatnonzero(same) - 1]
+    tree = [0] * (n + 1)
+    out = np.full(n, -1, dtype=np.int64)
+    marked = 0  # references that are some hash's latest so far
+    prev_l = prev.tolist()
+    for i in range(n):
+        p = prev_l[i]
+        if p >= 0:
+            # latest references after p: the distinct hashes since p
+            k, before = p + 1, 0
+            while k > 0:
+                before += tree[k]
+                k -= k & -k
+            out[i] = marked - before
+            k = p + 1
+            while k <= n:
+                tree[k] -= 1
+                k += k & -k
+            marked -= 1
+        k = i + 1
+        while k <= n:
+            tree[k] += 1
+            k += k & -k
+        marked += 1
+    return out
+
+
+def miss_ratio_curve(ev: Events, sizes=None) -> dict:
+    """The hit ratio an LRU prefix cache of C blocks would give, for the
+    trace's stream of block references (a prefix hit of a block's content,
+    or a block computed and cached: vLLM's block_hit and block_cache, with
+    their content hashes), from Mattson's stack distances.  None when the
+    probes passed no hashes.
+
+    vLLM's cache is LRU over free blocks only (blocks running requests hold
+    are never evicted), so this is the curve of an LRU cache of that many
+    free-for-reuse blocks; it says how the hit rate moves with N blocks
+    more or fewer.  "refetched" are the references whose content had been
+    cached before: misses (computed again) that a larger cache would have
+    hit."""
+    hit, cache = abi.LIFE.index("hit"), abi.LIFE.index("cache")
+    sel = np.isin(ev.kind, (hit, cache)) & (ev.hash != 0) if ev.hash is not None else \
+        np.zeros(len(ev), bool)
+    if not sel.any():
+        return None
+    order = np.argsort(ev.ts_ns[sel], kind="stable")
+    # one content per KV-cache group: the same hash in two groups is two blocks
+    keys = ev.hash[sel][order] ^ (ev.group[sel][order].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    kinds = ev.kind[sel][order]
+    d = stack_distances(keys)
+    n = len(d)
+    finite = np.sort(d[d >= 0])
+    if sizes is None:
+        top = int(finite[-1]) + 1 if len(finite) else 1
+        sizes = sorted({max(1, int(round(top * f))) for f in
+                        (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4,
+                         7 / 8, 1)})
+    curve = [[int(c), int(np.searchsorted(finite, c, side="left")) / n] for c in sizes]
+    return {"references": int(n), "observed_hits": int(np.count_nonzero(kinds == hit)),
+            "compulsory": int(np.count_nonzero(d < 0)),
+            "refetched": int(np.count_nonzero((kinds == cache) & (d >= 0))),
+            "curve": curve}

@@ -131,6 +131,8 @@ def expected_values(ops: np.ndarray) -> np.ndarray:
     per = np.where(np.isin(op, list(WRITE_OP_IDS | LIFE_OP_IDS)), 1,
                    np.where(np.isin(op, list(PAIR_OP_IDS)), 2, 0))
     want = items * per
+    # block events with content hashes stream the ids, then as many hashes
+    want = np.where((ops["flags"] & abi.EV_HASHES) != 0, 2 * want, want)
     if "rows" in (ops.dtype.names or ()):
         table = op == TABLE_OP_ID
         want = np.where(table, ops["rows"].astype(np.int64) + items +
