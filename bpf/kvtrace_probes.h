@@ -211,6 +211,12 @@ _KVTRACE_SEMAPHORE(req_finish);
  *   block_ids   const int32_t *  HOST pointer to num_ids block ids
  *   num_ids     int64_t          entries in block_ids
  *   num_blocks  int64_t          blocks in the pool (the null block 0 included)
+ *   hashes      const uint64_t * HOST pointer to num_ids content hashes, one
+ *                                per id (64 bits of vLLM's block hash), or
+ *                                NULL: block_hit, block_cache and
+ *                                block_evict pass them (the tracer's
+ *                                miss-ratio curve follows contents), the
+ *                                others NULL.  Read only when recording.
  *
  *   block_alloc  blocks taken from the free queue for req (BlockPool.
  *                get_new_blocks while the scheduler allocates for req)
@@ -226,20 +232,21 @@ _KVTRACE_SEMAPHORE(req_finish);
  *                content a later request can no longer hit
  * Block 0 (the null block) never appears in a list.
  */
-#define _KVTRACE_BLOCKS_PROBE(name, req, group, ids, nids, nblocks)          \
-	STAP_PROBE5(vllm, name, (uint64_t)(req), (int64_t)(group),            \
-		    (const int32_t *)(ids), (int64_t)(nids), (int64_t)(nblocks))
+#define _KVTRACE_BLOCKS_PROBE(name, req, group, ids, nids, nblocks, hashes) \
+	STAP_PROBE6(vllm, name, (uint64_t)(req), (int64_t)(group),            \
+		    (const int32_t *)(ids), (int64_t)(nids), (int64_t)(nblocks),   \
+		    (const uint64_t *)(hashes))
 
-#define KVTRACE_BLOCK_ALLOC(req, group, ids, nids, nblocks)                   \
-	_KVTRACE_BLOCKS_PROBE(block_alloc, req, group, ids, nids, nblocks)
-#define KVTRACE_BLOCK_HIT(req, group, ids, nids, nblocks)                     \
-	_KVTRACE_BLOCKS_PROBE(block_hit, req, group, ids, nids, nblocks)
-#define KVTRACE_BLOCK_CACHE(req, group, ids, nids, nblocks)                   \
-	_KVTRACE_BLOCKS_PROBE(block_cache, req, group, ids, nids, nblocks)
-#define KVTRACE_BLOCK_FREE(req, group, ids, nids, nblocks)                    \
-	_KVTRACE_BLOCKS_PROBE(block_free, req, group, ids, nids, nblocks)
-#define KVTRACE_BLOCK_EVICT(req, group, ids, nids, nblocks)                   \
-	_KVTRACE_BLOCKS_PROBE(block_evict, req, group, ids, nids, nblocks)
+#define KVTRACE_BLOCK_ALLOC(req, group, ids, nids, nblocks, hashes)           \
+	_KVTRACE_BLOCKS_PROBE(block_alloc, req, group, ids, nids, nblocks, hashes)
+#define KVTRACE_BLOCK_HIT(req, group, ids, nids, nblocks, hashes)             \
+	_KVTRACE_BLOCKS_PROBE(block_hit, req, group, ids, nids, nblocks, hashes)
+#define KVTRACE_BLOCK_CACHE(req, group, ids, nids, nblocks, hashes)           \
+	_KVTRACE_BLOCKS_PROBE(block_cache, req, group, ids, nids, nblocks, hashes)
+#define KVTRACE_BLOCK_FREE(req, group, ids, nids, nblocks, hashes)            \
+	_KVTRACE_BLOCKS_PROBE(block_free, req, group, ids, nids, nblocks, hashes)
+#define KVTRACE_BLOCK_EVICT(req, group, ids, nids, nblocks, hashes)           \
+	_KVTRACE_BLOCKS_PROBE(block_evict, req, group, ids, nids, nblocks, hashes)
 
 /*
  * request: names a request, once, when the scheduler first sees it.
