@@ -30,6 +30,7 @@ import sys
 import time
 
 RECORD_ENV = "KVTRACE_WORKLOAD_RECORD_READS"
+BLOCKS_ENV = "KVTRACE_WORKLOAD_RECORD_BLOCKS"
 
 
 def parse_requests(text):
@@ -59,6 +60,15 @@ def main():
     p.add_argument("--record-reads", metavar="FILE",
                    help="record, in vLLM's worker, the seq_lens and block-table rows passed "
                    "to cpu_attention_with_kv_cache at every step (JSON lines, appended)")
+    p.add_argument("--record-blocks", metavar="FILE",
+                   help="record, in vLLM's scheduler, every request's block ids per KV-cache "
+                   "group as KVCacheManager.free is about to release them (JSON lines)")
+    p.add_argument("--num-gpu-blocks", type=int, metavar="N",
+                   help="vLLM's num_gpu_blocks_override: a KV cache of N blocks (small: "
+                   "preemptions)")
+    p.add_argument("--max-model-len", type=int, default=512,
+                   help="vLLM's max_model_len (default %(default)s; at most what "
+                   "--num-gpu-blocks hold)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
                    help="KV cache size (default 64 MiB: vLLM's default wants GiBs)")
@@ -90,6 +100,11 @@ def main():
         fd = os.open(args.record_reads, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.close(fd)
 
+    if args.record_blocks:  # the scheduler runs in the engine core process
+        os.environ[BLOCKS_ENV] = os.path.abspath(args.record_blocks)
+        fd = os.open(args.record_blocks, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+
     # stats are on for the prefix-cache counters (below); their periodic
     # log line is not wanted: vLLM's output goes where the tracer draws
     os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "1e9")
@@ -97,6 +112,8 @@ def main():
     from vllm import LLM, SamplingParams
     if args.record_reads:  # and here, should vLLM ever run the model in-process
         record_reads(os.environ[RECORD_ENV])
+    if args.record_blocks:
+        record_blocks(os.environ[BLOCKS_ENV])
 
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
@@ -104,10 +121,12 @@ def main():
     extra = {}
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_gpu_blocks:
+        extra["num_gpu_blocks_override"] = args.num_gpu_blocks
     # disable_log_stats=False: LLM turns stats off by default, and without
     # them LLM.get_metrics() (vLLM's prefix-cache counters) is refused
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
-              block_size=args.block_size, enforce_eager=True, max_model_len=512,
+              block_size=args.block_size, enforce_eager=True, max_model_len=args.max_model_len,
               enable_prefix_caching=args.prefix_caching == "on", seed=args.seed,
               kv_cache_memory_bytes=args.kv_cache_bytes, disable_log_stats=False,
               **extra)
@@ -138,10 +157,11 @@ def prefix_cache_counters(llm):
     queries = prompt tokens of the requests it looked up, hits = the tokens
     of those found in the cache (whole blocks; vllm/v1/core/kv_cache_manager.py
     record_prefix_cache_stats).  Cumulative: a round is the difference."""
-    got = {"queries": 0, "hits": 0}
+    got = {"queries": 0, "hits": 0, "preemptions": 0}
     for metric in llm.get_metrics():
         key = {"vllm:prefix_cache_queries": "queries",
-               "vllm:prefix_cache_hits": "hits"}.get(metric.name)
+               "vllm:prefix_cache_hits": "hits",
+               "vllm:num_preemptions": "preemptions"}.get(metric.name)
         if key:
             got[key] += int(metric.value)
     return got
@@ -193,7 +213,9 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
            "prefix_cache": {"unit": "tokens",
                             "queries": cache1["queries"] - cache0["queries"],
                             "hits": cache1["hits"] - cache0["hits"]},
-           "record_reads": args.record_reads}
+           # vLLM's vllm:num_preemptions counter, for the round
+           "preemptions": cache1["preemptions"] - cache0["preemptions"],
+           "record_reads": args.record_reads, "record_blocks": args.record_blocks}
     line = json.dumps(doc)
     if args.out:
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -330,9 +352,40 @@ def record_reads(path):
     ops.cpu_attention_with_kv_cache = recorder
 
 
+def record_blocks(path):
+    """Record, in the process that runs vLLM's scheduler, each request's
+    blocks as the scheduler releases them: KVCacheManager.free(request)
+    (vllm/v1/core/kv_cache_manager.py; called when a request finishes and
+    when it is preempted) is wrapped, and before it runs, the request's
+    block ids per KV-cache group (coordinator.get_blocks, null blocks left
+    out) are written as one JSON line with its id and token counts.  Block
+    ids and counts only, never tokens."""
+    from vllm.v1.core import kv_cache_manager as kvm
+
+    original = kvm.KVCacheManager.free
+    if getattr(original, "kvtrace_recorder", False):
+        return
+    pid = os.getpid()
+
+    def free(self, request):
+        groups = [[b.block_id for b in blocks if not b.is_null]
+                  for blocks in self.coordinator.get_blocks(request.request_id)]
+        append_line(path, {"pid": pid, "req": request.request_id, "groups": groups,
+                           "num_computed_tokens": int(request.num_computed_tokens),
+                           "prompt": int(request.num_prompt_tokens),
+                           "output": int(request.num_output_tokens),
+                           "status": str(request.status)})
+        return original(self, request)
+
+    free.kvtrace_recorder = True
+    kvm.KVCacheManager.free = free
+
+
 if __name__ == "__main__":  # vLLM's worker processes re-import this file
     main()
-elif __name__ == "__mp_main__" and os.environ.get(RECORD_ENV):
+if __name__ == "__mp_main__" and os.environ.get(BLOCKS_ENV):
+    record_blocks(os.environ[BLOCKS_ENV])
+if __name__ == "__mp_main__" and os.environ.get(RECORD_ENV):
     # this file imported again by multiprocessing's spawn, in vLLM's engine
     # core or worker: record there (the op is only ever called in the worker)
     record_reads(os.environ[RECORD_ENV])
