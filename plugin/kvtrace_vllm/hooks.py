@@ -170,8 +170,8 @@ def _group_scope(orig):
 def _get_new_blocks(orig):
     s = SEM["block_alloc"]
 
-    def get_new_blocks(self, num_blocks, *args, **kwargs):
-        ret = orig(self, num_blocks, *args, **kwargs)
+    def get_new_blocks(self, num_blocks):  # exact signature: checked at install
+        ret = orig(self, num_blocks)
         if s[0]:
             try:
                 c = CTX
@@ -186,8 +186,8 @@ def _get_new_blocks(orig):
 def _touch(orig):
     s = SEM["block_hit"]
 
-    def touch(self, blocks, *args, **kwargs):
-        ret = orig(self, blocks, *args, **kwargs)
+    def touch(self, blocks):  # exact signature: checked at install
+        ret = orig(self, blocks)
         if s[0]:
             try:
                 c = CTX
@@ -204,8 +204,8 @@ def _touch(orig):
 def _maybe_evict_cached_block(orig):
     s = SEM["block_evict"]
 
-    def _maybe_evict_cached_block(self, block, *args, **kwargs):
-        ret = orig(self, block, *args, **kwargs)
+    def _maybe_evict_cached_block(self, block):  # exact signature: checked at install
+        ret = orig(self, block)
         if ret is True and s[0]:
             try:
                 c = CTX
@@ -278,15 +278,15 @@ def _free(orig):
 def _add_request(orig):
     s = SEM["request"]
 
-    def add_request(self, request, *args, **kwargs):
+    def add_request(self, request):  # exact signature: checked at install
         if not s[0]:
-            return orig(self, request, *args, **kwargs)
+            return orig(self, request)
         try:
             new = request.request_id not in self.requests
         except Exception:
             _failed()
             new = False
-        ret = orig(self, request, *args, **kwargs)
+        ret = orig(self, request)
         if new:
             try:
                 rid = request.request_id
@@ -401,7 +401,10 @@ def _schedule(orig):
 
 # ---- what the hooks need of vLLM, checked before anything is installed ---------
 
-# (module, class, method, leading parameter names after self)
+# (module, class, method, leading parameter names after self); a name in
+# EXACT: these are all its parameters (its wrapper has the same fixed
+# signature, half the cost of *args, **kwargs)
+EXACT = ("add_request", "get_new_blocks", "touch", "_maybe_evict_cached_block")
 _METHODS = [
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ()),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ("request",)),
@@ -449,7 +452,9 @@ def _check_layout():
         f = c.__dict__.get(meth)
         if not inspect.isfunction(f):
             return f"{cls}.{meth} is missing"
-        names = list(inspect.signature(f).parameters)[1:1 + len(params)]
+        names = list(inspect.signature(f).parameters)[1:]
+        if meth not in EXACT:
+            names = names[:len(params)]
         if tuple(names) != params:
             return f"{cls}.{meth}{inspect.signature(f)}: expected parameters {params}"
     for mod, cls, fields in _FIELDS:
