@@ -29,6 +29,7 @@ RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
 
 errors = 0            # exceptions raised by the hooks' own code, swallowed
 installed = False     # the hooks are in place in this process
+_decided = None       # install()'s outcome in this process, once decided
 _error_logged = False
 _install_lock = threading.Lock()
 WRAPPED = "__kvtrace_wrapped__"
@@ -476,52 +477,61 @@ def _subclasses(cls):
 
 
 def install():
-    """Wrap vLLM's methods, once per process.  Returns True if the hooks are
-    in place.  On an unknown vLLM version or class layout: one log line,
-    nothing installed."""
-    global installed
+    """Wrap vLLM's methods, once per process (later calls return the first
+    one's outcome and say nothing).  Returns True if the hooks are in place.
+    On an unknown vLLM version or class layout: one log line, nothing
+    installed."""
+    global _decided
     with _install_lock:
-        if installed:
-            return True
-        try:
-            import vllm
-            version = getattr(vllm, "__version__", "unknown")
-        except Exception as e:  # noqa: BLE001
-            log.warning("kvtrace: vLLM not importable (%s): no hooks installed", e)
-            return False
-        base = version.split("+")[0]
-        if base not in SUPPORTED_VERSIONS:
-            log.warning("kvtrace: vLLM %s is not one the plugin knows (%s): no hooks "
-                        "installed", version, ", ".join(SUPPORTED_VERSIONS))
-            return False
-        why = _check_layout()
-        if why:
-            log.warning("kvtrace: vLLM %s does not look as expected (%s): no hooks "
-                        "installed", version, why)
-            return False
+        if _decided is None:
+            _decided = _install()
+        return _decided
 
-        from vllm.v1.core.block_pool import BlockPool
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-        _wrap(Scheduler, "schedule", _schedule)
-        _wrap(Scheduler, "add_request", _add_request)
-        _wrap(Scheduler, "_preempt_request", _preempt_request)
-        _wrap(Scheduler, "_free_request", _free_request)
-        _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
-        _wrap(KVCacheManager, "free", _free)
-        _wrap(KVCacheManager, "pop_blocks_for_free", _free)
-        _wrap(BlockPool, "get_new_blocks", _get_new_blocks)
-        _wrap(BlockPool, "touch", _touch)
-        _wrap(BlockPool, "_maybe_evict_cached_block", _maybe_evict_cached_block)
-        _wrap(BlockPool, "cache_full_blocks", _cache_full_blocks)
-        for cls in _subclasses(SingleTypeKVCacheManager):
-            for name in GROUP_METHODS:
-                if inspect.isfunction(cls.__dict__.get(name)):
-                    _wrap(cls, name, _group_scope)
-        installed = True
-        log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), version,
-                 f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
-                 else "")
+def _install():
+    """install() without its once-per-process guard."""
+    global installed
+    if installed:
         return True
+    try:
+        import vllm
+        version = getattr(vllm, "__version__", "unknown")
+    except Exception as e:  # noqa: BLE001
+        log.warning("kvtrace: vLLM not importable (%s): no hooks installed", e)
+        return False
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VERSIONS:
+        log.warning("kvtrace: vLLM %s is not one the plugin knows (%s): no hooks "
+                    "installed", version, ", ".join(SUPPORTED_VERSIONS))
+        return False
+    why = _check_layout()
+    if why:
+        log.warning("kvtrace: vLLM %s does not look as expected (%s): no hooks "
+                    "installed", version, why)
+        return False
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    _wrap(Scheduler, "schedule", _schedule)
+    _wrap(Scheduler, "add_request", _add_request)
+    _wrap(Scheduler, "_preempt_request", _preempt_request)
+    _wrap(Scheduler, "_free_request", _free_request)
+    _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
+    _wrap(KVCacheManager, "free", _free)
+    _wrap(KVCacheManager, "pop_blocks_for_free", _free)
+    _wrap(BlockPool, "get_new_blocks", _get_new_blocks)
+    _wrap(BlockPool, "touch", _touch)
+    _wrap(BlockPool, "_maybe_evict_cached_block", _maybe_evict_cached_block)
+    _wrap(BlockPool, "cache_full_blocks", _cache_full_blocks)
+    for cls in _subclasses(SingleTypeKVCacheManager):
+        for name in GROUP_METHODS:
+            if inspect.isfunction(cls.__dict__.get(name)):
+                _wrap(cls, name, _group_scope)
+    installed = True
+    log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), version,
+             f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
+             else "")
+    return True
