@@ -108,7 +108,7 @@ def test_req_hash_is_fnv1a_64_of_utf8(probes_so):
     assert got == [fnv1a64(s.encode()) for s in ids]
 
 
-def run_workload(tmp_path, name, env, *extra):
+def run_workload(tmp_path, name, env, *extra, requests=REQUESTS):
     out = tmp_path / f"{name}.json"
     log = tmp_path / f"{name}.log"
     e = dict(os.environ)
@@ -117,8 +117,7 @@ def run_workload(tmp_path, name, env, *extra):
     e.update(env)
     with open(log, "w") as f:
         r = subprocess.run([str(VLLM_PYTHON), str(WORKLOAD), "--model", str(tmp_path / "model"),
-                            "--requests", REQUESTS, "--block-size", str(BLOCK_SIZE),
-                            "--prefix-caching", "on", "--shared-prefix", str(SHARED_PREFIX),
+                            "--requests", requests, "--block-size", str(BLOCK_SIZE),
                             "--out", str(out), *map(str, extra)],
                            stdout=f, stderr=subprocess.STDOUT, env=e, timeout=600)
     text = log.read_text()
@@ -134,9 +133,10 @@ def runs(tmp_path_factory):
     subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"),
                     str(tmp / "model")], check=True, capture_output=True)
     rec, reads = tmp / "probes.jsonl", tmp / "reads.jsonl"
+    prefix = ("--prefix-caching", "on", "--shared-prefix", SHARED_PREFIX)
     on, on_log = run_workload(tmp, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
-                              "--record-reads", reads)
-    off, off_log = run_workload(tmp, "off", {"VLLM_PLUGINS": ""})
+                              "--record-reads", reads, *prefix)
+    off, off_log = run_workload(tmp, "off", {"VLLM_PLUGINS": ""}, *prefix)
     fired = [json.loads(line) for line in rec.read_text().splitlines()]
     worker = [json.loads(line) for line in reads.read_text().splitlines()]
     return dict(on=on, on_log=on_log, off=off, off_log=off_log, fired=fired, reads=worker)
@@ -207,13 +207,13 @@ def test_block_cache_is_each_requests_full_blocks_not_hit(runs):
         assert set(ev["block_cache"]) <= set(ev["block_alloc"])
 
 
-def test_block_tables_equal_what_the_worker_attention_read(runs):
+def assert_tables_equal_reads(fired, reads):
     """Per step, the plugin's block_table rows (the first ceil(seq_len /
     block_size) entries) and seq_lens equal the block table and seq_lens the
     worker passed to cpu_attention_with_kv_cache (as multisets: row order
     is the worker's input batch order)."""
-    tables = [f for f in runs["fired"] if f["probe"] == "block_table"]
-    reads = [r for r in runs["reads"] if "rows" in r]
+    tables = [f for f in fired if f["probe"] == "block_table"]
+    reads = [r for r in reads if "rows" in r]
     assert len(tables) == len(reads) > 0
 
     def plugin_rows(t):
@@ -225,6 +225,38 @@ def test_block_tables_equal_what_the_worker_attention_read(runs):
         assert t["block_size"] == r["block_size"] and t["num_blocks"] == r["num_blocks"]
         assert t["row_stride"] >= max(map(len, t["rows"]))
         assert plugin_rows(t) == sorted(zip(r["seq_lens"], r["rows"]))
+
+
+def test_block_tables_equal_what_the_worker_attention_read(runs):
+    assert_tables_equal_reads(runs["fired"], runs["reads"])
+
+
+def test_preemption(tmp_path):
+    """A KV cache of 20 blocks for 4 requests of 10 blocks each: vLLM
+    preempts.  req_preempt carries the tokens computed before the reset, the
+    request's blocks are freed right after it, block tables still equal the
+    worker's reads (recomputation included), and greedy tokens equal a run
+    with plugins off."""
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"),
+                    str(tmp_path / "model")], check=True, capture_output=True)
+    rec, reads = tmp_path / "probes.jsonl", tmp_path / "reads.jsonl"
+    small = ("--kv-cache-bytes", 20 * 32768)  # 32 KiB per block of the tiny model
+    requests = "200:100,200:100,200:100,200:100"
+    on, _ = run_workload(tmp_path, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
+                         "--record-reads", reads, *small, requests=requests)
+    off, _ = run_workload(tmp_path, "off", {"VLLM_PLUGINS": ""}, *small, requests=requests)
+    assert [r["generated"] for r in on["requests"]] == [r["generated"] for r in off["requests"]]
+    fired = [json.loads(line) for line in rec.read_text().splitlines()]
+    preempts = [i for i, f in enumerate(fired) if f["probe"] == "req_preempt"]
+    assert preempts, "vLLM did not preempt: the test's KV cache is too large"
+    for i in preempts:
+        req, computed = fired[i]["req"], fired[i]["tokens"]
+        assert computed > 0
+        free = next(f for f in fired[i + 1:] if f["req"] == req and f["probe"] != "block_table")
+        assert free["probe"] == "block_free"
+        # it held at least the blocks of what it had computed
+        assert len(free["ids"]) >= -(-computed // BLOCK_SIZE)
+    assert_tables_equal_reads(fired, [json.loads(line) for line in reads.read_text().splitlines()])
 
 
 def test_unknown_vllm_installs_nothing_and_says_one_line():
