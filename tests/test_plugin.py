@@ -127,13 +127,16 @@ def run_workload(tmp_path, name, env, *extra, requests=REQUESTS):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same greedy workload twice: plugin loaded with every probe firing
-    (recorded), and plugins disabled (VLLM_PLUGINS='')."""
+    """The same greedy workload twice, prefix caching on, prompts prefilled
+    in chunks: plugin loaded with every probe firing (recorded), and plugins
+    disabled (VLLM_PLUGINS='')."""
     tmp = tmp_path_factory.mktemp("plugin")
     subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"),
                     str(tmp / "model")], check=True, capture_output=True)
     rec, reads = tmp / "probes.jsonl", tmp / "reads.jsonl"
-    prefix = ("--prefix-caching", "on", "--shared-prefix", SHARED_PREFIX)
+    # a 64-token step budget: the longer prompts are prefilled in chunks
+    prefix = ("--prefix-caching", "on", "--shared-prefix", SHARED_PREFIX,
+              "--max-num-batched-tokens", 64)
     on, on_log = run_workload(tmp, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
                               "--record-reads", reads, *prefix)
     off, off_log = run_workload(tmp, "off", {"VLLM_PLUGINS": ""}, *prefix)
