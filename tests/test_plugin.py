@@ -234,31 +234,48 @@ def test_block_tables_equal_what_the_worker_attention_read(runs):
     assert_tables_equal_reads(runs["fired"], runs["reads"])
 
 
-def test_preemption(tmp_path):
-    """A KV cache of 20 blocks for 4 requests of 10 blocks each: vLLM
-    preempts.  req_preempt carries the tokens computed before the reset, the
-    request's blocks are freed right after it, block tables still equal the
-    worker's reads (recomputation included), and greedy tokens equal a run
-    with plugins off."""
+def test_preemption_and_eviction(tmp_path):
+    """A KV cache of 20 blocks for 4 requests of 10 blocks each, prefix
+    caching on: vLLM preempts, and evicts cached blocks to reuse them.
+    req_preempt carries the tokens computed before the reset and the
+    request's blocks are freed right after it; an evicted block had been
+    cached and is among the blocks then allocated for the same request;
+    block tables still equal the worker's reads (recomputation included);
+    greedy tokens equal a run with plugins off."""
     subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"),
                     str(tmp_path / "model")], check=True, capture_output=True)
     rec, reads = tmp_path / "probes.jsonl", tmp_path / "reads.jsonl"
-    small = ("--kv-cache-bytes", 20 * 32768)  # 32 KiB per block of the tiny model
+    # 32 KiB per block of the tiny model
+    small = ("--kv-cache-bytes", 20 * 32768, "--prefix-caching", "on")
     requests = "200:100,200:100,200:100,200:100"
-    on, _ = run_workload(tmp_path, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
-                         "--record-reads", reads, *small, requests=requests)
+    on, log = run_workload(tmp_path, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
+                           "--record-reads", reads, *small, requests=requests)
     off, _ = run_workload(tmp_path, "off", {"VLLM_PLUGINS": ""}, *small, requests=requests)
+    assert "a hook failed" not in log
     assert [r["generated"] for r in on["requests"]] == [r["generated"] for r in off["requests"]]
     fired = [json.loads(line) for line in rec.read_text().splitlines()]
-    preempts = [i for i, f in enumerate(fired) if f["probe"] == "req_preempt"]
+    events = [f for f in fired if f["probe"] != "block_table"]
+
+    preempts = [i for i, f in enumerate(events) if f["probe"] == "req_preempt"]
     assert preempts, "vLLM did not preempt: the test's KV cache is too large"
     for i in preempts:
-        req, computed = fired[i]["req"], fired[i]["tokens"]
+        req, computed = events[i]["req"], events[i]["tokens"]
         assert computed > 0
-        free = next(f for f in fired[i + 1:] if f["req"] == req and f["probe"] != "block_table")
+        free = next(f for f in events[i + 1:] if f["req"] == req)
         assert free["probe"] == "block_free"
         # it held at least the blocks of what it had computed
         assert len(free["ids"]) >= -(-computed // BLOCK_SIZE)
+
+    evicts = [i for i, f in enumerate(events) if f["probe"] == "block_evict"]
+    assert evicts, "vLLM evicted no cached block"
+    for i in evicts:
+        ev = events[i]
+        cached = {b for f in events[:i] if f["probe"] == "block_cache" for b in f["ids"]}
+        assert set(ev["ids"]) <= cached
+        alloc = next(f for f in events[i + 1:] if f["probe"] == "block_alloc")
+        assert alloc["req"] == ev["req"] and alloc["group"] == ev["group"]
+        assert set(ev["ids"]) <= set(alloc["ids"])
+
     assert_tables_equal_reads(fired, [json.loads(line) for line in reads.read_text().splitlines()])
 
 
