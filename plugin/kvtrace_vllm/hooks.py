@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from array import array
+from itertools import chain
 
 from . import _probes
 
@@ -332,6 +333,7 @@ class _TableMirror:
         self.np = np
         self.tables = {}
         self.seq = np.zeros(64, np.int32)
+        self.arange = np.arange(64)
 
     def table(self, group, rows, width):
         t = self.tables.get(group)
@@ -342,6 +344,11 @@ class _TableMirror:
                               self.np.int32)
             self.tables[group] = t
         return t
+
+    def cols(self, width):
+        if self.arange.shape[0] < width:
+            self.arange = self.np.arange(max(width, 2 * self.arange.shape[0]))
+        return self.arange[:width]
 
     def seq_lens(self, n):
         if self.seq.shape[0] < n:
@@ -359,10 +366,10 @@ def fire_block_tables(scheduler, out, mirror):
     n = len(reqs)
     if not n:
         return
+    np = mirror.np
     nsched = out.num_scheduled_tokens
     seq = mirror.seq_lens(n)
-    for i, (rid, computed) in enumerate(reqs):
-        seq[i] = computed + nsched[rid]
+    seq[:n] = np.fromiter((c + nsched[rid] for rid, c in reqs), np.int32, n)
     manager = scheduler.kv_cache_manager
     ids = [manager.get_block_ids(rid) for rid, _ in reqs]
     nblocks = manager.block_pool.num_gpu_blocks
@@ -374,10 +381,13 @@ def fire_block_tables(scheduler, out, mirror):
             continue
         t = mirror.table(g, n, width)
         view = t[:n, :width]
-        for i, row in enumerate(rows):
-            k = len(row)
-            view[i, :k] = row
-            view[i, k:] = 0
+        lens = np.fromiter(map(len, rows), np.int64, n)
+        flat = np.fromiter(chain.from_iterable(rows), np.int32, int(lens.sum()))
+        if lens.min() == width:
+            view[:] = flat.reshape(n, width)
+        else:  # rows of different lengths: 0-padded (the null block)
+            view[:] = 0
+            view[mirror.cols(width) < lens[:, None]] = flat
         P.block_table(view, seq, stm.block_size, g, nblocks)
 
 
