@@ -9,10 +9,10 @@ TINY_MODEL := build/tiny-llama
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-fork test test-fast demo \
+.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-plugin vllm-fork test test-fast demo \
 	demo-vllm bench clean distclean
 
-setup: packages kernel-headers tracefs venv target vllm-env vllm-fork
+setup: packages kernel-headers tracefs venv target vllm-env vllm-plugin vllm-fork
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -42,6 +42,17 @@ vllm-env: $(STAMPS)/vllm-env
 $(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
 	scripts/setup-vllm-env.sh $(VLLM_VENV)
 	@mkdir -p $(STAMPS) && touch $@
+
+# The plugin tier (docs/plugin.md): kvtrace's vLLM plugin, its C extension
+# compiled against bpf/kvtrace_probes.h, installed into the vLLM venv (a second).
+PLUGIN_SRC := plugin/pyproject.toml plugin/setup.py $(wildcard plugin/kvtrace_vllm/*.py) \
+	plugin/kvtrace_vllm/_probes.c bpf/kvtrace_probes.h
+vllm-plugin: $(STAMPS)/vllm-plugin
+$(STAMPS)/vllm-plugin: $(PLUGIN_SRC) $(STAMPS)/vllm-env
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation \
+		--no-deps --force-reinstall ./plugin
+	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm.hooks"
+	@touch $@
 
 # The vLLM fork's tests (docs/fork.md): the pinned vLLM sdist, patched, and
 # the torch/cuBLAS headers and torch CPU libraries its sources are compiled

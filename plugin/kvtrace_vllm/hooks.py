@@ -1,0 +1,547 @@
+"""The hooks: class-level wrappers on vLLM's scheduler, KV-cache manager and
+block pool that fire the plugin tier's probes (docs/plugin.md).
+
+Cost with no tracer attached: each wrapper calls through after one check of a
+probe semaphore (a read of a 2-byte memoryview over the semaphore the kernel
+increments while a tracer has the probe attached); nothing is built.
+
+Failure policy: a wrapper never changes the arguments, result or exception
+of the function it wraps.  An exception raised by the hook's own code is
+counted in ``errors``, logged once, and swallowed.
+"""
+
+import functools
+import inspect
+import json
+import logging
+import os
+import threading
+from array import array
+from itertools import chain
+
+from . import _probes
+
+log = logging.getLogger("vllm.plugins.kvtrace")
+
+SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
+# KVTRACE_PLUGIN_RECORD=FILE: every probe fires as if a tracer were attached,
+# and each firing is also appended to FILE as one JSON line (tests, debugging)
+RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
+
+errors = 0            # exceptions raised by the hooks' own code, swallowed
+installed = False     # the hooks are in place in this process
+_decided = None       # install()'s outcome in this process, once decided
+_error_logged = False
+_install_lock = threading.Lock()
+WRAPPED = "__kvtrace_wrapped__"
+
+
+# ---- probe semaphores ---------------------------------------------------------
+
+def _semaphore_views():
+    views = {name: mv.cast("H") for name, (_addr, mv) in _probes.semaphores().items()}
+    if os.environ.get(RECORD_ENV):
+        on = memoryview(bytearray(b"\x01\x00")).cast("H")
+        views = {name: on for name in views}
+    return views
+
+
+SEM = _semaphore_views()
+
+
+class _Recorder:
+    """The _probes functions, each also writing its call to a file."""
+
+    def __init__(self, path):
+        self._path = path
+        self._lock = threading.Lock()
+
+    def _write(self, probe, **fields):
+        fields["probe"] = probe
+        fields["pid"] = os.getpid()
+        with self._lock, open(self._path, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+    def __getattr__(self, name):
+        real = getattr(_probes, name)
+        blocks = name in ("block_alloc", "block_hit", "block_cache", "block_free", "block_evict")
+
+        def call(*args):
+            real(*args)
+            if blocks:
+                req, group, ids, nblocks = args
+                self._write(name, req=req, group=group, ids=list(ids), num_blocks=nblocks)
+            elif name == "request":
+                self._write(name, req=args[0], id=args[1], prompt_tokens=args[2])
+            elif name in ("req_preempt", "req_finish"):
+                self._write(name, req=args[0], tokens=args[1])
+            elif name == "block_table":
+                table, seq_lens, bsize, group, nblocks = args
+                n = table.shape[0]
+                self._write(name, rows=table.tolist(), seq_lens=seq_lens[:n].tolist(),
+                            block_size=bsize, group=group, num_blocks=nblocks,
+                            row_stride=table.strides[0] // 4)
+        setattr(self, name, call)
+        return call
+
+
+P = _Recorder(os.environ[RECORD_ENV]) if os.environ.get(RECORD_ENV) else _probes
+req_hash = _probes.req_hash
+
+
+def _failed():
+    """Count (and log once) an exception of a hook's own code."""
+    global errors, _error_logged
+    errors += 1
+    if not _error_logged:
+        _error_logged = True
+        log.warning("kvtrace: a hook failed (counted in kvtrace_vllm.hooks.errors, "
+                    "logged once; vLLM goes on untouched)", exc_info=True)
+
+
+# ---- the request and KV-cache group an allocation is for ----------------------
+
+class _Ctx:
+    """Set by KVCacheManager.allocate_slots (request, pool) and, inside it, by
+    the single-type manager methods that take blocks for one KV-cache group.
+    The scheduler runs in one thread of the EngineCore process."""
+    __slots__ = ("req_id", "pool", "group")
+
+    def __init__(self):
+        self.req_id = None
+        self.pool = None
+        self.group = None
+
+
+CTX = _Ctx()
+
+
+def _ids(blocks):
+    """array('i') of the ids of blocks, the null block left out."""
+    return array("i", [b.block_id for b in blocks if not b.is_null])
+
+
+# ---- wrappers -------------------------------------------------------------------
+
+def _wrap(cls, name, make):
+    orig = cls.__dict__[name]
+    if getattr(orig, WRAPPED, False):
+        return
+    w = functools.wraps(orig)(make(orig))
+    setattr(w, WRAPPED, True)
+    setattr(cls, name, w)
+
+
+def _allocate_slots(orig):
+    s_alloc, s_hit, s_evict = SEM["block_alloc"], SEM["block_hit"], SEM["block_evict"]
+
+    def allocate_slots(self, request, *args, **kwargs):
+        if not (s_alloc[0] or s_hit[0] or s_evict[0]):
+            return orig(self, request, *args, **kwargs)
+        try:
+            prev = CTX.req_id, CTX.pool, CTX.group
+            CTX.req_id, CTX.pool, CTX.group = request.request_id, self.block_pool, None
+        except Exception:
+            _failed()
+            return orig(self, request, *args, **kwargs)
+        try:
+            return orig(self, request, *args, **kwargs)
+        finally:
+            CTX.req_id, CTX.pool, CTX.group = prev
+    return allocate_slots
+
+
+def _group_scope(orig):
+    """A single-type manager method that takes or touches blocks: its blocks
+    are of the manager's kv_cache_group_id."""
+    def scoped(self, *args, **kwargs):
+        if CTX.req_id is None:
+            return orig(self, *args, **kwargs)
+        prev = CTX.group
+        try:
+            CTX.group = self.kv_cache_group_id
+        except Exception:
+            _failed()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            CTX.group = prev
+    return scoped
+
+
+def _get_new_blocks(orig):
+    s = SEM["block_alloc"]
+
+    def get_new_blocks(self, num_blocks):  # exact signature: checked at install
+        ret = orig(self, num_blocks)
+        if s[0]:
+            try:
+                c = CTX
+                if c.req_id is not None and c.group is not None and self is c.pool:
+                    P.block_alloc(req_hash(c.req_id), c.group, _ids(ret), self.num_gpu_blocks)
+            except Exception:
+                _failed()
+        return ret
+    return get_new_blocks
+
+
+def _touch(orig):
+    s = SEM["block_hit"]
+
+    def touch(self, blocks):  # exact signature: checked at install
+        ret = orig(self, blocks)
+        if s[0]:
+            try:
+                c = CTX
+                if c.req_id is not None and c.group is not None and self is c.pool:
+                    ids = _ids(blocks)
+                    if ids:
+                        P.block_hit(req_hash(c.req_id), c.group, ids, self.num_gpu_blocks)
+            except Exception:
+                _failed()
+        return ret
+    return touch
+
+
+def _maybe_evict_cached_block(orig):
+    s = SEM["block_evict"]
+
+    def _maybe_evict_cached_block(self, block):  # exact signature: checked at install
+        ret = orig(self, block)
+        if ret is True and s[0]:
+            try:
+                c = CTX
+                if c.req_id is not None and c.group is not None and self is c.pool:
+                    P.block_evict(req_hash(c.req_id), c.group, array("i", [block.block_id]),
+                                  self.num_gpu_blocks)
+            except Exception:
+                _failed()
+        return ret
+    return _maybe_evict_cached_block
+
+
+def _cache_full_blocks(orig):
+    s = SEM["block_cache"]
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks,
+                          block_size, kv_cache_group_id, *args, **kwargs):
+        before = None
+        if s[0]:
+            try:
+                mask = args[0] if args else kwargs.get("block_mask")
+                new = blocks[num_cached_blocks:num_full_blocks]
+                before = [(b, b.block_hash) for i, b in enumerate(new)
+                          if not b.is_null and (mask is None or mask[i])]
+            except Exception:
+                _failed()
+        ret = orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                   kv_cache_group_id, *args, **kwargs)
+        if before:
+            try:
+                ids = array("i", [b.block_id for b, h in before
+                                  if b.block_hash is not None and b.block_hash != h])
+                if ids:
+                    P.block_cache(req_hash(request.request_id), kv_cache_group_id, ids,
+                                  self.num_gpu_blocks)
+            except Exception:
+                _failed()
+        return ret
+    return cache_full_blocks
+
+
+def _fire_free(manager, request):
+    """block_free for each group's blocks of request, before vLLM drops them."""
+    rid = request.request_id
+    h = None
+    n = manager.block_pool.num_gpu_blocks
+    for stm in manager.coordinator.single_type_managers:
+        blocks = stm.req_to_blocks.get(rid)
+        if blocks:
+            ids = _ids(blocks)
+            if ids:
+                if h is None:
+                    h = req_hash(rid)
+                P.block_free(h, stm.kv_cache_group_id, ids, n)
+
+
+def _free(orig):
+    s = SEM["block_free"]
+
+    def free(self, request, *args, **kwargs):
+        if s[0]:
+            try:
+                _fire_free(self, request)
+            except Exception:
+                _failed()
+        return orig(self, request, *args, **kwargs)
+    return free
+
+
+def _add_request(orig):
+    s = SEM["request"]
+
+    def add_request(self, request):  # exact signature: checked at install
+        if not s[0]:
+            return orig(self, request)
+        try:
+            new = request.request_id not in self.requests
+        except Exception:
+            _failed()
+            new = False
+        ret = orig(self, request)
+        if new:
+            try:
+                rid = request.request_id
+                P.request(req_hash(rid), rid, request.num_prompt_tokens)
+            except Exception:
+                _failed()
+        return ret
+    return add_request
+
+
+def _preempt_request(orig):
+    s = SEM["req_preempt"]
+
+    def _preempt_request(self, request, *args, **kwargs):
+        if s[0]:
+            try:
+                P.req_preempt(req_hash(request.request_id), request.num_computed_tokens)
+            except Exception:
+                _failed()
+        return orig(self, request, *args, **kwargs)
+    return _preempt_request
+
+
+def _free_request(orig):
+    s = SEM["req_finish"]
+
+    def _free_request(self, request, *args, **kwargs):
+        if s[0]:
+            try:
+                P.req_finish(req_hash(request.request_id), request.num_output_tokens)
+            except Exception:
+                _failed()
+        return orig(self, request, *args, **kwargs)
+    return _free_request
+
+
+class _TableMirror:
+    """One reusable int32 table per KV-cache group (rows: the step's
+    requests; grown, never shrunk) and one seq_lens vector."""
+
+    def __init__(self, np):
+        self.np = np
+        self.tables = {}
+        self.seq = np.zeros(64, np.int32)
+        self.arange = np.arange(64)
+
+    def table(self, group, rows, width):
+        t = self.tables.get(group)
+        if t is None or t.shape[0] < rows or t.shape[1] < width:
+            old_rows, old_width = (32, 16) if t is None else t.shape
+            t = self.np.zeros((max(rows, 2 * old_rows if rows > old_rows else old_rows),
+                               max(width, 2 * old_width if width > old_width else old_width)),
+                              self.np.int32)
+            self.tables[group] = t
+        return t
+
+    def cols(self, width):
+        if self.arange.shape[0] < width:
+            self.arange = self.np.arange(max(width, 2 * self.arange.shape[0]))
+        return self.arange[:width]
+
+    def seq_lens(self, n):
+        if self.seq.shape[0] < n:
+            self.seq = self.np.zeros(max(n, 2 * self.seq.shape[0]), self.np.int32)
+        return self.seq
+
+
+def fire_block_tables(scheduler, out, mirror):
+    """block_table once per KV-cache group for the step out describes: one
+    row per scheduled request (its block ids in that group, 0-padded), and
+    seq_len = tokens computed before the step + tokens scheduled in it."""
+    reqs = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+    cached = out.scheduled_cached_reqs
+    reqs.extend(zip(cached.req_ids, cached.num_computed_tokens))
+    n = len(reqs)
+    if not n:
+        return
+    np = mirror.np
+    nsched = out.num_scheduled_tokens
+    seq = mirror.seq_lens(n)
+    seq[:n] = np.fromiter((c + nsched[rid] for rid, c in reqs), np.int32, n)
+    manager = scheduler.kv_cache_manager
+    ids = [manager.get_block_ids(rid) for rid, _ in reqs]
+    nblocks = manager.block_pool.num_gpu_blocks
+    for stm in manager.coordinator.single_type_managers:
+        g = stm.kv_cache_group_id
+        rows = [per_group[g] for per_group in ids]
+        width = max(map(len, rows))
+        if width == 0:
+            continue
+        t = mirror.table(g, n, width)
+        view = t[:n, :width]
+        lens = np.fromiter(map(len, rows), np.int64, n)
+        flat = np.fromiter(chain.from_iterable(rows), np.int32, int(lens.sum()))
+        if lens.min() == width:
+            view[:] = flat.reshape(n, width)
+        else:  # rows of different lengths: 0-padded (the null block)
+            view[:] = 0
+            view[mirror.cols(width) < lens[:, None]] = flat
+        P.block_table(view, seq, stm.block_size, g, nblocks)
+
+
+def _schedule(orig):
+    s = SEM["block_table"]
+    state = {}
+
+    def schedule(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if s[0]:
+            try:
+                mirror = state.get(id(self))
+                if mirror is None:
+                    import numpy
+                    mirror = state[id(self)] = _TableMirror(numpy)
+                fire_block_tables(self, out, mirror)
+            except Exception:
+                _failed()
+        return out
+    return schedule
+
+
+# ---- what the hooks need of vLLM, checked before anything is installed ---------
+
+# (module, class, method, leading parameter names after self); a name in
+# EXACT: these are all its parameters (its wrapper has the same fixed
+# signature, half the cost of *args, **kwargs)
+EXACT = ("add_request", "get_new_blocks", "touch", "_maybe_evict_cached_block")
+_METHODS = [
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ()),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ("request",)),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request", ("request",)),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "_free_request", ("request",)),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", ("request",)),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "free", ("request",)),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "pop_blocks_for_free", ("request",)),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_block_ids", ("request_id",)),
+    ("vllm.v1.core.block_pool", "BlockPool", "get_new_blocks", ("num_blocks",)),
+    ("vllm.v1.core.block_pool", "BlockPool", "touch", ("blocks",)),
+    ("vllm.v1.core.block_pool", "BlockPool", "_maybe_evict_cached_block", ("block",)),
+    ("vllm.v1.core.block_pool", "BlockPool", "cache_full_blocks",
+     ("request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
+      "kv_cache_group_id", "block_mask")),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "__init__",
+     ("kv_cache_spec", "block_pool", "enable_caching", "kv_cache_group_id")),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "free",
+     ("request_id",)),
+]
+# single-type manager methods that take (get_new_blocks) or touch blocks,
+# wrapped in every subclass that defines them
+GROUP_METHODS = ("add_local_computed_blocks", "allocate_external_computed_blocks",
+                 "allocate_new_blocks", "cache_blocks")
+_FIELDS = [
+    ("vllm.v1.core.sched.output", "SchedulerOutput",
+     ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
+    ("vllm.v1.core.sched.output", "NewRequestData", ("req_id", "num_computed_tokens")),
+    ("vllm.v1.core.sched.output", "CachedRequestData", ("req_ids", "num_computed_tokens")),
+]
+
+
+def _check_layout():
+    """None if vLLM's classes look as the hooks need, else why not."""
+    import dataclasses
+    import importlib
+
+    classes = {}
+    for mod, cls, meth, params in _METHODS:
+        try:
+            c = classes.get((mod, cls)) or getattr(importlib.import_module(mod), cls)
+        except Exception as e:  # noqa: BLE001 - any import failure means unknown
+            return f"{mod}.{cls}: {type(e).__name__}: {e}"
+        classes[(mod, cls)] = c
+        f = c.__dict__.get(meth)
+        if not inspect.isfunction(f):
+            return f"{cls}.{meth} is missing"
+        names = list(inspect.signature(f).parameters)[1:]
+        if meth not in EXACT:
+            names = names[:len(params)]
+        if tuple(names) != params:
+            return f"{cls}.{meth}{inspect.signature(f)}: expected parameters {params}"
+    for mod, cls, fields in _FIELDS:
+        c = getattr(importlib.import_module(mod), cls, None)
+        have = {f.name for f in dataclasses.fields(c)} if dataclasses.is_dataclass(c) else set()
+        missing = [f for f in fields if f not in have]
+        if missing:
+            return f"{cls} has no field {', '.join(missing)}"
+    return None
+
+
+def _subclasses(cls):
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def install():
+    """Wrap vLLM's methods, once per process (later calls return the first
+    one's outcome and say nothing).  Returns True if the hooks are in place.
+    On an unknown vLLM version or class layout: one log line, nothing
+    installed."""
+    global _decided
+    with _install_lock:
+        if _decided is None:
+            _decided = _install()
+        return _decided
+
+
+def _install():
+    """install() without its once-per-process guard."""
+    global installed
+    if installed:
+        return True
+    try:
+        import vllm
+        version = getattr(vllm, "__version__", "unknown")
+    except Exception as e:  # noqa: BLE001
+        log.warning("kvtrace: vLLM not importable (%s): no hooks installed", e)
+        return False
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VERSIONS:
+        log.warning("kvtrace: vLLM %s is not one the plugin knows (%s): no hooks "
+                    "installed", version, ", ".join(SUPPORTED_VERSIONS))
+        return False
+    why = _check_layout()
+    if why:
+        log.warning("kvtrace: vLLM %s does not look as expected (%s): no hooks "
+                    "installed", version, why)
+        return False
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    _wrap(Scheduler, "schedule", _schedule)
+    _wrap(Scheduler, "add_request", _add_request)
+    _wrap(Scheduler, "_preempt_request", _preempt_request)
+    _wrap(Scheduler, "_free_request", _free_request)
+    _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
+    _wrap(KVCacheManager, "free", _free)
+    _wrap(KVCacheManager, "pop_blocks_for_free", _free)
+    _wrap(BlockPool, "get_new_blocks", _get_new_blocks)
+    _wrap(BlockPool, "touch", _touch)
+    _wrap(BlockPool, "_maybe_evict_cached_block", _maybe_evict_cached_block)
+    _wrap(BlockPool, "cache_full_blocks", _cache_full_blocks)
+    for cls in _subclasses(SingleTypeKVCacheManager):
+        for name in GROUP_METHODS:
+            if inspect.isfunction(cls.__dict__.get(name)):
+                _wrap(cls, name, _group_scope)
+    installed = True
+    log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), version,
+             f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
+             else "")
+    return True

@@ -1,0 +1,354 @@
+"""The vLLM plugin (plugin/, docs/plugin.md): its probes' C extension and
+its hooks in a real vLLM on the CPU.
+
+The plugin is installed into .venv-vllm by `make setup`; these tests run it
+there, with vLLM's python, in subprocesses.  Expected values come from the
+probe header, from an FNV-1a written here, and from vLLM itself: what it
+generated, its own prefix-cache counters, and what its worker passed to the
+attention op (scripts/vllm-workload.py --record-reads); never from the
+plugin's code.  KVTRACE_PLUGIN_RECORD makes the hooks fire every probe as if
+a tracer were attached and write each firing to a file.
+"""
+
+import json
+import os
+import re
+import subprocess
+import textwrap
+from collections import defaultdict
+
+import pytest
+from elftools.elf.elffile import ELFFile
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.vllm
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+WORKLOAD = ROOT / "scripts" / "vllm-workload.py"
+HEADER = ROOT / "bpf" / "kvtrace_probes.h"
+BLOCK_SIZE = 32
+# prompt_len:max_tokens; every prompt starts with the same 64 tokens, so with
+# prefix caching on the later ones hit the first one's two full blocks
+REQUESTS = "100:8,70:8,90:3,64:5,100:1,128:4"
+SHARED_PREFIX = 64
+
+
+def vllm_python(code, env=None, timeout=300):
+    """Run code with vLLM's python; (returncode, stdout + stderr)."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail("the vLLM CPU environment is missing: run make setup")
+    e = dict(os.environ)
+    e.pop("KVTRACE_PLUGIN_RECORD", None)
+    e.update(env or {})
+    r = subprocess.run([str(VLLM_PYTHON), "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=timeout, env=e, cwd="/")
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def probes_so():
+    rc, out = vllm_python("import kvtrace_vllm._probes as p; print('SO', p.__file__)")
+    assert rc == 0, f"the plugin is not installed in .venv-vllm (make setup):\n{out[-2000:]}"
+    return re.search(r"^SO (\S+)$", out, re.M).group(1)
+
+
+def header_plugin_tier_probes():
+    """The probe names the plugin fires, read from the header: the probe
+    macros (KVTRACE_<NAME>) defined after "The plugin tier", and block_table,
+    which it also fires."""
+    text = HEADER.read_text()
+    tier = text[text.index(" * The plugin tier"):]
+    names = {m.lower() for m in re.findall(r"#define KVTRACE_(\w+)\(", tier)}
+    names.add("block_table")
+    assert {"block_alloc", "request", "req_finish"} <= names
+    return names
+
+
+def test_so_carries_the_plugin_tier_probes_with_semaphores(probes_so):
+    out = subprocess.run(["readelf", "-n", probes_so], check=True, capture_output=True,
+                         text=True).stdout
+    notes = re.findall(r"Provider: (\S+)\s+Name: (\S+)\s+Location: \S+, Base: \S+, "
+                       r"Semaphore: (0x[0-9a-f]+)", out)
+    assert sorted(n for _, n, _ in notes) == sorted(header_plugin_tier_probes())
+    assert {p for p, _, _ in notes} == {"vllm"}
+    with open(probes_so, "rb") as f:
+        elf = ELFFile(f)
+        probes = elf.get_section_by_name(".probes")
+        assert probes is not None, "no .probes section: the header's semaphores are missing"
+        lo, hi = probes["sh_addr"], probes["sh_addr"] + probes["sh_size"]
+        symbols = {s.name: s["st_value"] for s in elf.get_section_by_name(".symtab").iter_symbols()}
+    for _, name, sem in notes:
+        addr = int(sem, 16)
+        assert addr != 0, name
+        assert lo <= addr < hi, f"{name}'s semaphore is not in .probes"
+        assert symbols.get(f"vllm_{name}_semaphore") == addr, name
+
+
+def fnv1a64(data: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def test_req_hash_is_fnv1a_64_of_utf8(probes_so):
+    # published FNV-1a 64 test vectors, then the algorithm on vLLM-like ids
+    assert fnv1a64(b"") == 0xCBF29CE484222325
+    assert fnv1a64(b"a") == 0xAF63DC4C8601EC8C
+    assert fnv1a64(b"foobar") == 0x85944171F73967E8
+    ids = ["", "a", "foobar", "cmpl-3f2a9c-0", "0-87b1cab3", "req-é-中文", "x" * 300]
+    rc, out = vllm_python(f"""
+        from kvtrace_vllm import _probes
+        for s in {ids!r}:
+            print(_probes.req_hash(s))
+    """)
+    assert rc == 0, out
+    got = [int(x) for x in out.split()]
+    assert got == [fnv1a64(s.encode()) for s in ids]
+
+
+def run_workload(tmp_path, name, env, *extra, requests=REQUESTS):
+    out = tmp_path / f"{name}.json"
+    log = tmp_path / f"{name}.log"
+    e = dict(os.environ)
+    e.pop("KVTRACE_PLUGIN_RECORD", None)
+    e.pop("VLLM_PLUGINS", None)
+    e.update(env)
+    with open(log, "w") as f:
+        r = subprocess.run([str(VLLM_PYTHON), str(WORKLOAD), "--model", str(tmp_path / "model"),
+                            "--requests", requests, "--block-size", str(BLOCK_SIZE),
+                            "--out", str(out), *map(str, extra)],
+                           stdout=f, stderr=subprocess.STDOUT, env=e, timeout=600)
+    text = log.read_text()
+    assert r.returncode == 0, text[-3000:]
+    return json.loads(out.read_text()), text
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same greedy workload twice, prefix caching on, prompts prefilled
+    in chunks: plugin loaded with every probe firing (recorded), and plugins
+    disabled (VLLM_PLUGINS='')."""
+    tmp = tmp_path_factory.mktemp("plugin")
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"),
+                    str(tmp / "model")], check=True, capture_output=True)
+    rec, reads = tmp / "probes.jsonl", tmp / "reads.jsonl"
+    # a 64-token step budget: the longer prompts are prefilled in chunks
+    prefix = ("--prefix-caching", "on", "--shared-prefix", SHARED_PREFIX,
+              "--max-num-batched-tokens", 64)
+    on, on_log = run_workload(tmp, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
+                              "--record-reads", reads, *prefix)
+    off, off_log = run_workload(tmp, "off", {"VLLM_PLUGINS": ""}, *prefix)
+    fired = [json.loads(line) for line in rec.read_text().splitlines()]
+    worker = [json.loads(line) for line in reads.read_text().splitlines()]
+    return dict(on=on, on_log=on_log, off=off, off_log=off_log, fired=fired, reads=worker)
+
+
+def test_plugin_loads_and_installs_in_the_engine_core(runs):
+    assert re.search(r"EngineCore pid=\d+\).*kvtrace: hooks installed in pid \d+ "
+                     r"\(vLLM 0\.3[23]\.0\)", runs["on_log"]), runs["on_log"][-3000:]
+    assert "kvtrace:" not in runs["off_log"]
+    assert "a hook failed" not in runs["on_log"]
+
+
+def test_generation_is_unchanged_by_the_plugin(runs):
+    on = [r["generated"] for r in runs["on"]["requests"]]
+    off = [r["generated"] for r in runs["off"]["requests"]]
+    assert on == off
+    assert all(on)
+
+
+def test_requests_and_their_ends(runs):
+    fired, gen = runs["fired"], runs["on"]
+    reqs = [f for f in fired if f["probe"] == "request"]
+    assert [r["prompt_tokens"] for r in reqs] == [r["prompt_len"] for r in gen["requests"]]
+    assert all(r["req"] == fnv1a64(r["id"].encode()) for r in reqs)
+    finished = {f["req"]: f["tokens"] for f in fired if f["probe"] == "req_finish"}
+    assert finished == {r["req"]: len(g["generated"]) for r, g in zip(reqs, gen["requests"])}
+    assert not [f for f in fired if f["probe"] == "req_preempt"]
+
+
+def test_block_events_balance_per_request(runs):
+    """Each request frees exactly the blocks it was given (allocated or hit),
+    and every event is for a request the request probe named."""
+    fired = runs["fired"]
+    named = {f["req"] for f in fired if f["probe"] == "request"}
+    given, freed = defaultdict(list), defaultdict(list)
+    for f in fired:
+        if f["probe"] in ("block_alloc", "block_hit", "block_cache", "block_free"):
+            assert f["req"] in named and f["group"] == 0 and 0 not in f["ids"], f
+        if f["probe"] in ("block_alloc", "block_hit"):
+            given[f["req"]] += f["ids"]
+        elif f["probe"] == "block_free":
+            freed[f["req"]] += f["ids"]
+    assert set(given) == named
+    assert {r: sorted(v) for r, v in given.items()} == {r: sorted(v) for r, v in freed.items()}
+
+
+def test_block_hits_equal_vllms_prefix_cache_hits(runs):
+    hits = sum(len(f["ids"]) for f in runs["fired"] if f["probe"] == "block_hit")
+    pc = runs["on"]["prefix_cache"]
+    assert pc["unit"] == "tokens" and pc["hits"] > 0
+    assert hits == pc["hits"] // BLOCK_SIZE and pc["hits"] % BLOCK_SIZE == 0
+
+
+def test_block_cache_is_each_requests_full_blocks_not_hit(runs):
+    """A request computes prompt + generated - 1 tokens (its last token is
+    never fed back); every full block of those that it did not hit gets a
+    hash, in a block allocated for it."""
+    fired, gen = runs["fired"], runs["on"]
+    reqs = [f["req"] for f in fired if f["probe"] == "request"]
+    by = defaultdict(lambda: defaultdict(list))
+    for f in fired:
+        if f["probe"].startswith("block_") and f["probe"] != "block_table":
+            by[f["req"]][f["probe"]] += f["ids"]
+    for req, g in zip(reqs, gen["requests"]):
+        computed = g["prompt_len"] + len(g["generated"]) - 1
+        ev = by[req]
+        assert len(ev["block_cache"]) == computed // BLOCK_SIZE - len(ev["block_hit"]), g
+        assert set(ev["block_cache"]) <= set(ev["block_alloc"])
+
+
+def assert_tables_equal_reads(fired, reads):
+    """Per step, the plugin's block_table rows (the first ceil(seq_len /
+    block_size) entries) and seq_lens equal the block table and seq_lens the
+    worker passed to cpu_attention_with_kv_cache (as multisets: row order
+    is the worker's input batch order)."""
+    tables = [f for f in fired if f["probe"] == "block_table"]
+    reads = [r for r in reads if "rows" in r]
+    assert len(tables) == len(reads) > 0
+
+    def plugin_rows(t):
+        bs = t["block_size"]
+        return sorted((s, row[:-(-s // bs)]) for s, row in zip(t["seq_lens"], t["rows"]))
+
+    for t, r in zip(tables, reads):
+        assert t["group"] == r["group"] == 0
+        assert t["block_size"] == r["block_size"] and t["num_blocks"] == r["num_blocks"]
+        assert t["row_stride"] >= max(map(len, t["rows"]))
+        assert plugin_rows(t) == sorted(zip(r["seq_lens"], r["rows"]))
+
+
+def test_block_tables_equal_what_the_worker_attention_read(runs):
+    assert_tables_equal_reads(runs["fired"], runs["reads"])
+
+
+def test_preemption_and_eviction(tmp_path):
+    """A KV cache of 20 blocks for 4 requests of 10 blocks each, prefix
+    caching on: vLLM preempts, and evicts cached blocks to reuse them.
+    req_preempt carries the tokens computed before the reset and the
+    request's blocks are freed right after it; an evicted block had been
+    cached and is among the blocks then allocated for the same request;
+    block tables still equal the worker's reads (recomputation included);
+    greedy tokens equal a run with plugins off."""
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"),
+                    str(tmp_path / "model")], check=True, capture_output=True)
+    rec, reads = tmp_path / "probes.jsonl", tmp_path / "reads.jsonl"
+    # 32 KiB per block of the tiny model
+    small = ("--kv-cache-bytes", 20 * 32768, "--prefix-caching", "on")
+    requests = "200:100,200:100,200:100,200:100"
+    on, log = run_workload(tmp_path, "on", {"KVTRACE_PLUGIN_RECORD": str(rec)},
+                           "--record-reads", reads, *small, requests=requests)
+    off, _ = run_workload(tmp_path, "off", {"VLLM_PLUGINS": ""}, *small, requests=requests)
+    assert "a hook failed" not in log
+    assert [r["generated"] for r in on["requests"]] == [r["generated"] for r in off["requests"]]
+    fired = [json.loads(line) for line in rec.read_text().splitlines()]
+    events = [f for f in fired if f["probe"] != "block_table"]
+
+    preempts = [i for i, f in enumerate(events) if f["probe"] == "req_preempt"]
+    assert preempts, "vLLM did not preempt: the test's KV cache is too large"
+    for i in preempts:
+        req, computed = events[i]["req"], events[i]["tokens"]
+        assert computed > 0
+        free = next(f for f in events[i + 1:] if f["req"] == req)
+        assert free["probe"] == "block_free"
+        # it held at least the blocks of what it had computed
+        assert len(free["ids"]) >= -(-computed // BLOCK_SIZE)
+
+    evicts = [i for i, f in enumerate(events) if f["probe"] == "block_evict"]
+    assert evicts, "vLLM evicted no cached block"
+    for i in evicts:
+        ev = events[i]
+        cached = {b for f in events[:i] if f["probe"] == "block_cache" for b in f["ids"]}
+        assert set(ev["ids"]) <= cached
+        alloc = next(f for f in events[i + 1:] if f["probe"] == "block_alloc")
+        assert alloc["req"] == ev["req"] and alloc["group"] == ev["group"]
+        assert set(ev["ids"]) <= set(alloc["ids"])
+
+    assert_tables_equal_reads(fired, [json.loads(line) for line in reads.read_text().splitlines()])
+
+
+def test_unknown_vllm_installs_nothing_and_says_one_line():
+    code = """
+        import vllm
+        vllm.__version__ = "0.31.0"
+        import kvtrace_vllm
+        kvtrace_vllm.register()
+        kvtrace_vllm.register()
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.sched.scheduler import Scheduler
+        print("WRAPPED", hasattr(BlockPool.touch, "__kvtrace_wrapped__"),
+              hasattr(Scheduler.schedule, "__kvtrace_wrapped__"))
+    """
+    rc, out = vllm_python(code)
+    assert rc == 0, out
+    assert "WRAPPED False False" in out
+    lines = [line for line in out.splitlines() if "kvtrace:" in line]
+    assert len(lines) == 1 and "0.31.0" in lines[0] and "no hooks installed" in lines[0], out
+
+
+def test_unknown_layout_installs_nothing():
+    code = """
+        from vllm.v1.core.block_pool import BlockPool
+        del BlockPool._maybe_evict_cached_block
+        import kvtrace_vllm
+        kvtrace_vllm.register()
+        from vllm.v1.core.sched.scheduler import Scheduler
+        print("WRAPPED", hasattr(Scheduler.schedule, "__kvtrace_wrapped__"))
+    """
+    rc, out = vllm_python(code)
+    assert rc == 0, out
+    assert "WRAPPED False" in out
+    lines = [line for line in out.splitlines() if "kvtrace:" in line]
+    assert len(lines) == 1 and "_maybe_evict_cached_block is missing" in lines[0], out
+
+
+def test_a_failing_hook_leaves_vllm_untouched(tmp_path):
+    """With every probe on, a probe call that raises: vLLM's functions return
+    the same, raise the same, the failure is counted and logged once."""
+    code = """
+        import kvtrace_vllm
+        from kvtrace_vllm import hooks
+        kvtrace_vllm.register()
+        kvtrace_vllm.register()
+        from vllm.v1.core.block_pool import BlockPool
+        assert BlockPool.get_new_blocks.__wrapped__.__name__ == "get_new_blocks"
+        assert not hasattr(BlockPool.get_new_blocks.__wrapped__, "__wrapped__")
+
+        class Boom:
+            def __getattr__(self, name):
+                def fail(*a):
+                    raise RuntimeError("probe " + name)
+                return fail
+        hooks.P = Boom()
+
+        pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+        hooks.CTX.req_id, hooks.CTX.pool, hooks.CTX.group = "r1", pool, 0
+        blocks = pool.get_new_blocks(3)
+        print("IDS", [b.block_id for b in blocks], [b.ref_cnt for b in blocks])
+        pool.touch(blocks)
+        print("REF", [b.ref_cnt for b in blocks])
+        try:
+            pool.get_new_blocks(100)
+        except ValueError as e:
+            print("RAISED", e)
+        print("ERRORS", hooks.errors)
+    """
+    rc, out = vllm_python(code, env={"KVTRACE_PLUGIN_RECORD": str(tmp_path / "rec.jsonl")})
+    assert rc == 0, out
+    assert "IDS [1, 2, 3] [1, 1, 1]" in out
+    assert "REF [2, 2, 2]" in out
+    assert "RAISED Cannot get 100 free blocks from the pool" in out
+    assert "ERRORS 2" in out
+    assert out.count("a hook failed") == 1, out
