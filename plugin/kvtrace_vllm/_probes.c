@@ -79,7 +79,27 @@ static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
 	return -1;
 }
 
-/* ---- block events: (req, group_id, ids, num_blocks) ---------------------- */
+/* A 1-D C-contiguous buffer of n uint64 (content hashes), or None: NULL in
+ * *out.  0 on success (release with PyBuffer_Release if *out), -1 with an
+ * exception set. */
+static int get_hashes(PyObject *obj, Py_buffer *v, Py_ssize_t n, const uint64_t **out,
+		      const char *what)
+{
+	*out = NULL;
+	if (obj == Py_None)
+		return 0;
+	if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS) < 0)
+		return -1;
+	if (v->itemsize != 8 || v->len != n * 8) {
+		PyErr_Format(PyExc_TypeError, "%s: hashes must be %zd uint64", what, n);
+		PyBuffer_Release(v);
+		return -1;
+	}
+	*out = v->buf;
+	return 0;
+}
+
+/* ---- block events: (req, group_id, ids, num_blocks[, hashes]) ------------ */
 
 #define BLOCK_PROBE_FN(name, MACRO)                                            \
 	static PyObject *probe_##name(PyObject *self, PyObject *const *args,   \
@@ -87,16 +107,24 @@ static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
 	{                                                                      \
 		uint64_t req;                                                  \
 		int64_t group, nblocks;                                        \
-		Py_buffer v;                                                   \
+		Py_buffer v, hv;                                               \
+		const uint64_t *hashes;                                        \
 		(void)self;                                                    \
-		if (check_nargs(#name, nargs, 4) < 0 ||                        \
+		if ((nargs != 5 && check_nargs(#name, nargs, 4) < 0) ||        \
 		    get_u64(args[0], &req) < 0 ||                              \
 		    get_i64(args[1], &group) < 0 ||                            \
 		    get_i64(args[3], &nblocks) < 0)                            \
 			return NULL;                                           \
 		if (get_int32_vector(args[2], &v, #name) < 0)                  \
 			return NULL;                                           \
-		MACRO(req, group, v.buf, v.len / 4, nblocks);                  \
+		if (get_hashes(nargs == 5 ? args[4] : Py_None, &hv, v.len / 4, \
+			       &hashes, #name) < 0) {                          \
+			PyBuffer_Release(&v);                                  \
+			return NULL;                                           \
+		}                                                              \
+		MACRO(req, group, v.buf, v.len / 4, nblocks, hashes);          \
+		if (hashes)                                                    \
+			PyBuffer_Release(&hv);                                 \
 		PyBuffer_Release(&v);                                          \
 		Py_RETURN_NONE;                                                \
 	}

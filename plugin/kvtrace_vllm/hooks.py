@@ -121,6 +121,22 @@ def _ids(blocks):
     return array("i", [b.block_id for b in blocks if not b.is_null])
 
 
+def _content_hash(key):
+    """64 bits of a block's content hash, for the tracer's miss-ratio curve:
+    the first 8 bytes (little-endian) of vLLM's BlockHash, the 4-byte group
+    id suffix of a BlockHashWithGroupId left out (kv_cache_utils.py).  0 for
+    a block without one."""
+    if not key:
+        return 0
+    return int.from_bytes(bytes(key[:-4][:8]), "little")
+
+
+def _hashes(blocks):
+    """array('Q') of the content hashes of blocks, the null block left out
+    (aligned with _ids(blocks))."""
+    return array("Q", [_content_hash(b.block_hash) for b in blocks if not b.is_null])
+
+
 # ---- wrappers -------------------------------------------------------------------
 
 def _wrap(cls, name, make):
@@ -196,7 +212,8 @@ def _touch(orig):
                 if c.req_id is not None and c.group is not None and self is c.pool:
                     ids = _ids(blocks)
                     if ids:
-                        P.block_hit(req_hash(c.req_id), c.group, ids, self.num_gpu_blocks)
+                        P.block_hit(req_hash(c.req_id), c.group, ids, self.num_gpu_blocks,
+                                    _hashes(blocks))
             except Exception:
                 _failed()
         return ret
@@ -207,13 +224,16 @@ def _maybe_evict_cached_block(orig):
     s = SEM["block_evict"]
 
     def _maybe_evict_cached_block(self, block):  # exact signature: checked at install
+        if not s[0]:
+            return orig(self, block)
+        key = block.block_hash  # the content it held, gone once evicted
         ret = orig(self, block)
-        if ret is True and s[0]:
+        if ret is True:
             try:
                 c = CTX
                 if c.req_id is not None and c.group is not None and self is c.pool:
                     P.block_evict(req_hash(c.req_id), c.group, array("i", [block.block_id]),
-                                  self.num_gpu_blocks)
+                                  self.num_gpu_blocks, array("Q", [_content_hash(key)]))
             except Exception:
                 _failed()
         return ret
@@ -238,11 +258,11 @@ def _cache_full_blocks(orig):
                    kv_cache_group_id, *args, **kwargs)
         if before:
             try:
-                ids = array("i", [b.block_id for b, h in before
-                                  if b.block_hash is not None and b.block_hash != h])
-                if ids:
-                    P.block_cache(req_hash(request.request_id), kv_cache_group_id, ids,
-                                  self.num_gpu_blocks)
+                got = [b for b, h in before if b.block_hash is not None and b.block_hash != h]
+                if got:
+                    P.block_cache(req_hash(request.request_id), kv_cache_group_id,
+                                  array("i", [b.block_id for b in got]), self.num_gpu_blocks,
+                                  array("Q", [_content_hash(b.block_hash) for b in got]))
             except Exception:
                 _failed()
         return ret
