@@ -323,6 +323,8 @@ def test_a_failing_hook_leaves_vllm_untouched(tmp_path):
         kvtrace_vllm.register()
         kvtrace_vllm.register()
         from vllm.v1.core.block_pool import BlockPool
+        assert not hasattr(BlockPool.get_new_blocks, "__wrapped__")  # no scheduler yet
+        hooks.activate()  # what building the first Scheduler does
         assert BlockPool.get_new_blocks.__wrapped__.__name__ == "get_new_blocks"
         assert not hasattr(BlockPool.get_new_blocks.__wrapped__, "__wrapped__")
 

@@ -1,6 +1,12 @@
 """The hooks: class-level wrappers on vLLM's scheduler, KV-cache manager and
 block pool that fire the plugin tier's probes (docs/plugin.md).
 
+Where: vLLM loads the plugin in each of its processes, but only the process
+that builds a Scheduler (EngineCore) gets the hooks and maps the probes'
+shared object: install() wraps Scheduler.__init__ alone, and the first
+Scheduler built calls activate().  The tracer then finds the plugin tier in
+the scheduler's process only, not in the front end nor the workers.
+
 Cost with no tracer attached: each wrapper calls through after one check of a
 probe semaphore (a read of a 2-byte memoryview over the semaphore the kernel
 increments while a tracer has the probe attached); nothing is built.
@@ -19,8 +25,6 @@ import threading
 from array import array
 from itertools import chain
 
-from . import _probes
-
 log = logging.getLogger("vllm.plugins.kvtrace")
 
 SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
@@ -38,7 +42,7 @@ WRAPPED = "__kvtrace_wrapped__"
 
 # ---- probe semaphores ---------------------------------------------------------
 
-def _semaphore_views():
+def _semaphore_views(_probes):
     views = {name: mv.cast("H") for name, (_addr, mv) in _probes.semaphores().items()}
     if os.environ.get(RECORD_ENV):
         on = memoryview(bytearray(b"\x01\x00")).cast("H")
@@ -46,14 +50,15 @@ def _semaphore_views():
     return views
 
 
-SEM = _semaphore_views()
+SEM = None  # probe name -> its semaphore (a memoryview), set by activate()
 
 
 class _Recorder:
     """The _probes functions, each also writing its call to a file."""
 
-    def __init__(self, path):
+    def __init__(self, path, probes):
         self._path = path
+        self._probes = probes
         self._lock = threading.Lock()
 
     def _write(self, probe, **fields):
@@ -63,13 +68,13 @@ class _Recorder:
             f.write(json.dumps(fields) + "\n")
 
     def __getattr__(self, name):
-        real = getattr(_probes, name)
+        real = getattr(self._probes, name)
         blocks = name in ("block_alloc", "block_hit", "block_cache", "block_free", "block_evict")
 
         def call(*args):
             real(*args)
             if blocks:
-                req, group, ids, nblocks = args
+                req, group, ids, nblocks = args[:4]
                 self._write(name, req=req, group=group, ids=list(ids), num_blocks=nblocks)
             elif name == "request":
                 self._write(name, req=args[0], id=args[1], prompt_tokens=args[2])
@@ -85,8 +90,8 @@ class _Recorder:
         return call
 
 
-P = _Recorder(os.environ[RECORD_ENV]) if os.environ.get(RECORD_ENV) else _probes
-req_hash = _probes.req_hash
+P = None         # the probes module (or its _Recorder), set by activate()
+req_hash = None  # _probes.req_hash, set by activate()
 
 
 def _failed():
@@ -507,8 +512,9 @@ def _subclasses(cls):
 
 
 def install():
-    """Wrap vLLM's methods, once per process (later calls return the first
-    one's outcome and say nothing).  Returns True if the hooks are in place.
+    """Check vLLM and wrap Scheduler.__init__, once per process (later calls
+    return the first one's outcome and say nothing): the first Scheduler
+    built activates the hooks.  Returns True if they will be in place.
     On an unknown vLLM version or class layout: one log line, nothing
     installed."""
     global _decided
@@ -540,6 +546,47 @@ def _install():
                     "installed", version, why)
         return False
 
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _wrap(Scheduler, "__init__", _scheduler_init)
+    _version[0] = version
+    return True
+
+
+_version = ["?"]
+
+
+def _scheduler_init(orig):
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        try:
+            activate()
+        except Exception:  # noqa: BLE001
+            _failed()
+    return __init__
+
+
+def activate():
+    """In the process that runs vLLM's scheduler (the first Scheduler built
+    calls it): map the probes and wrap the scheduler, KV-cache manager and
+    block pool.  Once per process."""
+    global SEM, P, req_hash, installed
+    with _install_lock:
+        if installed:
+            return
+        from . import _probes
+        SEM = _semaphore_views(_probes)
+        P = _Recorder(os.environ[RECORD_ENV], _probes) if os.environ.get(RECORD_ENV) \
+            else _probes
+        req_hash = _probes.req_hash
+        _wrap_all()
+        installed = True
+    log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), _version[0],
+             f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
+             else "")
+
+
+def _wrap_all():
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -560,8 +607,3 @@ def _install():
         for name in GROUP_METHODS:
             if inspect.isfunction(cls.__dict__.get(name)):
                 _wrap(cls, name, _group_scope)
-    installed = True
-    log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), version,
-             f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
-             else "")
-    return True
