@@ -254,9 +254,12 @@ def check_hits_are_earlier_blocks(steps, generated, hits):
 
 # -- the tracer's JSON -------------------------------------------------------
 
-def traced_groups(doc):
-    procs = [p for p in doc["processes"] if p.get("groups")]
-    assert len(procs) == 1, [(p["pid"], p["comm"]) for p in doc["processes"]]
+def traced_groups(doc, tier="uprobe"):
+    """The process of `tier` with read groups: the worker (its stock uprobe
+    on the attention op), or the engine core (the plugin's block_table from
+    the scheduler; make setup installs the plugin into .venv-vllm)."""
+    procs = [p for p in doc["processes"] if p.get("groups") and p["tier"] == tier]
+    assert len(procs) == 1, [(p["pid"], p["comm"], p["tier"]) for p in doc["processes"]]
     return procs[0]
 
 
@@ -280,6 +283,18 @@ def check_tracer(doc, truth, generated):
         last = dict(got["last_read_step"])
         assert sorted(last) == sorted(want["last_read_step"])
         assert len({last[b] - s for b, s in want["last_read_step"].items()}) == 1
+    # the plugin tier, where the scheduler runs, passes the same tables:
+    # the same reads from another process, once a step (no layers there)
+    plugin = traced_groups(doc, "plugin")
+    assert plugin["pid"] != proc["pid"]
+    assert [g["group"] for g in plugin["groups"]] == sorted(truth)
+    for got in plugin["groups"]:
+        want = truth[got["group"]]
+        for key in ("block_size", "num_blocks", "steps", "requests", "tokens", "reads",
+                    "distinct", "null_entries"):
+            assert got[key] == want[key], ("plugin", key, got[key], want[key])
+        assert got["layer_calls"] == got["steps"]
+        assert dict(got["reads_per_block"]) == dict(want["reads_per_block"])
     return proc["groups"]
 
 
@@ -380,7 +395,12 @@ def test_reads_exact_prefix_caching_on(tmp_path, model, no_leftovers):
     # did not write) is vLLM's own prefix-cache hits, in blocks
     r = run_kvtrace("report", trace_file, "--format", "json")
     assert r.returncode == 0, r.stderr
-    (acc,) = json.loads(r.stdout)["access"]
+    access = json.loads(r.stdout)["access"]
+    worker = traced_groups(doc)["pid"]
+    (acc,) = [a for a in access if a["pid"] == worker]
+    # the plugin's group, in the engine core: the same reads
+    (pacc,) = [a for a in access if a["pid"] == traced_groups(doc, "plugin")["pid"]]
+    assert (pacc["reads"], pacc["distinct"]) == (group["reads"], group["distinct"])
     assert acc["reads"] == group["reads"] and acc["distinct"] == group["distinct"]
     assert acc["held_tokens"] == group["held_tokens"]
     assert acc["prefix_reuse"]["requests"] == len(generated["requests"])
