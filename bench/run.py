@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tracer import discover  # noqa: E402
+from tracer import abi, discover  # noqa: E402
 
 BENCH = ROOT / "bench"
 KVBENCH = BENCH / "kvbench"
@@ -365,9 +365,10 @@ def kvsim_run(repeat, tmp, traced):
             tp.wait(60)  # ends on its own when the target exits
             doc = json.loads(agg.read_text())
             out.update(records=doc["records"], lost=doc["lost_records"], exact=doc["exact"],
-                       # written slots: the block table op's "slots" are blocks read
+                       # written slots: the write ops' (the block table op's "slots"
+                       # are blocks read, a lifecycle op's the block ids it passed)
                        traced_slots=sum(o["slots"] for op, o in doc["ops"].items()
-                                        if op != "block_table"))
+                                        if op in abi.WRITE_OPS))
         if k.returncode != 0:
             raise RuntimeError(f"kvsim failed ({k.returncode})")
     finally:

@@ -363,10 +363,13 @@ def assert_matches_truth(doc, truth):
 
 def truth_records(truth):
     """Per-op records the tracer sends for kvsim's run when nothing is lost:
-    one per write, copy or swap call, and one per step for the block table,
+    one per write, copy or swap call, one per step for the block table,
     which every layer passes but the tracer reads once per step and group
-    (bpf/kvtrace_probes.h)."""
-    return sum(o["calls"] for o in truth["ops"].values()) + truth["reads"]["steps"]
+    (bpf/kvtrace_probes.h), and one per lifecycle probe call (the plugin
+    tier's; a truth from before it has none)."""
+    life = truth.get("lifecycle", {}).get("calls", {})
+    return (sum(o["calls"] for o in truth["ops"].values()) + truth["reads"]["steps"] +
+            sum(life.values()))
 
 
 def assert_reads_match_truth(doc, truth):

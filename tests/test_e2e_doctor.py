@@ -84,7 +84,9 @@ def test_doctor_json_agrees_with_text(bpf_env):
         {name: status for name, (status, _, _) in text.items()}
 
 
-def test_doctor_kvsim_is_fork_usdt(tmp_path, bpf_env):
+def test_doctor_kvsim_is_plugin_usdt(tmp_path, bpf_env):
+    """kvsim fires the plugin tier's probes beside the fork's op probes: the
+    richest tier it offers is the plugin's."""
     sim = Kvsim(tmp_path, "default")  # paused until go()
     try:
         r = doctor("-p", sim.pid)
@@ -92,7 +94,7 @@ def test_doctor_kvsim_is_fork_usdt(tmp_path, bpf_env):
         checks = checks_of(r)
         assert checks["target"][0] == "PASS" and f"pid {sim.pid} (kvsim)" in checks["target"][1]
         status, detail, _ = checks["probe tier"]
-        assert status == "PASS" and detail.startswith("fork USDT: "), detail
+        assert status == "PASS" and detail.startswith("plugin USDT: "), detail
         assert f"pid {sim.pid} (kvsim)" in detail
         assert os.path.realpath(ROOT / "tests/target/libkvsim_ops.so") in detail
         # doctor only read the target: every probe is still off, and kvsim

@@ -100,11 +100,12 @@ def test_round_trip_matches_truth(tmp_path, workload, extra):
     assert t["target"]["command"][0] == str(KVSIM)
     (proc,) = t["processes"]
     assert proc["pid"] == truth["pid"] and proc["comm"] == "kvsim"
-    # as attach --json has them: the root of the tree, its USDT probes
-    assert (proc["parent"], proc["tier"]) == (0, "usdt")
+    # as attach --json has them: the root of the tree, its USDT probes (the
+    # plugin tier's among them: kvsim fires its lifecycle probes too)
+    assert (proc["parent"], proc["tier"]) == (0, "plugin")
     assert set(truth["ops"]) <= set(proc["probed_ops"])
     (agg_proc,) = doc["blocks"]["processes"]
-    assert (agg_proc["parent"], agg_proc["tier"]) == (0, "usdt")
+    assert (agg_proc["parent"], agg_proc["tier"]) == (0, "plugin")
     assert agg_proc["probed_ops"] == proc["probed_ops"]
     (lib,) = proc["probe_files"]
     assert lib["path"] == os.path.realpath(KVSIM_LIB)

@@ -41,6 +41,24 @@ def truth_counts(truth):
     out.update({"block_table calls": rd["steps"], "block_table slots": rd["distinct"],
                 "block_table padding": rd["null_entries"], "block_table bytes": rd["tokens"],
                 "block_table items": rd["reads"]})
+    # the plugin tier's lifecycle probes (bpf/kvtrace.h, struct kvtrace_event):
+    # per block and kind; a block event's items and slots are its ids (none
+    # null), its bytes the pool's blocks; a request op's items its tokens
+    life = truth["lifecycle"]
+    n = truth["num_blocks"]
+    for kind, pairs in life["blocks"].items():
+        out[f"life {kind}"] = np.zeros(n, np.uint64)
+        for b, c in pairs:
+            out[f"life {kind}"][b] = c
+        op = f"block_{kind}"
+        out.update({f"{op} calls": life["calls"][op], f"{op} items": life["totals"][kind],
+                    f"{op} slots": life["totals"][kind], f"{op} padding": 0,
+                    f"{op} bytes": life["calls"][op] * life["num_blocks"]})
+    for op, field in (("request", "prompt_tokens"), ("req_preempt", "recomputed"),
+                      ("req_finish", "output_tokens")):
+        out.update({f"{op} calls": life["calls"][op], f"{op} slots": 0, f"{op} padding": 0,
+                    f"{op} bytes": 0,
+                    f"{op} items": sum(r[field] for r in life["requests"])})
     return out
 
 
@@ -57,6 +75,9 @@ def traced_counts(bpf, pid, n):
     if pid in raw["moves"]:
         for kind, row in abi.MOVES.items():
             out[kind] = raw["moves"][pid][row][:n].astype(np.uint64)
+    if pid in raw["life"]:
+        for i, kind in enumerate(abi.LIFE):
+            out[f"life {kind}"] = raw["life"][pid][i][:n].astype(np.uint64)
     for (p, op), st in raw["op_stats"].items():
         if p == pid:
             for f in FIELDS + (() if op in WRITE_OPS else ("items",)):

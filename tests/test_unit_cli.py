@@ -23,7 +23,10 @@ NO_PID = str(2**22 + 1)
 
 ALL_PROBES = ["reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
               "cpu_attn_reshape_and_cache", "copy_blocks", "swap_blocks",
-              "swap_blocks_batch", "block_table"]
+              "swap_blocks_batch", "block_table",
+              # the plugin tier's, which kvsim fires from its scheduler
+              "block_alloc", "block_hit", "block_cache", "block_free", "block_evict",
+              "request", "req_preempt", "req_finish"]
 
 
 def cli(*args):

@@ -22,7 +22,10 @@ LIB_NOPROBES = os.path.join(TARGET_DIR, "libkvsim_ops-noprobes.so")
 
 ALL_PROBES = {"reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_mla",
               "cpu_attn_reshape_and_cache", "copy_blocks", "swap_blocks",
-              "swap_blocks_batch", "block_table"}
+              "swap_blocks_batch", "block_table",
+              # the plugin tier's, which kvsim fires from its scheduler
+              "block_alloc", "block_hit", "block_cache", "block_free", "block_evict",
+              "request", "req_preempt", "req_finish"}
 
 # The kernel's x86_64 struct pt_regs (arch/x86/include/asm/ptrace.h), in
 # order, 8 bytes each: the BPF side reads argument registers at these offsets.

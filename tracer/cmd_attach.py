@@ -493,9 +493,11 @@ def _finish(args, tracer, target, reason, recorder=None) -> int:
     if args.folded:
         layer_of = {(l.pid, l.index): l.layer for p in agg.processes.values() for l in p.layers}
         # weighted by slots written and pairs moved (as export's default):
-        # the read probe's stacks weigh reads, export --weight reads has them
+        # the read probe's stacks weigh reads, export --weight reads has them;
+        # the plugin's scheduler events (tokens, block ids) weigh neither
         lines = folded_lines(
-            [st for st in raw["stacks"] if st[2] not in abi.READ_OPS], tracer.stack_frames,
+            [st for st in raw["stacks"] if st[2] not in abi.READ_OPS | abi.PLUGIN_OPS],
+            tracer.stack_frames,
             lambda pid: tracer.procs[pid].comm if pid in tracer.procs else str(pid),
             lambda pid, idx: layer_of.get((pid, idx)))
         out.write(args.folded,

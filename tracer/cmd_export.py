@@ -74,6 +74,11 @@ def add_parser(sub):
     return p
 
 
+# the plugin tier's ops: scheduler events, not cache ops (a request's items
+# are tokens, a block event's bytes the pool's size, its cache_index a group)
+PLUGIN_OP_IDS = sorted(abi.OPS[op] for op in abi.PLUGIN_OPS)
+
+
 def _op_weights(o: np.ndarray, weight: str) -> np.ndarray:
     """Per op record: its weight in the chosen unit (0: left out)."""
     is_table = o["op"] == stream.TABLE_OP_ID
@@ -81,10 +86,12 @@ def _op_weights(o: np.ndarray, weight: str) -> np.ndarray:
         return np.where(is_table, o["items"], 0).astype(np.int64)
     is_write = np.isin(o["op"], list(stream.WRITE_OP_IDS))
     # reads weigh only with --weight reads (a block_table op's bytes are
-    # tokens, its items reads: neither is bytes moved or slots written)
+    # tokens, its items reads: neither is bytes moved or slots written);
+    # the plugin's events weigh neither slots, pairs nor bytes
+    skip = is_table | np.isin(o["op"], PLUGIN_OP_IDS)
     if weight == "bytes":
-        return np.where(is_write | is_table, 0, o["bytes"]).astype(np.int64)
-    return np.where(is_write, o["slots"], np.where(is_table, 0, o["items"])).astype(np.int64)
+        return np.where(is_write | skip, 0, o["bytes"]).astype(np.int64)
+    return np.where(is_write, o["slots"], np.where(skip, 0, o["items"])).astype(np.int64)
 
 
 def by_stack(trace: tracefile.Trace, ops: stream.OpStream, weight: str) -> list:

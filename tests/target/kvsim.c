@@ -222,6 +222,20 @@ struct read_truth {
 	int64_t nlive, live_cap;
 };
 
+/*
+ * The plugin tier's truth (write_lifecycle()): one entry per request a run
+ * created, in creation order.  Each run's requests get new ids, numbered on
+ * across --repeat and --rounds ("kvsim-req-N": the Nth request this process
+ * created, from 0), as vLLM's request ids never repeat.
+ */
+struct req_truth {
+	char id[32];
+	uint64_t req; /* FNV-1a 64 of id: the probes' req */
+	int64_t prompt_tokens, output_tokens;
+	uint64_t preemptions, recomputed;
+	uint64_t blocks[KV_NUM_LIFE]; /* block ids per event kind */
+};
+
 struct truth {
 	uint64_t **writes;     /* [layer][block] valid slots written */
 	uint64_t *token_writes; /* [block] once per step, layer-independent */
@@ -233,6 +247,14 @@ struct truth {
 	uint64_t window_drops; /* (sequence, block) pairs the sliding window freed */
 	uint64_t kv_mismatches;
 	struct read_truth rd;
+
+	/* lifecycle (plugin tier): per GPU block and event kind, how many
+	 * times the event happened to it; probe calls per op; per request */
+	uint64_t *life[KV_NUM_LIFE];
+	uint64_t life_calls[KV_NUM_LIFE];
+	uint64_t request_calls, preempt_calls, finish_calls;
+	struct req_truth *reqs;
+	int64_t nreqs, reqs_cap;
 
 	/* true fill per generation, from the block manager's own view */
 	struct gen_truth *gens;
@@ -365,6 +387,7 @@ struct request {
 	enum rq_state state;
 	uint64_t sched_step; /* 1 + the step that last scheduled it, 0 never */
 	enum sched_kind sched_kind;
+	int64_t tr; /* its entry in the truth's reqs for this run */
 	int32_t fork_blocks[MAX_SAMPLES]; /* copies of the partial block */
 	int nfork_blocks;
 	struct seq seqs[MAX_SAMPLES];
@@ -421,6 +444,15 @@ struct sim {
 	 */
 	int64_t prefix_blocks;
 	int32_t *prefix_cache;
+
+	/*
+	 * Lifecycle events waiting to fire: the block ids of one request's
+	 * event per kind, batched as the plugin batches them (one probe call
+	 * per request, kind and scheduler action); fired by life_flush().
+	 */
+	struct request *life_req;
+	int32_t *life_ids[KV_NUM_LIFE];
+	int64_t life_n[KV_NUM_LIFE];
 
 	/* scratch */
 	int64_t *pairs;     /* 2 * max(GPU, CPU) blocks */
@@ -598,6 +630,11 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	t->swap_out = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	t->swap_in = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 
+	for (int k = 0; k < KV_NUM_LIFE; k++) {
+		t->life[k] = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
+		s->life_ids[k] = xcalloc((size_t)s->nblocks, sizeof(int32_t));
+	}
+
 	struct read_truth *rd = &t->rd;
 	rd->per_block = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 	rd->last_step = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
@@ -661,6 +698,110 @@ static void gen_touch(struct gen_truth *g, uint64_t step)
 }
 
 /* ------------------------------------------------------------------ */
+/* Lifecycle events (the plugin tier's probes) and their truth          */
+
+/* FNV-1a 64 of n bytes: a request's req (bpf/kvtrace_probes.h). */
+static uint64_t fnv1a64(const char *p, size_t n)
+{
+	uint64_t h = 0xcbf29ce484222325ULL;
+
+	for (size_t i = 0; i < n; i++) {
+		h ^= (uint8_t)p[i];
+		h *= 0x100000001b3ULL;
+	}
+	return h;
+}
+
+/*
+ * Event kind of request r happened to GPU block b: counted in the truth
+ * here, where the scheduler decides it, and batched with r's other blocks
+ * of that kind until life_flush() fires them.
+ */
+static void life_add(struct sim *s, struct request *r, int kind, int32_t b)
+{
+	if (s->life_req && s->life_req != r)
+		fatal("internal error: lifecycle events of two requests in a batch");
+	if (s->life_n[kind] >= s->nblocks || b <= 0 || b >= s->nblocks)
+		fatal("internal error: lifecycle batch");
+	s->life_req = r;
+	s->life_ids[kind][s->life_n[kind]++] = b;
+	s->t.life[kind][b]++;
+	s->t.reqs[r->tr].blocks[kind]++;
+}
+
+/* Fires the batched events, one probe call per kind, in kind order. */
+static void life_flush(struct sim *s)
+{
+	for (int k = 0; k < KV_NUM_LIFE; k++) {
+		if (!s->life_n[k])
+			continue;
+		kv_block_event(k, s->t.reqs[s->life_req->tr].req, 0,
+			       s->life_ids[k], s->life_n[k], s->nblocks);
+		s->t.life_calls[k]++;
+		s->life_n[k] = 0;
+	}
+	s->life_req = NULL;
+}
+
+/*
+ * Whether a live sequence of r other than q still holds GPU block b: a
+ * request's samples share their prompt blocks, and the request releases a
+ * block (block_free) when its last sequence holding it lets go.
+ */
+static bool others_hold(const struct request *r, const struct seq *q,
+			int32_t b)
+{
+	for (int k = 0; k < r->nseqs; k++) {
+		const struct seq *o = &r->seqs[k];
+		if (o == q || o->finished)
+			continue;
+		for (int64_t j = o->dropped; j < o->nblocks; j++)
+			if (o->table[j] == b)
+				return true;
+	}
+	return false;
+}
+
+/* A run's new request: named (its id and req), counted, probe fired. */
+static void request_start(struct sim *s, struct request *r)
+{
+	struct truth *t = &s->t;
+
+	if (t->nreqs == t->reqs_cap) {
+		t->reqs_cap = t->reqs_cap ? 2 * t->reqs_cap : 256;
+		t->reqs = realloc(t->reqs, (size_t)t->reqs_cap * sizeof(*t->reqs));
+		if (!t->reqs)
+			fatal("out of memory");
+	}
+	struct req_truth *rt = &t->reqs[t->nreqs];
+	memset(rt, 0, sizeof(*rt));
+	int len = snprintf(rt->id, sizeof(rt->id), "kvsim-req-%" PRId64,
+			   t->nreqs);
+	rt->req = fnv1a64(rt->id, (size_t)len);
+	rt->prompt_tokens = r->prompt_len;
+	r->tr = t->nreqs++;
+	kv_request(rt->req, rt->id, len, r->prompt_len);
+	t->request_calls++;
+}
+
+/*
+ * Tokens r has computed (in the KV cache): its prompt so far (prefix hits
+ * included, as vLLM's num_computed_tokens), and each live sequence's
+ * tokens beyond the prompt.
+ */
+static int64_t computed_tokens(const struct request *r)
+{
+	int64_t n = r->prefilled;
+
+	for (int k = 0; k < r->nseqs; k++) {
+		const struct seq *q = &r->seqs[k];
+		if (!q->finished && q->len > r->prompt_len)
+			n += q->len - r->prompt_len;
+	}
+	return n;
+}
+
+/* ------------------------------------------------------------------ */
 /* Sequences: allocation, token emission, verification                 */
 
 static int sample_at(const struct request *r, const struct seq *q, int64_t pos)
@@ -692,7 +833,8 @@ _Static_assert(KV_BYTES_PER_TOKEN % 8 == 0, "whole words per slot");
  * written in a step are readable by any request scheduled in the same step:
  * all writes of a layer precede its attention.
  */
-static void prefix_cache_put(struct sim *s, int64_t pos, int32_t block)
+static void prefix_cache_put(struct sim *s, struct request *r, int64_t pos,
+			     int32_t block)
 {
 	int64_t j = pos / s->bs;
 
@@ -701,6 +843,7 @@ static void prefix_cache_put(struct sim *s, int64_t pos, int32_t block)
 		return;
 	s->prefix_cache[j] = block;
 	pool_incref(&s->gpool, block);
+	life_add(s, r, KV_LIFE_CACHE, block); /* now shareable */
 }
 
 /*
@@ -746,6 +889,9 @@ static void prefix_cache_commit(struct sim *s, struct request *r)
 	struct seq *q = &r->seqs[0];
 
 	s->t.prefix_hits += (uint64_t)q->nblocks;
+	for (int64_t j = 0; j < q->nblocks; j++)
+		life_add(s, r, KV_LIFE_HIT, q->table[j]);
+	life_flush(s);
 	for (int64_t l = 0; l < s->L; l++)
 		for (int64_t pos = 0; pos < q->len; pos++)
 			q->attn_sum[l] += WORDS_PER_TOKEN *
@@ -764,6 +910,7 @@ static void emit_token(struct sim *s, struct request *r, struct seq *q)
 		if (b < 0)
 			fatal("internal error: allocation not reserved");
 		q->table[q->nblocks++] = b;
+		life_add(s, r, KV_LIFE_ALLOC, b);
 	}
 	if (s->ntok >= s->cap_tokens)
 		fatal("internal error: step token budget overflow");
@@ -775,7 +922,7 @@ static void emit_token(struct sim *s, struct request *r, struct seq *q)
 	s->tok_pos[i] = pos;
 	s->tok_sample[i] = sample_at(r, q, pos);
 	s->tok_seq[i] = q;
-	prefix_cache_put(s, pos, (int32_t)block);
+	prefix_cache_put(s, r, pos, (int32_t)block);
 	s->t.token_writes[block]++;
 	if (pos % s->bs == 0)
 		gen_open(s, block, GEN_WRITE, s->step_no, 0);
@@ -845,14 +992,24 @@ static void finish_seq(struct sim *s, struct request *r, struct seq *q)
 	verify_seq(s, r, q);
 	if (s->cfg->w.offload_on_finish)
 		offload_seq(s, q);
-	for (int64_t j = q->dropped; j < q->nblocks; j++)
+	for (int64_t j = q->dropped; j < q->nblocks; j++) {
 		pool_decref(&s->gpool, q->table[j]);
+		if (!others_hold(r, q, q->table[j]))
+			life_add(s, r, KV_LIFE_FREE, q->table[j]);
+	}
+	life_flush(s);
 	q->nblocks = 0;
 	q->finished = true;
 	if (--r->nlive == 0) {
+		struct req_truth *rt = &s->t.reqs[r->tr];
 		r->state = RQ_DONE;
 		s->done++;
 		s->t.requests++;
+		rt->output_tokens = 0;
+		for (int k = 0; k < r->nsamples; k++)
+			rt->output_tokens += r->seqs[k].gen;
+		kv_req_finish(rt->req, rt->output_tokens);
+		s->t.finish_calls++;
 	}
 }
 
@@ -1009,8 +1166,18 @@ static void preempt_last(struct sim *s)
 
 	if (r->nfork_blocks)
 		fatal("internal error: preempting a request with a pending fork");
+	struct req_truth *rt = &s->t.reqs[r->tr];
+	int64_t computed = computed_tokens(r);
+	rt->preemptions++;
+	rt->recomputed += (uint64_t)computed;
+	kv_req_preempt(rt->req, computed);
+	s->t.preempt_calls++;
 	int64_t npairs = move_request_blocks(s, r, &s->gpool, &s->cpool);
 	record_swap(s, npairs, KV_SWAP_OUT);
+	/* the request's GPU blocks, each once (pairs: distinct sources) */
+	for (int64_t i = 0; i < npairs; i++)
+		life_add(s, r, KV_LIFE_FREE, (int32_t)s->pairs[2 * i]);
+	life_flush(s);
 	r->state = RQ_SWAPPED;
 	s->swapped[s->nswapped++] = r - s->reqs;
 	s->t.preemptions++;
@@ -1029,6 +1196,10 @@ static void swap_in_ready(struct sim *s)
 		if (s->gpool.nfree < need)
 			break;
 		int64_t npairs = move_request_blocks(s, r, &s->cpool, &s->gpool);
+		/* new GPU blocks for it, then its contents copied in */
+		for (int64_t i = 0; i < npairs; i++)
+			life_add(s, r, KV_LIFE_ALLOC, (int32_t)s->pairs[2 * i + 1]);
+		life_flush(s);
 		record_swap(s, npairs, KV_SWAP_IN);
 		r->state = RQ_RUNNING;
 		s->running[s->nrunning++] = s->swapped[0];
@@ -1073,14 +1244,20 @@ static void schedule_prefill(struct sim *s, struct request *r, int64_t chunk)
 	r->prefilled += chunk;
 	r->sched_step = s->step_no + 1;
 	r->sched_kind = SCHED_PREFILL;
-	if (r->prefilled < r->prompt_len)
+	if (r->prefilled < r->prompt_len) {
+		life_flush(s);
 		return;
+	}
 	r->sched_kind = SCHED_PREFILL_LAST;
 	if (r->nsamples > 1 && r->prompt_len % s->bs) {
 		/* reserve the fork's partial-block copies now */
-		for (int k = 1; k < r->nsamples; k++)
-			r->fork_blocks[r->nfork_blocks++] = pool_alloc(&s->gpool);
+		for (int k = 1; k < r->nsamples; k++) {
+			int32_t b = pool_alloc(&s->gpool);
+			r->fork_blocks[r->nfork_blocks++] = b;
+			life_add(s, r, KV_LIFE_ALLOC, b);
+		}
 	}
+	life_flush(s);
 }
 
 static void schedule_decode(struct sim *s, struct request *r)
@@ -1088,6 +1265,7 @@ static void schedule_decode(struct sim *s, struct request *r)
 	for (int k = 0; k < r->nseqs; k++)
 		if (!r->seqs[k].finished)
 			emit_token(s, r, &r->seqs[k]);
+	life_flush(s);
 	r->sched_step = s->step_no + 1;
 	r->sched_kind = SCHED_DECODE;
 }
@@ -1122,10 +1300,13 @@ static void drop_out_of_window(struct sim *s)
 								 sample_at(r, q, pos),
 								 pos, l);
 				pool_decref(&s->gpool, q->table[j]);
+				if (!others_hold(r, q, q->table[j]))
+					life_add(s, r, KV_LIFE_FREE, q->table[j]);
 				q->table[j] = 0;
 				s->t.window_drops++;
 			}
 		}
+		life_flush(s);
 	}
 }
 
@@ -1396,6 +1577,9 @@ static void run_once(struct sim *s)
 	};
 
 	reset_run(s);
+	/* every request is queued when the run starts (an offline batch) */
+	for (int64_t i = 0; i < s->nreq; i++)
+		request_start(s, &s->reqs[i]);
 	while (s->done < s->nreq) {
 		schedule_step(s);
 		if (s->ntok == 0)
@@ -1593,6 +1777,80 @@ static void write_reads(FILE *f, const struct sim *s)
 	fprintf(f, "\n  },\n");
 }
 
+/*
+ * "lifecycle": the plugin tier's events as kvsim's scheduler decided them
+ * (life_add(), request_start() and the preempt and finish paths), counted
+ * whether a tracer is attached or not and cumulative over --repeat and
+ * --rounds, like the rest of the truth.
+ *
+ *   group_id, num_blocks  what every block event passes (one KV-cache
+ *                 group; the GPU pool's blocks, the null block included)
+ *   calls         probe calls per op (one per request, kind and scheduler
+ *                 action: the ids of one are batched into one call)
+ *   blocks        {kind: [[block, count]]}: per GPU block, how many times
+ *                 the event happened to it; kinds: alloc (taken from the
+ *                 pool for a request: its new blocks at a prefill chunk,
+ *                 a decode step, a fork's copy or a swap-in), hit (a
+ *                 cached prefix block a new request shares), cache (a full
+ *                 prefix block entering the prefix cache), free (a request
+ *                 dropped its reference: at its end, a swap-out, or the
+ *                 sliding window; a block its samples share is released
+ *                 once, by the last one), evict (never: kvsim pins its
+ *                 cached blocks, see struct sim's prefix_cache)
+ *   totals        {kind: sum of the counts above}
+ *   requests      one per request created, in creation order: id, req
+ *                 (FNV-1a 64 of id, 16 hex digits), prompt_tokens,
+ *                 output_tokens (tokens generated, all samples; 0 until it
+ *                 finished), preemptions (swap-outs), recomputed (tokens it
+ *                 had computed at its preemptions, summed), blocks {kind:
+ *                 ids its events passed}
+ */
+static void write_lifecycle(FILE *f, const struct sim *s)
+{
+	const struct truth *t = &s->t;
+	static const char *const kinds[KV_NUM_LIFE] = { "alloc", "hit", "cache",
+							 "free", "evict" };
+
+	fprintf(f, "  \"lifecycle\": {\n");
+	fprintf(f, "    \"group_id\": 0, \"num_blocks\": %" PRId64 ",\n", s->nblocks);
+	fprintf(f, "    \"calls\": {");
+	for (int k = 0; k < KV_NUM_LIFE; k++)
+		fprintf(f, "\"%s\": %" PRIu64 ", ", kv_life_op_name(k),
+			t->life_calls[k]);
+	fprintf(f,
+		"\"request\": %" PRIu64 ", \"req_preempt\": %" PRIu64
+		", \"req_finish\": %" PRIu64 "},\n",
+		t->request_calls, t->preempt_calls, t->finish_calls);
+	fprintf(f, "    \"blocks\": {");
+	for (int k = 0; k < KV_NUM_LIFE; k++) {
+		fprintf(f, "%s\"%s\": ", k ? ", " : "", kinds[k]);
+		print_sparse(f, t->life[k], s->nblocks);
+	}
+	fprintf(f, "},\n    \"totals\": {");
+	for (int k = 0; k < KV_NUM_LIFE; k++) {
+		uint64_t sum = 0;
+		for (int64_t b = 0; b < s->nblocks; b++)
+			sum += t->life[k][b];
+		fprintf(f, "%s\"%s\": %" PRIu64, k ? ", " : "", kinds[k], sum);
+	}
+	fprintf(f, "},\n    \"requests\": [");
+	for (int64_t i = 0; i < t->nreqs; i++) {
+		const struct req_truth *rt = &t->reqs[i];
+		fprintf(f,
+			"%s\n      {\"id\": \"%s\", \"req\": \"%016" PRIx64
+			"\", \"prompt_tokens\": %" PRId64
+			", \"output_tokens\": %" PRId64 ", \"preemptions\": %" PRIu64
+			", \"recomputed\": %" PRIu64 ", \"blocks\": {",
+			i ? "," : "", rt->id, rt->req, rt->prompt_tokens,
+			rt->output_tokens, rt->preemptions, rt->recomputed);
+		for (int k = 0; k < KV_NUM_LIFE; k++)
+			fprintf(f, "%s\"%s\": %" PRIu64, k ? ", " : "", kinds[k],
+				rt->blocks[k]);
+		fprintf(f, "}}");
+	}
+	fprintf(f, "\n    ]\n  },\n");
+}
+
 static void write_truth(const struct sim *s, const char *path)
 {
 	const struct config *c = s->cfg;
@@ -1661,6 +1919,7 @@ static void write_truth(const struct sim *s, const char *path)
 	fprintf(f, "  \"prefix_hits\": %" PRIu64 ",\n", t->prefix_hits);
 	fprintf(f, "  \"window_drops\": %" PRIu64 ",\n", t->window_drops);
 	write_reads(f, s);
+	write_lifecycle(f, s);
 	write_generations(f, s);
 	fprintf(f, "  \"kv_checksum_ok\": %s\n",
 		t->kv_mismatches ? "false" : "true");

@@ -266,3 +266,108 @@ uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
 	}
 	return sum;
 }
+
+/* ------------------------------------------------------------------ */
+/* The plugin tier: lifecycle events of blocks and requests             */
+
+static const char *const life_names[KV_NUM_LIFE] = {
+	[KV_LIFE_ALLOC] = "block_alloc", [KV_LIFE_HIT] = "block_hit",
+	[KV_LIFE_CACHE] = "block_cache", [KV_LIFE_FREE] = "block_free",
+	[KV_LIFE_EVICT] = "block_evict",
+};
+
+const char *kv_life_op_name(int kind)
+{
+	if (kind < 0 || kind >= KV_NUM_LIFE)
+		return NULL;
+	return life_names[kind];
+}
+
+/* --ops-log of a block event: "NAME REQ ID...", as the tracer streams it. */
+static void log_ids(const char *name, uint64_t req, const int32_t *ids,
+		    int64_t n)
+{
+	if (!kv_ops_log)
+		return;
+	fprintf(kv_ops_log, "%s %llu", name, (unsigned long long)req);
+	for (int64_t i = 0; i < n; i++)
+		fprintf(kv_ops_log, " %d", ids[i]);
+	fputc('\n', kv_ops_log);
+}
+
+void kv_block_event(int kind, uint64_t req, int64_t group_id,
+		    const int32_t *ids, int64_t n, int64_t num_blocks)
+{
+	/* Unused when the probes are compiled out. */
+	(void)req;
+	(void)group_id;
+	(void)ids;
+	(void)n;
+	(void)num_blocks;
+
+	/* One site per probe, as for the write ops. */
+	switch (kind) {
+	case KV_LIFE_ALLOC:
+		if (KVTRACE_ENABLED(block_alloc)) {
+			log_ids("block_alloc", req, ids, n);
+			KVTRACE_BLOCK_ALLOC(req, group_id, ids, n, num_blocks);
+		}
+		break;
+	case KV_LIFE_HIT:
+		if (KVTRACE_ENABLED(block_hit)) {
+			log_ids("block_hit", req, ids, n);
+			KVTRACE_BLOCK_HIT(req, group_id, ids, n, num_blocks);
+		}
+		break;
+	case KV_LIFE_CACHE:
+		if (KVTRACE_ENABLED(block_cache)) {
+			log_ids("block_cache", req, ids, n);
+			KVTRACE_BLOCK_CACHE(req, group_id, ids, n, num_blocks);
+		}
+		break;
+	case KV_LIFE_FREE:
+		if (KVTRACE_ENABLED(block_free)) {
+			log_ids("block_free", req, ids, n);
+			KVTRACE_BLOCK_FREE(req, group_id, ids, n, num_blocks);
+		}
+		break;
+	case KV_LIFE_EVICT:
+		if (KVTRACE_ENABLED(block_evict)) {
+			log_ids("block_evict", req, ids, n);
+			KVTRACE_BLOCK_EVICT(req, group_id, ids, n, num_blocks);
+		}
+		break;
+	default:
+		die("kv_block_event", "bad lifecycle kind", kind);
+	}
+}
+
+void kv_request(uint64_t req, const char *id, int64_t id_len,
+		int64_t prompt_tokens)
+{
+	(void)id;
+	(void)id_len;
+	(void)prompt_tokens;
+	if (KVTRACE_ENABLED(request)) {
+		log_op("request", req, NULL, 0);
+		KVTRACE_REQUEST(req, id, id_len, prompt_tokens);
+	}
+}
+
+void kv_req_preempt(uint64_t req, int64_t computed_tokens)
+{
+	(void)computed_tokens;
+	if (KVTRACE_ENABLED(req_preempt)) {
+		log_op("req_preempt", req, NULL, 0);
+		KVTRACE_REQ_PREEMPT(req, computed_tokens);
+	}
+}
+
+void kv_req_finish(uint64_t req, int64_t output_tokens)
+{
+	(void)output_tokens;
+	if (KVTRACE_ENABLED(req_finish)) {
+		log_op("req_finish", req, NULL, 0);
+		KVTRACE_REQ_FINISH(req, output_tokens);
+	}
+}

@@ -108,4 +108,43 @@ uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
 		      int64_t row_stride, int64_t num_reqs,
 		      const int32_t *seq_lens, uint64_t group_id);
 
+/*
+ * The plugin tier (kvtrace_probes.h): the scheduler's own decisions, which
+ * vLLM's kvtrace plugin fires from its scheduler and block pool.  kvsim's
+ * scheduler fires them from its allocator; these functions do nothing but
+ * fire the probe (and log it with --ops-log).
+ *
+ * Block events, in the order of enum kvtrace_life (bpf/kvtrace.h): what
+ * happened to n GPU blocks of KV-cache group group_id for request req (the
+ * FNV-1a 64 of its id string), in one call; num_blocks = the pool's blocks,
+ * the null block 0 included.  --ops-log: "block_alloc REQ ID..." (the ids
+ * as the tracer streams them).
+ */
+enum kv_life {
+	KV_LIFE_ALLOC = 0, /* block_alloc: new blocks taken from the pool */
+	KV_LIFE_HIT,       /* block_hit: cached prefix blocks shared */
+	KV_LIFE_CACHE,     /* block_cache: full blocks made shareable */
+	KV_LIFE_FREE,      /* block_free: the request's reference dropped */
+	KV_LIFE_EVICT,     /* block_evict: a cached block dropped for reuse */
+	KV_NUM_LIFE
+};
+
+/* Probe name of a block event ("block_alloc", ...), NULL if invalid. */
+const char *kv_life_op_name(int kind);
+
+void kv_block_event(int kind, uint64_t req, int64_t group_id,
+		    const int32_t *ids, int64_t n, int64_t num_blocks);
+
+/*
+ * Requests: request names req (id: id_len bytes, not NUL-terminated) when
+ * the scheduler first sees it; req_preempt: preempted with computed_tokens
+ * computed; req_finish: done, output_tokens generated.  --ops-log: "request
+ * REQ", "req_preempt REQ", "req_finish REQ" and no values (their probes
+ * stream none).
+ */
+void kv_request(uint64_t req, const char *id, int64_t id_len,
+		int64_t prompt_tokens);
+void kv_req_preempt(uint64_t req, int64_t computed_tokens);
+void kv_req_finish(uint64_t req, int64_t output_tokens);
+
 #endif /* KVSIM_OPS_H */
