@@ -53,7 +53,10 @@ def main(argv=None) -> int:
         parser.error("give a COMMAND: attach, record, report, export, probes or doctor")
     # `kill -QUIT` prints where every thread is, and the run goes on: how a
     # tracer that seems stuck tells what it waits for (the tests use it too)
-    faulthandler.register(signal.SIGQUIT, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGQUIT, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # a stderr without a file (embedded)
+        pass
     watched = sys.stdout = WatchedStdout(sys.stdout)
     try:
         code = args.run(args)

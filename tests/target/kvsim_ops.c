@@ -310,31 +310,31 @@ void kv_block_event(int kind, uint64_t req, int64_t group_id,
 	case KV_LIFE_ALLOC:
 		if (KVTRACE_ENABLED(block_alloc)) {
 			log_ids("block_alloc", req, ids, n);
-			KVTRACE_BLOCK_ALLOC(req, group_id, ids, n, num_blocks);
+			KVTRACE_BLOCK_ALLOC(req, group_id, ids, n, num_blocks, NULL);
 		}
 		break;
 	case KV_LIFE_HIT:
 		if (KVTRACE_ENABLED(block_hit)) {
 			log_ids("block_hit", req, ids, n);
-			KVTRACE_BLOCK_HIT(req, group_id, ids, n, num_blocks);
+			KVTRACE_BLOCK_HIT(req, group_id, ids, n, num_blocks, NULL);
 		}
 		break;
 	case KV_LIFE_CACHE:
 		if (KVTRACE_ENABLED(block_cache)) {
 			log_ids("block_cache", req, ids, n);
-			KVTRACE_BLOCK_CACHE(req, group_id, ids, n, num_blocks);
+			KVTRACE_BLOCK_CACHE(req, group_id, ids, n, num_blocks, NULL);
 		}
 		break;
 	case KV_LIFE_FREE:
 		if (KVTRACE_ENABLED(block_free)) {
 			log_ids("block_free", req, ids, n);
-			KVTRACE_BLOCK_FREE(req, group_id, ids, n, num_blocks);
+			KVTRACE_BLOCK_FREE(req, group_id, ids, n, num_blocks, NULL);
 		}
 		break;
 	case KV_LIFE_EVICT:
 		if (KVTRACE_ENABLED(block_evict)) {
 			log_ids("block_evict", req, ids, n);
-			KVTRACE_BLOCK_EVICT(req, group_id, ids, n, num_blocks);
+			KVTRACE_BLOCK_EVICT(req, group_id, ids, n, num_blocks, NULL);
 		}
 		break;
 	default:
