@@ -153,9 +153,11 @@ def test_doctor_root_without_capabilities_fails_privileges(bpf_env):
 
 
 @pytest.mark.vllm
-def test_doctor_stock_vllm_is_stock_uprobe(tmp_path, tiny_model):  # noqa: F811
+def test_doctor_stock_vllm_is_stock_uprobe(tmp_path, tiny_model, monkeypatch):  # noqa: F811
     """The process the user started maps no vLLM library itself; doctor
-    finds the worker among its descendants, as attach -p does."""
+    finds the worker among its descendants, as attach -p does.  vLLM's
+    plugins off: the stock tier alone."""
+    monkeypatch.setenv("VLLM_PLUGINS", "")  # the workload inherits it
     wl = Workload(tmp_path, tiny_model)  # engine built, waiting for SIGUSR1
     try:
         r = doctor("-p", wl.pid)
@@ -201,3 +203,25 @@ def test_doctor_help():
     r = subprocess.run(kvtrace_cmd("doctor", "--help"), cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "examples:" in r.stdout and "doctor -p" in r.stdout
+
+
+@pytest.mark.vllm
+def test_doctor_stock_vllm_with_the_plugin(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    """The plugin installed (make setup): both tiers, each where it lives:
+    the plugin's probes in the engine core (the scheduler's process only),
+    the stock sites in the worker."""
+    monkeypatch.setenv("VLLM_PLUGINS", "kvtrace")
+    wl = Workload(tmp_path, tiny_model)
+    try:
+        r = doctor("-p", wl.pid)
+    finally:
+        wl.kill()
+    assert r.returncode == EXIT_OK, r.stdout + r.stderr
+    status, detail, _ = checks_of(r)["probe tier"]
+    assert status == PASS and detail.startswith("plugin USDT + stock uprobe: "), detail
+    procs = dict(re.findall(r"pid \d+ \(([^)]*)\), a descendant: ([^;]*)", detail))
+    assert len(procs) == 2, detail
+    engine = [w for c, w in procs.items() if re.search(r"engine", c, re.I)]
+    worker = [w for c, w in procs.items() if re.search(r"worker", c, re.I)]
+    assert engine and "kvtrace_vllm/_probes" in engine[0] and "block_alloc" in engine[0], detail
+    assert worker and re.search(r"/vllm/_C(_\w+)?\.abi3\.so", worker[0]), detail

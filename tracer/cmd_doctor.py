@@ -359,11 +359,14 @@ def check_target(pid: int) -> list:
     if not found:
         checks.append(_no_probes(pid, tree))
         return checks
-    # the richest tier any process of the tree offers (docs/tiers.md)
-    tier = next(t for t in ("plugin", "usdt", "uprobe") if t in tiers.values() or t == "uprobe")
+    # every tier the tree offers, the richest first (docs/tiers.md): with the
+    # plugin, its scheduler probes in the engine core and the op sites in
+    # the worker
+    present = [t for t in ("plugin", "usdt", "uprobe") if t in tiers.values()] or ["uprobe"]
     where = [f"{_proc(p)}{', a descendant' if p != pid else ''}: "
              + describe_probes(files, tiers[p] == "uprobe") for p, files in found.items()]
-    checks.append(Check("probe tier", PASS, f"{TIER_NAMES[tier]}: {'; '.join(where)}"))
+    checks.append(Check("probe tier", PASS, " + ".join(TIER_NAMES[t] for t in present)
+                        + f": {'; '.join(where)}"))
     return checks
 
 
