@@ -77,11 +77,16 @@ demo: setup
 	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
 		$(KVSIM) --workload default --repeat 4 --step-delay-us 20000 --quiet
 
-# Stock vLLM on the CPU, traced live: the tiny model generating in a loop.
+# Stock vLLM on the CPU, traced live: the tiny model generating in a loop,
+# new prompts behind a shared prefix each batch, prefix caching on and a
+# 24-block cache: writes and reads in the worker, and (the plugin, make
+# setup) allocations, prefix hits, evictions and preemptions in the engine.
 demo-vllm: setup
 	@$(VENV)/bin/python scripts/make-tiny-model.py $(TINY_MODEL) >/dev/null
 	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
-		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200
+		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200 \
+		--prefix-caching on --shared-prefix 64 --fresh-prompts --num-gpu-blocks 24 \
+		--max-model-len 256
 
 # What tracing costs the target and how much it carries, measured side by
 # side: one table, and bench/results.json (docs/bench.md).  About 10-15

@@ -54,6 +54,9 @@ def main():
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every prompt starts with the same N token ids (the rest random): "
                    "with --prefix-caching on, later requests hit the shared blocks")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="each batch of --repeat draws new prompts (the --shared-prefix "
+                   "kept): with prefix caching and a small cache, blocks get evicted")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="vLLM's per-step token budget (default: vLLM's, 4096 for LLM on "
                    "the CPU); a prompt longer than what is left of it is chunked")
@@ -136,9 +139,13 @@ def main():
     vocab = config["vocab_size"]
     requests = parse_requests(args.requests)
     shared = [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
-    prompts = [{"prompt_token_ids": shared + [rng.randrange(3, vocab)
-                                              for _ in range(plen - len(shared))]}
-               for plen, _ in requests]
+    def draw():
+        return [{"prompt_token_ids": shared + [rng.randrange(3, vocab)
+                                               for _ in range(plen - len(shared))]}
+                for plen, _ in requests]
+
+    prompts = draw()
+    args.draw = draw  # --fresh-prompts: each batch after the first draws anew
     params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
               for _, gen in requests]
 
@@ -183,7 +190,8 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
     t1 = time.time()
     batches = 0
     while True:
-        for out in llm.generate(prompts, params, use_tqdm=False):
+        batch = args.draw() if args.fresh_prompts and batches else prompts
+        for out in llm.generate(batch, params, use_tqdm=False):
             results.append({"prompt_len": len(out.prompt_token_ids),
                             "generated": list(out.outputs[0].token_ids)})
             request_ids.append(out.request_id)
