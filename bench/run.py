@@ -56,6 +56,7 @@ GOALS = {  # figure key -> (goal text, test on the median)
     "offline.report": (">= 5M slot writes/s", lambda v: v >= 5e6),
     "offline.export": (">= 5M slot writes/s", lambda v: v >= 5e6),
     "footprint.peak_rss_mb": ("<= 200 MB", lambda v: v <= 200),
+    "plugin.untraced_ratio": (">= 0.99", lambda v: v >= 0.99),
 }
 
 
@@ -541,6 +542,89 @@ def row_vllm(q, res):
     }
 
 
+# -- 10. the plugin tier ---------------------------------------------------------
+
+def row_plugin(q, res):
+    """What the vLLM plugin costs: each hook with no tracer (ns, from
+    scripts/plugin-hook-cost.py), and vLLM's tokens/s with the plugin against
+    without it (VLLM_PLUGINS=''), untraced, then with the tracer attached to
+    the plugin's vLLM (its engine core's plugin probes and its worker's
+    stock uprobes).  Two warm engines side by side, their batches
+    alternating, each ratio against the other engine's batch just before."""
+    if not VLLM_PYTHON.exists():
+        res["plugin"] = {"skipped": "no .venv-vllm (run make setup)"}
+        return
+    env = {k: v for k, v in os.environ.items() if k != "KVTRACE_PLUGIN_RECORD"}
+    r = subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "plugin-hook-cost.py", "--json",
+                        *(["--quick"] if q else [])], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        res["plugin"] = {"skipped": f"plugin-hook-cost.py failed: {r.stderr.strip()[-300:]}"}
+        return
+    res["plugin"] = json.loads(r.stdout.splitlines()[-1])
+    if q:
+        res["plugin"]["vllm"] = "skipped with --quick (two vLLM engines start in 1-2 min)"
+        return
+    subprocess.run([sys.executable, ROOT / "scripts" / "make-tiny-model.py", TINY_MODEL],
+                   check=True, stdout=subprocess.DEVNULL)
+    engines = {}
+    try:
+        for name, plugins in (("off", ""), ("on", "kvtrace")):
+            engines[name] = subprocess.Popen(
+                [VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL, "--repeat", "4"],
+                cwd=ROOT, env=dict(env, VLLM_PLUGINS=plugins), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
+            read_until(engines[name].stderr, "READY", 300)
+            _Drain(engines[name].stderr)
+
+        def batch(name):
+            e = engines[name]
+            e.stdin.write("go\n")
+            e.stdin.flush()
+            doc = json.loads(read_until(e.stdout, '"generate_s"', 600)[-1])
+            return doc["generated_tokens"] / doc["generate_s"]
+
+        def ratios(n):
+            out = []
+            for i in range(n):
+                # alternate which goes first: a drift favours neither
+                if i % 2:
+                    on = batch("on")
+                    off = batch("off")
+                else:
+                    off = batch("off")
+                    on = batch("on")
+                out.append(on / off)
+            return out
+
+        cycles = 6
+        untraced = ratios(cycles)
+        agg = Path(tempfile.mkdtemp()) / "agg.json"
+        tp = subprocess.Popen(kvtrace("attach", "-p", engines["on"].pid, "-q", "--json", agg),
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+        read_until(tp.stderr, "ready after", 180)
+        traced = ratios(cycles)
+        stop_tracer(tp)
+        ops = json.loads(agg.read_text())["ops"]
+    finally:
+        for e in engines.values():
+            e.stdin.close()
+            try:
+                e.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(e.pid, signal.SIGKILL)
+                e.wait()
+    res["plugin"].update({
+        "batch": "8 requests x 64-token prompts, 32 tokens each, 4 times per measurement",
+        "untraced_ratio": stats(untraced), "traced_ratio": stats(traced),
+        # proof the traced batches went through the plugin's probes
+        "traced_counts": {op: ops[op]["calls"] for op in ("block_alloc", "block_free",
+                                                           "block_table", "request")
+                          if op in ops}})
+
+
 class _Drain:
     """Read a pipe in a thread so that a chatty child never blocks on it."""
 
@@ -825,6 +909,19 @@ def table_rows(res):
         add("9 tracer CPU, --prometheus", ms(s["prometheus_tracer_cpu_s_per_s"]), "ms/s")
         add("9 tracer CPU, --prometheus, 1 s scrapes",
             ms(s["prometheus_scraped_tracer_cpu_s_per_s"]), "ms/s")
+    s = res.get("plugin")
+    if s and "hook_ns" in s:
+        hooks = s["hook_ns"]
+        add("10 plugin hook, no tracer (fastest..slowest)",
+            {"min": min(hooks.values()), "max": max(hooks.values()),
+             "median": statistics.median(hooks.values())}, "ns")
+        add("10 plugin hook: semaphore read", {"min": s["semaphore_read_ns"],
+                                               "median": s["semaphore_read_ns"],
+                                               "max": s["semaphore_read_ns"]}, "ns")
+        if "untraced_ratio" in s:
+            add("10 vLLM tokens/s, plugin / none, untraced", s["untraced_ratio"], "x",
+                "plugin.untraced_ratio")
+            add("10 vLLM tokens/s, plugin traced / none", s["traced_ratio"], "x")
     return rows
 
 
@@ -872,14 +969,14 @@ ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_st
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
         8: ("read-probe cost", row_reads),
-        9: ("--prometheus cost", row_prometheus)}
+        9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin)}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,9",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     args = p.parse_args()

@@ -72,6 +72,13 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
         check_stats(prom[f"{key}_tracer_cpu_s_per_s"], f"prometheus.{key}")
     assert prom["scrapes"]["min"] >= 1  # the scraped runs were scraped
 
+    # row 10: each plugin hook's cost with no tracer, measured in vLLM's python
+    plugin = res["plugin"]
+    assert "skipped" not in plugin, plugin.get("skipped")
+    assert len(plugin["hook_ns"]) == 11 and all(isinstance(v, float)
+                                                  for v in plugin["hook_ns"].values())
+    assert plugin["semaphore_read_ns"] > 0 and "skipped" in plugin["vllm"]
+
     # the printed table is the same data, one line per figure
     lines = r.stdout.splitlines()[2:]  # after the header and its rule
     assert len(lines) == len(res["table"])

@@ -570,20 +570,30 @@ def activate():
     """In the process that runs vLLM's scheduler (the first Scheduler built
     calls it): map the probes and wrap the scheduler, KV-cache manager and
     block pool.  Once per process."""
-    global SEM, P, req_hash, installed
+    global installed
     with _install_lock:
         if installed:
             return
-        from . import _probes
-        SEM = _semaphore_views(_probes)
-        P = _Recorder(os.environ[RECORD_ENV], _probes) if os.environ.get(RECORD_ENV) \
-            else _probes
-        req_hash = _probes.req_hash
+        load_probes()
         _wrap_all()
         installed = True
     log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), _version[0],
              f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
              else "")
+
+
+def load_probes():
+    """Map the probes' shared object and take its semaphores (SEM, P,
+    req_hash): what the wrapper factories need.  activate() calls it; so
+    does scripts/plugin-hook-cost.py, which wraps nothing of vLLM's."""
+    global SEM, P, req_hash
+    if SEM is not None:
+        return
+    from . import _probes
+    P = _Recorder(os.environ[RECORD_ENV], _probes) if os.environ.get(RECORD_ENV) \
+        else _probes
+    req_hash = _probes.req_hash
+    SEM = _semaphore_views(_probes)
 
 
 def _wrap_all():
