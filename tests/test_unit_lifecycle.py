@@ -58,6 +58,12 @@ def test_timeline_and_summary():
     assert tl == [{"req": f"{0xab:016x}", "id": "req-a",
                    "events": [[0.0, "alloc", 0, [1, 2]], [2.0, "free", 0, [1, 2]]]},
                   {"req": f"{0xcd:016x}", "id": "", "events": [[1.0, "hit", 0, [1]]]}]
+    # the request ops interleave by time: arrival, preemption, finish
+    tl = lifecycle.timelines(ev, t0_ns=S, requests=[(S // 2, 0xab, "arrive", 100),
+                                                     (5 * S // 2, 0xab, "preempt", 64),
+                                                     (4 * S, 0xab, "finish", 3)])
+    assert [e[1] for e in tl[0]["events"]] == ["arrive", "alloc", "preempt", "free", "finish"]
+    assert tl[0]["events"][2] == [1.5, "preempt", None, 64]
     s = lifecycle.summary(ev)
     assert s["blocks"] == {"alloc": 2, "hit": 1, "cache": 0, "free": 2, "evict": 0}
     assert abs(s["prefix_served_share"] - 1 / 3) < 1e-12 and s["requests"] == 2
@@ -68,6 +74,17 @@ def test_incomplete_event_left_out_and_counted():
     st.ops["complete"][1] = False
     ev = lifecycle.events(st)
     assert ev.block.tolist() == [1, 2] and ev.incomplete == 1
+
+
+def test_request_events_from_the_stream():
+    st = make_stream([(1, "block_alloc", 7, 0, [1])])
+    ops = np.zeros(3, dtype=stream.OP_TABLE)
+    for i, (ts, op, items) in enumerate([(0, "request", 90), (2, "req_preempt", 40),
+                                         (3, "req_finish", 5)]):
+        ops[i]["ts_ns"], ops[i]["op"], ops[i]["cache_id"], ops[i]["items"] = ts, abi.OPS[op], 7, items
+    both = stream.OpStream(np.concatenate([st.ops, ops]), st.values)
+    assert lifecycle.request_events(both) == [(0, 7, "arrive", 90), (2, 7, "preempt", 40),
+                                              (3, 7, "finish", 5)]
 
 
 def test_request_names_from_the_end_document():

@@ -471,7 +471,8 @@ def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
             **{name: {"count": int(len(v)), "sum_s": float(v.sum()),
                       "buckets": lifecycle.histogram(v)} for name, v in res.items()},
             "miss_ratio_curve": lifecycle.miss_ratio_curve(ev),
-            "requests": lifecycle.timelines(ev, rep.t0, names, limit=timelines)}
+            "requests": lifecycle.timelines(ev, rep.t0, names, limit=timelines,
+                                            requests=lifecycle.request_events(rep.ops))}
 
 
 LIFE_SHOWN_REQUESTS = 12
@@ -506,14 +507,18 @@ def lifecycle_view(figs: dict, width: int) -> list:
                  title=f"requests (the first {min(LIFE_SHOWN_REQUESTS, s['requests'])} of "
                        f"{s['requests']:,}; --format json has all, event by event)",
                  title_justify="left")
-    for col in ("request", "first (s)", "last (s)", *abi.LIFE):
+    for col in ("request", "first (s)", "last (s)", *abi.LIFE, "preempted"):
         reqs.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
     for r in figs["requests"][:LIFE_SHOWN_REQUESTS]:
         per = dict.fromkeys(abi.LIFE, 0)
-        for _, kind, _, blocks in r["events"]:
-            per[kind] += len(blocks)
+        preempted = 0
+        for _, kind, _, what in r["events"]:
+            if kind in per:
+                per[kind] += len(what)
+            elif kind == "preempt":
+                preempted += 1
         reqs.add_row(r["id"] or r["req"], f"{r['events'][0][0]:.3f}", f"{r['events'][-1][0]:.3f}",
-                     *(f"{per[k]:,}" for k in abi.LIFE))
+                     *(f"{per[k]:,}" for k in abi.LIFE), f"{preempted:,}")
     parts = [head, hist]
     mrc = figs.get("miss_ratio_curve")
     if mrc:

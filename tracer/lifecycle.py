@@ -133,25 +133,44 @@ def request_names(end_doc: dict) -> dict:
     return names
 
 
-def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None) -> list:
-    """Per request (first seen first): its id, and its events in order, each
-    (seconds since t0, kind, group, [blocks])."""
+REQUEST_OP_IDS = {abi.OPS[op]: op for op in abi.REQUEST_OPS}
+REQUEST_EVENT = {"request": "arrive", "req_preempt": "preempt", "req_finish": "finish"}
+
+
+def request_events(ops: stream.OpStream) -> list:
+    """[(ts_ns, req, what, tokens)] of the request ops (arrive: prompt
+    tokens, preempt: computed tokens lost, finish: output tokens)."""
+    o = ops.ops
+    idx = np.flatnonzero(np.isin(o["op"], list(REQUEST_OP_IDS)))
+    return [(int(o["ts_ns"][i]), int(o["cache_id"][i]),
+             REQUEST_EVENT[REQUEST_OP_IDS[int(o["op"][i])]], int(o["items"][i])) for i in idx]
+
+
+def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
+              requests: list = ()) -> list:
+    """Per request (first seen first): its id, and its events in time order:
+    block events as [seconds since t0, kind, group, [blocks]], and (from
+    request_events) [seconds, "arrive" | "preempt" | "finish", None, tokens]."""
     names = names or {}
+    rows = []  # (ts, order, req, entry)
+    if len(ev):
+        # one entry per event (op row), its blocks together
+        starts = np.flatnonzero(np.r_[True, ev.event[1:] != ev.event[:-1]])
+        ends = np.r_[starts[1:], len(ev)]
+        for s, e in zip(starts, ends):
+            rows.append((int(ev.ts_ns[s]), int(ev.event[s]), int(ev.req[s]),
+                         [abi.LIFE[int(ev.kind[s])], int(ev.group[s]),
+                          ev.block[s:e].tolist()]))
+    for n, (ts, req, what, tokens) in enumerate(requests):
+        rows.append((ts, -1 - n, req, [what, None, tokens]))
+    rows.sort(key=lambda r: (r[0], r[1] if r[1] >= 0 else -1))
     out = {}
-    if not len(ev):
-        return []
-    # one entry per event (op row), its blocks together
-    starts = np.flatnonzero(np.r_[True, ev.event[1:] != ev.event[:-1]])
-    ends = np.r_[starts[1:], len(ev)]
-    for s, e in zip(starts, ends):
-        req = int(ev.req[s])
+    for ts, _, req, entry in rows:
         if req not in out:
             if limit is not None and len(out) >= limit:
                 continue
             out[req] = {"req": f"{req:016x}", "id": names.get(req, ""), "events": []}
-        out[req]["events"].append([round((int(ev.ts_ns[s]) - t0_ns) / 1e9, 6),
-                                   abi.LIFE[int(ev.kind[s])], int(ev.group[s]),
-                                   ev.block[s:e].tolist()])
+        out[req]["events"].append([round((ts - t0_ns) / 1e9, 6), *entry])
     return list(out.values())
 
 
