@@ -197,7 +197,8 @@ _KVTRACE_SEMAPHORE(req_finish);
  * The plugin tier (plugin/, docs/tiers.md): probes fired by the kvtrace vLLM
  * plugin from vLLM's scheduler and block pool, in the EngineCore process, in
  * Python, on any device.  The plugin also fires block_table above, once per
- * step and KV-cache group, from the step's SchedulerOutput (layer_id 0).
+ * step and KV-cache group, from the step's SchedulerOutput: group_id is
+ * vLLM's kv_cache_group_id (0, 1, ...), layer_id 0.
  *
  * A request is named by req, the 64-bit FNV-1a hash of its vLLM request id
  * (UTF-8 bytes; offset basis 0xcbf29ce484222325, prime 0x100000001b3).
@@ -226,7 +227,7 @@ _KVTRACE_SEMAPHORE(req_finish);
  *                (BlockPool.cache_full_blocks)
  *   block_free   blocks req released (one reference dropped: a block is back
  *                in the free queue only once nobody holds it), at its end or
- *                its preemption (KVCacheManager.free)
+ *                its preemption (KVCacheManager.free, pop_blocks_for_free)
  *   block_evict  cached blocks whose hash was dropped so that they could be
  *                given to req (BlockPool._maybe_evict_cached_block): the
  *                content a later request can no longer hit
