@@ -85,8 +85,8 @@ demo-vllm: setup
 	@$(VENV)/bin/python scripts/make-tiny-model.py $(TINY_MODEL) >/dev/null
 	$(VENV)/bin/kvtrace-bpf attach --interval 0.5 -- \
 		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200 \
-		--prefix-caching on --shared-prefix 64 --fresh-prompts --num-gpu-blocks 24 \
-		--max-model-len 256
+		--requests 160:16,128:16,96:16,200:16,64:16 --prefix-caching on --shared-prefix 64 \
+		--fresh-prompts --num-gpu-blocks 24 --max-model-len 256
 
 # What tracing costs the target and how much it carries, measured side by
 # side: one table, and bench/results.json (docs/bench.md).  About 10-15
