@@ -570,9 +570,12 @@ def row_plugin(q, res):
     engines = {}
     try:
         for name, plugins in (("off", ""), ("on", "kvtrace")):
+            # OMP_WAIT_POLICY=PASSIVE: an idle engine's OpenMP threads sleep
+            # instead of spinning on the cores the other engine's batch needs
             engines[name] = subprocess.Popen(
-                [VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL, "--repeat", "4"],
-                cwd=ROOT, env=dict(env, VLLM_PLUGINS=plugins), stdin=subprocess.PIPE,
+                [VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL, "--repeat", "12"],
+                cwd=ROOT, env=dict(env, VLLM_PLUGINS=plugins, OMP_WAIT_POLICY="PASSIVE"),
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 start_new_session=True)
             read_until(engines[name].stderr, "READY", 300)
@@ -617,7 +620,7 @@ def row_plugin(q, res):
                 os.killpg(e.pid, signal.SIGKILL)
                 e.wait()
     res["plugin"].update({
-        "batch": "8 requests x 64-token prompts, 32 tokens each, 4 times per measurement",
+        "batch": "8 requests x 64-token prompts, 32 tokens each, 12 times per measurement",
         "untraced_ratio": stats(untraced), "traced_ratio": stats(traced),
         # proof the traced batches went through the plugin's probes
         "traced_counts": {op: ops[op]["calls"] for op in ("block_alloc", "block_free",
