@@ -66,7 +66,7 @@ $(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env scri
 	@touch $@
 
 test: setup
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest --durations=25 tests
 
 # Everything but the real-vLLM tests (a minute each) and the fork builds (minutes)
 test-fast: setup
