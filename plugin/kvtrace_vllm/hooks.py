@@ -324,30 +324,28 @@ def _add_request(orig):
     return add_request
 
 
-def _preempt_request(orig):
-    s = SEM["req_preempt"]
+def _fire_before(probe, tokens):
+    """A hook that fires `probe` (the request's hash, its `tokens` attribute)
+    before the wrapped call: the preemption and the finish, which reset or
+    drop what the probe reports."""
+    def factory(orig):
+        s = SEM[probe]
 
-    def _preempt_request(self, request, *args, **kwargs):
-        if s[0]:
-            try:
-                P.req_preempt(req_hash(request.request_id), request.num_computed_tokens)
-            except Exception:
-                _failed()
-        return orig(self, request, *args, **kwargs)
-    return _preempt_request
+        def hook(self, request, *args, **kwargs):
+            if s[0]:
+                try:
+                    getattr(P, probe)(req_hash(request.request_id), getattr(request, tokens))
+                except Exception:
+                    _failed()
+            return orig(self, request, *args, **kwargs)
+        return hook
+    return factory
 
 
-def _free_request(orig):
-    s = SEM["req_finish"]
-
-    def _free_request(self, request, *args, **kwargs):
-        if s[0]:
-            try:
-                P.req_finish(req_hash(request.request_id), request.num_output_tokens)
-            except Exception:
-                _failed()
-        return orig(self, request, *args, **kwargs)
-    return _free_request
+# num_computed_tokens before _preempt_request resets it; num_output_tokens at
+# the request's end
+_preempt_request = _fire_before("req_preempt", "num_computed_tokens")
+_free_request = _fire_before("req_finish", "num_output_tokens")
 
 
 class _TableMirror:
