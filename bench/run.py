@@ -520,12 +520,7 @@ def row_vllm(q, res):
                                           sum(o["slots"] for o in ops)))
         drain.stop()
     finally:
-        v.stdin.close()
-        try:
-            v.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(v.pid, signal.SIGKILL)
-            v.wait()
+        _end_engine(v)
     base = rates["untraced"]
     res["vllm"] = {
         "batch": "8 requests x 64-token prompts, 32 tokens each, 6 times per measurement",
@@ -613,12 +608,7 @@ def row_plugin(q, res):
         ops = json.loads(agg.read_text())["ops"]
     finally:
         for e in engines.values():
-            e.stdin.close()
-            try:
-                e.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(e.pid, signal.SIGKILL)
-                e.wait()
+            _end_engine(e)
     res["plugin"].update({
         "batch": "8 requests x 64-token prompts, 32 tokens each, 12 times per measurement",
         "untraced_ratio": stats(untraced), "traced_ratio": stats(traced),
@@ -626,6 +616,17 @@ def row_plugin(q, res):
         "traced_counts": {op: ops[op]["calls"] for op in ("block_alloc", "block_free",
                                                            "block_table", "request")
                           if op in ops}})
+
+
+def _end_engine(proc):
+    """End a bench/vllm_loop.py engine: EOF on its stdin, then its process
+    group killed if it is not gone within a minute."""
+    proc.stdin.close()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 class _Drain:

@@ -152,23 +152,30 @@ def test_doctor_root_without_capabilities_fails_privileges(bpf_env):
     assert checks["BPF program load"][0] == "SKIP"
 
 
-@pytest.mark.vllm
-def test_doctor_stock_vllm_is_stock_uprobe(tmp_path, tiny_model, monkeypatch):  # noqa: F811
-    """The process the user started maps no vLLM library itself; doctor
-    finds the worker among its descendants, as attach -p does.  vLLM's
-    plugins off: the stock tier alone."""
-    monkeypatch.setenv("VLLM_PLUGINS", "")  # the workload inherits it
-    wl = Workload(tmp_path, tiny_model)  # engine built, waiting for SIGUSR1
+def doctor_vllm(tmp_path, model):
+    """doctor -p on a vLLM whose engine is built and waits for SIGUSR1:
+    its probe-tier check (status, detail) and the pid doctor was given."""
+    wl = Workload(tmp_path, model)
     try:
         r = doctor("-p", wl.pid)
     finally:
         wl.kill()
     assert r.returncode == EXIT_OK, r.stdout + r.stderr
     status, detail, _ = checks_of(r)["probe tier"]
+    return status, detail, wl.pid
+
+
+@pytest.mark.vllm
+def test_doctor_stock_vllm_is_stock_uprobe(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    """The process the user started maps no vLLM library itself; doctor
+    finds the worker among its descendants, as attach -p does.  vLLM's
+    plugins off: the stock tier alone."""
+    monkeypatch.setenv("VLLM_PLUGINS", "")  # the workload inherits it
+    status, detail, pid = doctor_vllm(tmp_path, tiny_model)
     assert status == PASS and detail.startswith("stock uprobe: "), detail
     assert re.search(r"/vllm/_C(_\w+)?\.abi3\.so", detail), detail
     worker = re.search(r"pid (\d+) \(([^)]*)\), a descendant", detail)
-    assert worker and int(worker.group(1)) != wl.pid, detail
+    assert worker and int(worker.group(1)) != pid, detail
     assert re.search(r"vllm|worker|engine", worker.group(2), re.I), detail
 
 
@@ -211,13 +218,7 @@ def test_doctor_stock_vllm_with_the_plugin(tmp_path, tiny_model, monkeypatch):  
     the plugin's probes in the engine core (the scheduler's process only),
     the stock sites in the worker."""
     monkeypatch.setenv("VLLM_PLUGINS", "kvtrace")
-    wl = Workload(tmp_path, tiny_model)
-    try:
-        r = doctor("-p", wl.pid)
-    finally:
-        wl.kill()
-    assert r.returncode == EXIT_OK, r.stdout + r.stderr
-    status, detail, _ = checks_of(r)["probe tier"]
+    status, detail, _ = doctor_vllm(tmp_path, tiny_model)
     assert status == PASS and detail.startswith("plugin USDT + stock uprobe: "), detail
     procs = dict(re.findall(r"pid \d+ \(([^)]*)\), a descendant: ([^;]*)", detail))
     assert len(procs) == 2, detail

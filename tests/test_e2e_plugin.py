@@ -26,6 +26,7 @@ import time
 import pytest
 
 from conftest import ROOT, Tracer, run_kvtrace
+from test_e2e_vllm import tiny_model  # noqa: F401 (the module fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -39,16 +40,6 @@ SHARED = 96
 # a 10-block cache (9 usable) for requests that need 8 + 6 + 5 blocks:
 # vLLM must preempt
 REQUESTS_PREEMPT = "200:40,150:40,120:40"
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory, bpf_env):
-    if not VLLM_PYTHON.exists():
-        pytest.fail("the vLLM CPU environment is missing: run make setup")
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "make-tiny-model.py", path], check=True,
-                   capture_output=True)
-    return path
 
 
 def trace_run(tmp_path, model, requests, *extra):
@@ -119,9 +110,9 @@ def per_request(plugin):
     return by_id
 
 
-def test_plugin_tier_prefix_caching(tmp_path, model, no_leftovers):
+def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa: F811
     generated, records, doc, trace = trace_run(
-        tmp_path, model, REQUESTS_PREFIX, "--prefix-caching", "on", "--shared-prefix",
+        tmp_path, tiny_model, REQUESTS_PREFIX, "--prefix-caching", "on", "--shared-prefix",
         SHARED, "--repeat", 2)
     assert doc["exact"], doc["inexact_reasons"]
     plugin, worker = tiers(doc)
@@ -177,9 +168,9 @@ def test_plugin_tier_prefix_caching(tmp_path, model, no_leftovers):
     assert mrc["curve"][-1][1] == (mrc["references"] - mrc["compulsory"]) / mrc["references"]
 
 
-def test_plugin_tier_preemption(tmp_path, model, no_leftovers):
+def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):  # noqa: F811
     generated, records, doc, trace = trace_run(
-        tmp_path, model, REQUESTS_PREEMPT, "--num-gpu-blocks", 10, "--max-model-len", 256)
+        tmp_path, tiny_model, REQUESTS_PREEMPT, "--num-gpu-blocks", 10, "--max-model-len", 256)
     assert doc["exact"], doc["inexact_reasons"]
     plugin, worker = tiers(doc)
     # recomputation included, the two tiers saw the same reads
