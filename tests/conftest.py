@@ -142,6 +142,49 @@ def run_as(prefix, *args, timeout=120):
                           text=True, timeout=timeout)
 
 
+def hang_report(pid, pipe=None):
+    """Where a process that does not end is: each thread's state and kernel
+    stack (root reads /proc/PID/task/TID/stack), and which processes still
+    hold the read end's pipe open for writing (a pipe held by another
+    process keeps communicate() waiting after the process itself ended)."""
+    lines = []
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            lines.append(f"pid {pid}: {f.read().split(')')[-1].split()[0]}")
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            base = f"/proc/{pid}/task/{tid}"
+            try:
+                with open(f"{base}/stat") as f:
+                    state = f.read().split(")")[-1].split()[0]
+                with open(f"{base}/wchan") as f:
+                    wchan = f.read().strip()
+                with open(f"{base}/stack") as f:
+                    stack = " < ".join(x.split()[-1] for x in f.read().splitlines()[:12])
+            except OSError as e:
+                state, wchan, stack = "?", "?", str(e)
+            lines.append(f"  thread {tid} {state} wchan={wchan}: {stack}")
+    except OSError as e:
+        lines.append(f"pid {pid}: {e}")
+    if pipe is not None:
+        try:
+            inode = os.fstat(pipe.fileno()).st_ino
+            holders = []
+            for name in os.listdir("/proc"):
+                if not name.isdigit():
+                    continue
+                try:
+                    for fd in os.listdir(f"/proc/{name}/fd"):
+                        if os.readlink(f"/proc/{name}/fd/{fd}") == f"pipe:[{inode}]":
+                            holders.append(name)
+                            break
+                except OSError:
+                    continue
+            lines.append(f"  its stderr pipe is held by pids {holders}")
+        except (OSError, ValueError) as e:
+            lines.append(f"  pipe holders unknown: {e}")
+    return "\n".join(lines)
+
+
 class Tracer:
     """`kvtrace-bpf attach` running in the background."""
 
@@ -165,12 +208,13 @@ class Tracer:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            where = hang_report(self.proc.pid, self.proc.stderr)
             self.proc.send_signal(signal.SIGQUIT)
             time.sleep(3)
             self.proc.kill()
             out, err = self.proc.communicate()
-            raise AssertionError(f"tracer still running {timeout}s on; its stderr ends:\n"
-                                 f"{(self.early_err + err)[-6000:]}") from None
+            raise AssertionError(f"tracer still running {timeout}s on; {where}\n"
+                                 f"its stderr ends:\n{(self.early_err + err)[-6000:]}") from None
         fd_rest = _pending.pop(self.proc.stderr, b"").decode(errors="replace")
         return self.proc.returncode, out, self.early_err + fd_rest + err
 
