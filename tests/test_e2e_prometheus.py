@@ -173,6 +173,8 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
         assert value(m, "kvtrace_block_access_frequency_gsum", group=0) == reads["reads"]
         assert value(m, "kvtrace_working_set_blocks", group=0) == \
             reads["distinct"] / reads["steps"]
+        assert value(m, "kvtrace_tokens_held", group=0) == \
+            reads["held_tokens"] / reads["steps"]
         assert value(m, "kvtrace_true_utilization_ratio", group=0) == \
             reads["held_tokens"] / (reads["distinct"] * truth["block_size"])
         assert value(m, "kvtrace_internal_fragmentation_ratio", group=0) == pytest.approx(

@@ -193,7 +193,7 @@ class Exporter:
     def __init__(self, model: str = ""):
         self.model = model
         self._snap = None  # replaced whole, never changed: a scrape reads one
-        self._last_window = {}  # (pid, group) -> (working set, utilization)
+        self._last_window = {}  # (pid, group) -> (working set, tokens held, utilization)
         self._roles = {}  # pid -> role, once it is not 'other'
 
     # -- the loop's side -------------------------------------------------
@@ -215,21 +215,21 @@ class Exporter:
                 d_held = g.held_tokens - (o.held_tokens if o else 0)
                 key = (p.pid, g.group_id)
                 if d_steps > 0:
-                    ws = d_distinct / d_steps
+                    ws, tokens_held = d_distinct / d_steps, d_held / d_steps
                     util = (d_held / (d_distinct * g.block_size)
                             if d_distinct and g.block_size else math.nan)
-                    self._last_window[key] = (ws, util)
+                    self._last_window[key] = (ws, tokens_held, util)
                 else:
                     # no step in this window: the figures of the last window
                     # that had one, so that a pause is not a drop to zero
-                    ws, util = self._last_window.get(key, (0.0, math.nan))
+                    ws, tokens_held, util = self._last_window.get(key, (0.0, 0.0, math.nan))
                 freq = _delta(g.reads_per_block, o.reads_per_block if o else None)
                 groups.append(dict(group=g.group, reads=g.reads, steps=g.steps,
                                    requests=g.requests, tokens=g.tokens,
                                    distinct=g.distinct, held_tokens=g.held_tokens,
                                    layers=g.layers, block_size=g.block_size,
                                    num_blocks=g.num_blocks, working_set=ws,
-                                   utilization=util,
+                                   tokens_held=tokens_held, utilization=util,
                                    freq=_buckets(freq, READ_BUCKETS)))
             old_tokens = q.tokens if q else None
             written = _delta(p.tokens, old_tokens)
@@ -343,6 +343,9 @@ class Exporter:
         ws = fam(GaugeMetricFamily, "kvtrace_working_set_blocks", "distinct blocks read "
                  "per step over the last interval (delta live blocks / delta steps)",
                  ["group"])
+        tokens_held = fam(GaugeMetricFamily, "kvtrace_tokens_held", "tokens in the "
+                          "blocks one step reads, over the last interval (delta live "
+                          "tokens / delta steps)", ["group"])
         util = fam(GaugeMetricFamily, "kvtrace_true_utilization_ratio", "tokens held / "
                    "(distinct blocks read x block size) over the last interval", ["group"])
         frag = fam(GaugeMetricFamily, "kvtrace_internal_fragmentation_ratio", "1 - true "
@@ -404,11 +407,12 @@ class Exporter:
                 held.add_metric(gl, g["held_tokens"])
                 group_layers.add_metric(gl, g["layers"])
                 ws.add_metric(gl, g["working_set"])
+                tokens_held.add_metric(gl, g["tokens_held"])
                 util.add_metric(gl, g["utilization"])
                 frag.add_metric(gl, 1 - g["utilization"])  # NaN stays NaN
                 buckets, total = g["freq"]
                 freq.add_metric(gl, buckets, total)
         yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
-                    ws, util, frag, freq, wfill, events, held_blocks, req_seen, req_done,
+                    ws, tokens_held, util, frag, freq, wfill, events, held_blocks, req_seen, req_done,
                     preempt, recomp)
