@@ -177,21 +177,28 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
     generation's first write (a new request reusing it)."""
     if not len(block) or not len(gen_block):
         return np.zeros(0, np.int64)
-    t = ts_ns[step_of]
-    order = np.lexsort((t, block))
-    rb, rt = block[order], t[order]
-    # for each generation: the last read of its block strictly before it
-    # starts (reads sorted by block, then time: one search per generation)
-    first = np.searchsorted(rb, gen_block, "left")
-    last = np.searchsorted(rb, gen_block, "right")
-    out = []
-    for b0, b1, start in zip(first, last, gen_start_ns):
-        if b0 == b1:
-            continue
-        k = np.searchsorted(rt[b0:b1], start, "left")
-        if k:
-            out.append(int(start) - int(rt[b0 + k - 1]))
-    return np.array(out, np.int64)
+    n = len(block)
+    gen_block = np.asarray(gen_block, np.int64)
+    gen_start_ns = np.asarray(gen_start_ns, np.int64)
+    # reads and generation starts in one order: by block, then time, a
+    # generation before a read at its very time (that read is not before
+    # it).  The last read at or before each position is then a running
+    # maximum, and a generation's idle time is measured from it when that
+    # read was of the same block.
+    blocks = np.concatenate([block, gen_block])
+    times = np.concatenate([ts_ns[step_of], gen_start_ns])
+    is_gen = np.concatenate([np.zeros(n, np.int8), np.ones(len(gen_block), np.int8)])
+    order = np.lexsort((1 - is_gen, times, blocks))
+    last_read = np.where(order < n, np.arange(len(order)), -1)
+    np.maximum.accumulate(last_read, out=last_read)
+    at = np.flatnonzero(order >= n)  # generations' places in the order
+    gen = order[at] - n
+    prev = last_read[at]
+    ok = prev >= 0
+    ok[ok] = blocks[order[prev[ok]]] == gen_block[gen[ok]]
+    idle = np.full(len(gen_block), -1, np.int64)
+    idle[gen[ok]] = gen_start_ns[gen[ok]] - times[order[prev[ok]]]
+    return idle[idle >= 0]
 
 
 def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
@@ -236,7 +243,7 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
         if not steps.complete[k]:
             prev_seq = cur_seq
             continue
-        rows = [(seq, tuple(int(b) for b in r)) for seq, r in live_set(ops.values_of(i), bs)]
+        rows = [(seq, tuple(r.tolist())) for seq, r in live_set(ops.values_of(i), bs)]
         # what this step wrote: the leader's write op just before the table
         # op, and copies and swaps into the cache since the step before
         j = np.searchsorted(write_seq, cur_seq) - 1
@@ -260,7 +267,10 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
             # fewer tokens than that one had, is not it
             if len(p) > len(r) or p_seq < 1 or seq <= p_seq:
                 return False
-            if any(a != b and a and b for a, b in zip(p, r)):
+            # equal, entry by entry, except where either reads 0 (a block a
+            # sliding window dropped); the common case, an exact prefix, is
+            # one tuple comparison
+            if r[:len(p)] != p and any(a != b and a and b for a, b in zip(p, r)):
                 return False
             last = p_seq - 1  # the earlier row's last token, in r's blocks
             return last // bs < len(r) and r[last // bs] * bs + last % bs not in slots
@@ -270,8 +280,16 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
             if not any(r):
                 continue
             match = None
-            for b in dict.fromkeys(r):
-                for cand in open_by_last.get(b, ()):
+            # the earlier rows ending in one of r's blocks, tried in the
+            # order of those blocks in r: found from the smaller side (a
+            # row has hundreds of blocks, a step tens of open requests)
+            rset = set(r)
+            if len(open_by_last) < len(rset):
+                ends = [b for b in open_by_last if b in rset]
+            else:
+                ends = [b for b in rset if b in open_by_last]
+            for b in sorted(ends, key=r.index):
+                for cand in open_by_last[b]:
                     if cand not in claimed and continues(r, seq, *cand):
                         match = cand
                         break
@@ -289,6 +307,8 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
             lst = open_by_last.get(p[-1] if p else 0)
             if lst and (p_seq, p) in lst:
                 lst.remove((p_seq, p))
+                if not lst:  # no empty lists: the dict holds open rows only
+                    del open_by_last[p[-1] if p else 0]
         for seq, r in rows:
             if any(r):
                 open_by_last.setdefault(r[-1], []).append((seq, r))
