@@ -419,13 +419,10 @@ def no_busy_wait():
     if os.environ.get(BUSY_WAIT_ENV):
         return
     from vllm.distributed.device_communicators import shm_broadcast
-    if getattr(shm_broadcast.sched_yield, "kvtrace_nap", False):
-        return
 
     def nap():
         time.sleep(NAP_S)
 
-    nap.kvtrace_nap = True
     shm_broadcast.sched_yield = nap
 
 

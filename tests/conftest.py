@@ -144,9 +144,9 @@ def run_as(prefix, *args, timeout=120):
 
 def hang_report(pid, pipe=None):
     """Where a process that does not end is: each thread's state and kernel
-    stack (root reads /proc/PID/task/TID/stack), and which processes still
-    hold the read end's pipe open for writing (a pipe held by another
-    process keeps communicate() waiting after the process itself ended)."""
+    stack (root reads /proc/PID/task/TID/stack), and which processes hold
+    `pipe` open, at either end (the test itself among them): a writer other
+    than the process keeps communicate() waiting after the process ended."""
     lines = []
     try:
         with open(f"/proc/{pid}/stat") as f:

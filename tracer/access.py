@@ -187,18 +187,19 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
     # read was of the same block.
     blocks = np.concatenate([block, gen_block])
     times = np.concatenate([ts_ns[step_of], gen_start_ns])
-    is_gen = np.concatenate([np.zeros(n, np.int8), np.ones(len(gen_block), np.int8)])
-    order = np.lexsort((1 - is_gen, times, blocks))
+    is_read = np.concatenate([np.ones(n, np.int8), np.zeros(len(gen_block), np.int8)])
+    order = np.lexsort((is_read, times, blocks))
     last_read = np.where(order < n, np.arange(len(order)), -1)
     np.maximum.accumulate(last_read, out=last_read)
     at = np.flatnonzero(order >= n)  # generations' places in the order
     gen = order[at] - n
-    prev = last_read[at]
-    ok = prev >= 0
-    ok[ok] = blocks[order[prev[ok]]] == gen_block[gen[ok]]
-    idle = np.full(len(gen_block), -1, np.int64)
-    idle[gen[ok]] = gen_start_ns[gen[ok]] - times[order[prev[ok]]]
-    return idle[idle >= 0]
+    read = order[last_read[at]]  # meaningful where last_read[at] >= 0
+    ok = (last_read[at] >= 0) & (blocks[read] == gen_block[gen])
+    found = np.zeros(len(gen_block), bool)
+    found[gen[ok]] = True
+    idle = np.zeros(len(gen_block), np.int64)
+    idle[gen[ok]] = gen_start_ns[gen[ok]] - times[read[ok]]
+    return idle[found]  # in the generations' order
 
 
 def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
@@ -300,15 +301,16 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
                 running.update(r)  # the same request, a step on
             else:
                 new_rows += 1
-                for b in set(r) - {0}:
+                for b in rset - {0}:
                     new_count[b] = new_count.get(b, 0) + 1
             claimed.append((seq, r))
         for p_seq, p in claimed:  # each request's latest row replaces its last
-            lst = open_by_last.get(p[-1] if p else 0)
+            end = p[-1] if p else 0
+            lst = open_by_last.get(end)
             if lst and (p_seq, p) in lst:
                 lst.remove((p_seq, p))
                 if not lst:  # no empty lists: the dict holds open rows only
-                    del open_by_last[p[-1] if p else 0]
+                    del open_by_last[end]
         for seq, r in rows:
             if any(r):
                 open_by_last.setdefault(r[-1], []).append((seq, r))

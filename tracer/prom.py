@@ -414,5 +414,5 @@ class Exporter:
                 freq.add_metric(gl, buckets, total)
         yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
-                    ws, tokens_held, util, frag, freq, wfill, events, held_blocks, req_seen, req_done,
-                    preempt, recomp)
+                    ws, tokens_held, util, frag, freq, wfill, events, held_blocks, req_seen,
+                    req_done, preempt, recomp)
