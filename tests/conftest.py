@@ -188,8 +188,8 @@ def hang_report(pid, pipe=None):
 class Tracer:
     """`kvtrace-bpf attach` running in the background."""
 
-    def __init__(self, *args):
-        self.proc = subprocess.Popen(kvtrace_cmd("attach", *args), cwd=ROOT,
+    def __init__(self, *args, env=None):
+        self.proc = subprocess.Popen(kvtrace_cmd("attach", *args), cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.early_err = ""
 

@@ -57,8 +57,9 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
             assert figures["exact"] is True, where
             assert figures["records_plus_lost_equal_ops"] is True, where
 
-    for key in ("live_s", "ready_s", "compile_s", "detach_s"):
-        check_stats(res["attach"][key], f"attach.{key}")
+    for kind in ("compiled", "cached"):
+        for key in ("live_s", "ready_s", "program_s", "detach_s"):
+            check_stats(res["attach"][f"{kind}_{key}"], f"attach.{kind}_{key}")
 
     # record, report and export all exist here: a skipped row (record failed)
     # is a failure of this test, never a pass without the checks

@@ -19,8 +19,8 @@ from tracer.cmd_doctor import (FAIL, PASS, Check, config_state, exit_code,
 
 EXIT_OK, EXIT_ENV, EXIT_TARGET = 0, 2, 3
 ENVIRONMENT_CHECKS = ("architecture", "kernel config", "uprobe PMU", "BPF program load",
-                      "privileges", "bcc privileges", "bcc", "kernel headers", "tracefs",
-                      "perf_event_paranoid")
+                      "privileges", "bcc privileges", "bcc", "kernel headers", "program cache",
+                      "tracefs", "perf_event_paranoid")
 LINE = re.compile(r"(PASS|WARN|FAIL|SKIP|INFO)  (\S+(?: \S+)*) {2,}(.*)")
 NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
 

@@ -1,26 +1,52 @@
-"""Small on-disk caches of what the tracer learned about files, so that a
+"""Small on-disk caches of what the tracer learned or built, so that a
 second attach skips the work: root-owned, mode 0600, in a 0700 directory.
-A cache is only ever a shortcut: a missing or unreadable one is rebuilt."""
+A cache is only ever a shortcut: a missing or unreadable one is rebuilt.
+
+One directory holds them all: KVTRACE_CACHE_DIR (default
+/var/cache/kvtrace-bpf; "off" turns caching off).  The compiled BPF program
+is among them (program.py) and gets loaded into the kernel, so a directory
+that anyone but its owner, this user, could write is not used at all."""
 
 import json
 import os
 from pathlib import Path
 
-CACHE_DIR = Path(os.environ.get("KVTRACE_CACHE_DIR", "/var/cache/kvtrace-bpf"))
+DEFAULT_DIR = "/var/cache/kvtrace-bpf"
+
+
+def directory():
+    """(Path, None) when the cache can be used, else (None, why not)."""
+    path = os.environ.get("KVTRACE_CACHE_DIR") or DEFAULT_DIR
+    if path.lower() in ("off", "none", "0"):
+        return None, "KVTRACE_CACHE_DIR turns it off"
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        return None, f"{path}: {e.strerror}"
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return None, (f"{path} is writable by others than this user (owner uid "
+                      f"{st.st_uid}, mode {st.st_mode & 0o777:o})")
+    return Path(path), None
 
 
 def load(name: str):
     """The JSON document cached under `name`, or None."""
+    where, _ = directory()
+    if where is None:
+        return None
     try:
-        return json.loads((CACHE_DIR / name).read_text())
+        return json.loads((where / name).read_text())
     except (OSError, ValueError):
         return None
 
 
 def store(name: str, doc):
+    where, _ = directory()
+    if where is None:
+        return
     try:
-        CACHE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = CACHE_DIR / name
+        path = where / name
         tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

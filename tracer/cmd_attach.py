@@ -338,8 +338,8 @@ def _announce(args, tracer, target, follower, t_start):
             _say(f"skipped {probe.qualified} in {probe.path}: {why}")
     probes = sum(len(p.uprobes) for p in tracer.procs.values())
     _say(f"{probes} probes in {sum(1 for p in tracer.procs.values() if p.uprobes)} "
-         f"processes; ready after {time.monotonic() - t_start:.1f}s (BPF compile "
-         f"{tracer.compile_seconds:.1f}s). Ctrl-C to stop.")
+         f"processes; ready after {time.monotonic() - t_start:.1f}s (BPF program "
+         f"{tracer.program_source} in {tracer.compile_seconds:.1f}s). Ctrl-C to stop.")
 
 
 def _require_probes(follower):

@@ -21,7 +21,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
-from . import __version__, abi, catalog, discover, follow, session, uprobe_pmu
+from . import __version__, abi, cache, catalog, discover, follow, session, uprobe_pmu
 from . import target as target_mod
 from .cmd_attach import positive_int
 from .errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
@@ -275,6 +275,26 @@ def check_kernel_headers() -> Check:
     return Check("kernel headers", PASS, f"{where} (what bcc compiles against)")
 
 
+def check_program_cache() -> Check:
+    """Whether the next attach loads the compiled program or compiles it.
+    Only read: a missing directory is not created here."""
+    path = os.environ.get("KVTRACE_CACHE_DIR") or cache.DEFAULT_DIR
+    if path.lower() in ("off", "none", "0"):
+        return Check("program cache", INFO, "off (KVTRACE_CACHE_DIR): every attach "
+                     "compiles the BPF program (seconds)")
+    if not os.path.isdir(path):
+        return Check("program cache", INFO, f"{path} does not exist yet: the first attach "
+                     "compiles the BPF program (seconds) and caches it there")
+    where, why = cache.directory()
+    if where is None:
+        return Check("program cache", WARN, f"not used ({why}): every attach compiles "
+                     "the BPF program (seconds)",
+                     fix=f"chown root {path} && chmod 700 {path}, or KVTRACE_CACHE_DIR")
+    n = len(list(where.glob("bpf-*.json")))
+    return Check("program cache", PASS, f"{where}: {n} compiled program(s); an attach "
+                 "whose options match one loads it without compiling")
+
+
 # -- tracefs, perf_event_paranoid --------------------------------------------------
 
 def check_tracefs() -> Check:
@@ -439,6 +459,7 @@ def run_checks(pid=None, debug: bool = False) -> list:
             ("privileges", check_privileges, caps),
             ("bcc", check_bcc),
             ("kernel headers", check_kernel_headers),
+            ("program cache", check_program_cache),
             ("tracefs", check_tracefs),
             ("perf_event_paranoid", check_perf_event_paranoid)):
         checks += _guarded(name, fn, *args, debug=debug)

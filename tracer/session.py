@@ -1,10 +1,11 @@
-"""Load the BPF program, attach it to probe sites, poll, read, detach (bcc).
+"""Load the BPF program, attach it to probe sites, poll, read, detach.
 
 Attaching goes through the kernel's uprobe PMU (uprobe_pmu.py), so the kernel
-owns the USDT semaphores; bcc compiles and loads the programs and owns the maps
-and the perf buffer.  Reading the exact counters is a snapshot of the maps
-(aggregate.py turns it into histograms); the perf buffer only carries the
-per-op stream, and what it loses is counted, not guessed.
+owns the USDT semaphores; program.py loads the program bcc compiled once
+(cached) and owns the maps and the perf buffer.  Reading the exact counters
+is a snapshot of the maps (aggregate.py turns it into histograms); the perf
+buffer only carries the per-op stream, and what it loses is counted, not
+guessed.
 """
 
 import ctypes
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import abi, catalog, discover, stream
+from . import abi, catalog, discover, program, stream
 from .errors import EnvironmentProblem, TargetError
 from .uprobe_pmu import Uprobe
 
@@ -144,9 +145,7 @@ class Tracer:
                  stacks: bool = False, perf_pages: int = 64, index_stream: bool = False,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY):
         check_privileges()
-        check_kernel_headers()
         discover.check_arch()
-        bcc = _import_bcc()
         if max_blocks & (max_blocks - 1):
             max_blocks = 1 << max_blocks.bit_length()  # the BPF side masks
         self.max_blocks, self.max_caches, self.max_procs = max_blocks, max_caches, max_procs
@@ -168,19 +167,21 @@ class Tracer:
         self.stream = stream.Collector() if index_stream else None
         self.stacks = stacks
         t0 = time.monotonic()
+        # compiled once per program text, kernel and bcc (tracer/program.py);
+        # a compile needs the kernel headers, a cached program does not
         try:
-            self.bpf = bcc.BPF(src_file=str(abi.BPF_PROGRAM).encode(), cflags=cflags)
-        except Exception as e:  # bcc raises bare Exception on compile errors
-            raise EnvironmentProblem(f"the BPF program did not compile: {e}") from None
+            self.bpf, self.program_source = program.load(cflags, check_kernel_headers)
+        except OSError as e:
+            raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.compile_seconds = time.monotonic() - t0
         try:
             stages = self.bpf["stages"]
             for name, idx in abi.STAGES.items():
-                fn = self.bpf.load_func(f"kvtrace_stage_{name}".encode(), bcc.BPF.KPROBE)
+                fn = self.bpf.load_func(f"kvtrace_stage_{name}")
                 stages[ctypes.c_int(idx)] = ctypes.c_int(fn.fd)
-            self.site_prog = self.bpf.load_func(b"kvtrace_site_hit", bcc.BPF.KPROBE)
-            self.entry_prog = self.bpf.load_func(b"kvtrace_stop_at_entry", bcc.BPF.KPROBE)
-        except Exception as e:
+            self.site_prog = self.bpf.load_func("kvtrace_site_hit")
+            self.entry_prog = self.bpf.load_func("kvtrace_stop_at_entry")
+        except (OSError, KeyError) as e:
             raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.load_seconds = time.monotonic() - t0
 
@@ -209,17 +210,16 @@ class Tracer:
 
         self.records = 0
         self.lost = 0
-        events = self.bpf["events"]
         # Records that did not wake the reader (wakeup_every > 1) are read
         # by the consume after each poll
         if transport == "ring":  # losses: only the in-kernel count (globals)
-            events.open_ring_buffer(lambda ctx, data, size: self._record(0, data, size))
+            self.bpf.open_ring_buffer("events",
+                                      lambda ctx, data, size: self._record(0, data, size))
             self._poll_fns = (self.bpf.ring_buffer_poll, self.bpf.ring_buffer_consume)
         else:
-            events.open_perf_buffer(self._record, page_cnt=perf_pages, lost_cb=self._lost,
-                                    wakeup_events=wakeup_every)
+            self.bpf.open_perf_buffer("events", self._record, page_cnt=perf_pages,
+                                      lost_cb=self._lost, wakeup_events=wakeup_every)
             self._poll_fns = (self.bpf.perf_buffer_poll, self.bpf.perf_buffer_consume)
-        self._events = events
         self.procs = {}  # pid -> TracedProcess
         self.started = time.monotonic()
 
@@ -359,8 +359,6 @@ class Tracer:
         self.writes = self.moves = self.reads = self.last_read = self.life = None
         for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map):
             m.close()
-        # let bcc free the perf buffer while its map is still open
-        self._events = None
         self.bpf.cleanup()
 
     # -- reading -------------------------------------------------------------

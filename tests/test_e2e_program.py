@@ -1,0 +1,105 @@
+"""The BPF program compiled once (tracer/program.py), on the path users get:
+the first attach compiles in a child and caches, the next loads the cache
+without LLVM, and both count kvsim's ground truth exactly.  A spoiled or
+unsafe cache is never loaded as it is."""
+
+import json
+import os
+import re
+import stat
+
+import pytest
+
+from conftest import KVSIM, Kvsim, Tracer, assert_matches_truth, run_kvtrace
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def attach_default(tmp_path, cache_dir, name):
+    """kvsim's default workload under `attach --`: (its ready line, its
+    aggregate, kvsim's truth)."""
+    out, truth = tmp_path / f"{name}.json", tmp_path / f"{name}-truth.json"
+    r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", "default",
+                    "--truth", truth, "--quiet",
+                    env=dict(os.environ, KVTRACE_CACHE_DIR=str(cache_dir)))
+    assert r.returncode == 0, r.stderr
+    ready = [line for line in r.stderr.splitlines() if "ready after" in line]
+    assert len(ready) == 1, r.stderr
+    return ready[0], json.loads(out.read_text()), json.loads(truth.read_text())
+
+
+def entries(cache_dir):
+    return sorted(cache_dir.glob("bpf-*.json"))
+
+
+def test_compiled_once_then_loaded_from_the_cache_both_exact(tmp_path):
+    cache_dir = tmp_path / "cache"
+    ready, doc, truth = attach_default(tmp_path, cache_dir, "first")
+    assert "BPF program compiled in" in ready, ready
+    assert_matches_truth(doc, truth)
+    [entry] = entries(cache_dir)
+    assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o600
+    assert not list(cache_dir.glob(".compile-*"))  # no temporary left behind
+
+    ready, doc, truth = attach_default(tmp_path, cache_dir, "second")
+    assert "BPF program cached in" in ready, ready
+    assert_matches_truth(doc, truth)
+    assert entries(cache_dir) == [entry]
+
+
+@pytest.mark.parametrize("spoil", ["garbage", "refused"])
+def test_a_spoiled_entry_is_compiled_again(tmp_path, spoil):
+    """Garbage is not read; an entry the kernel refuses (its first program's
+    instructions replaced by an unterminated one) is compiled again and
+    replaced.  Both runs still count exactly."""
+    cache_dir = tmp_path / "cache"
+    attach_default(tmp_path, cache_dir, "first")
+    [entry] = entries(cache_dir)
+    if spoil == "garbage":
+        entry.write_text("{ this is not the program")
+    else:
+        doc = json.loads(entry.read_text())
+        doc["progs"][0]["insns"] = "twAAAAAAAAA="  # one `mov r0, 0` and no exit
+        doc["progs"][0]["map_refs"] = []
+        entry.write_text(json.dumps(doc))
+    ready, doc, truth = attach_default(tmp_path, cache_dir, "again")
+    assert "BPF program compiled in" in ready, ready
+    assert_matches_truth(doc, truth)
+    assert json.loads(entry.read_text())["progs"][0]["insns"] != "twAAAAAAAAA="
+    ready, _, _ = attach_default(tmp_path, cache_dir, "third")
+    assert "BPF program cached in" in ready, ready
+
+
+def test_a_directory_others_can_write_is_not_used(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache_dir.chmod(0o777)
+    ready, doc, truth = attach_default(tmp_path, cache_dir, "unsafe")
+    assert re.search(r"BPF program compiled, not cached: .* writable by others", ready), ready
+    assert_matches_truth(doc, truth)
+    assert entries(cache_dir) == []
+
+
+def test_the_tracer_keeps_no_llvm_mapped(tmp_path):
+    """Compiled or cached, the tracer process itself never maps LLVM or
+    bcc's compiler library: the compile runs in a child that exits."""
+    cache_dir = tmp_path / "cache"
+    for run in ("compiled", "cached"):
+        sim = Kvsim(tmp_path, "default")
+        try:
+            tracer = Tracer("-q", "-p", sim.pid, env=dict(os.environ,
+                                                          KVTRACE_CACHE_DIR=str(cache_dir)))
+            tracer.wait_attached()
+            assert f"BPF program {run} in" in tracer.early_err, tracer.early_err
+            with open(f"/proc/{tracer.proc.pid}/maps") as f:
+                libs = {line.split()[-1] for line in f if ".so" in line}
+            assert not [p for p in libs if "libLLVM" in p or "libclang" in p
+                        or re.search(r"/libbcc\.so", p)], sorted(libs)
+            assert [p for p in libs if "libbcc_bpf.so" in p], sorted(libs)
+            sim.go()
+            assert sim.wait() == 0
+            rc, _, err = tracer.finish()
+            assert rc == 0, err
+        finally:
+            sim.kill()

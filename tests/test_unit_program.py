@@ -1,0 +1,141 @@
+"""The compiled-once program's pure parts: bcc's type descriptions decoded as
+bcc decodes them, cache entries checked before anything is loaded, and the
+cache directory's safety rule.  (Loading them is test_e2e_program.py.)"""
+
+import base64
+import ctypes
+import json
+import os
+import shutil
+
+import pytest
+
+from tracer import abi, cache, program
+
+# descriptions in bcc's JSON form, as bpf_table_key_desc returns them
+DESCS = [
+    "unsigned long long",
+    "int",
+    ["kvtrace_site_key", [["pid", "unsigned int"], ["pad", "unsigned int"],
+                          ["ip", "unsigned long long"]], "struct"],
+    ["row", [["blocks", "unsigned long long", [4096]]], "struct"],
+    ["mixed", [["flags", "unsigned int", 3], ["kind", "unsigned int", 5],
+               ["", [["a", "unsigned long long"], ["b", "int"]], "union"],
+               ["id", "char", [64]], ["n", "unsigned char"]], "struct"],
+    ["packed", [["a", "unsigned char"], ["b", "unsigned long long"]], "struct_packed"],
+    ["nested", [["inner", [["x", "short"], ["y", "long long", [2]]], "struct"],
+                ["z", "_Bool"]], "struct"],
+]
+
+
+def layout(t):
+    """(size, [(field, offset, size)...]) of a ctypes type, recursively."""
+    if not hasattr(t, "_fields_"):
+        return ctypes.sizeof(t)
+    return (ctypes.sizeof(t), [(f[0], getattr(t, f[0]).offset, getattr(t, f[0]).size,
+                                layout(f[1])) for f in t._fields_])
+
+
+@pytest.mark.parametrize("desc", DESCS, ids=lambda d: d if isinstance(d, str) else d[0])
+def test_decode_type_lays_out_as_bcc_does(desc):
+    """bcc's own decoder is the reference (importing it loads LLVM, which
+    is why the tracer has its own)."""
+    bcc = pytest.importorskip("bcc")
+    assert layout(program.decode_type(desc)) == layout(bcc.BPF._decode_table_type(desc))
+
+
+def test_decode_type_refuses_what_it_does_not_know():
+    with pytest.raises(ValueError):
+        program.decode_type("float128")
+    with pytest.raises(ValueError):
+        program.decode_type(["s", [["a", "int", "bogus"]], "struct"])
+
+
+def entry(key="k" * 64, insns=b"\x95" + b"\0" * 7, refs=()):
+    """A minimal well-formed entry: one map, one program of one `exit`."""
+    return dict(format=program.FORMAT, key=key, license="GPL", kern_version=0,
+                maps=[dict(name="m", type=2, key_size=4, value_size=8, max_entries=1, flags=0,
+                           key="int", leaf="unsigned long long")],
+                progs=[dict(name="p", insns=base64.b64encode(insns).decode(),
+                            map_refs=[list(r) for r in refs])])
+
+
+def write(tmp_path, doc):
+    path = tmp_path / "e.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+def test_read_entry_takes_a_well_formed_entry(tmp_path):
+    e = entry(insns=b"\x18\x11" + b"\0" * 14 + b"\x95" + b"\0" * 7, refs=[(0, 0)])
+    assert program.read_entry(write(tmp_path, e), e["key"]) == e
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda e: "{ not json",
+    lambda e: json.dumps(e)[:-40],                       # truncated
+    lambda e: dict(e, key="other"),                      # another program text
+    lambda e: dict(e, format=program.FORMAT + 1),        # another layout
+    lambda e: dict(e, progs=[dict(e["progs"][0], insns="@@@")]),          # not base64
+    lambda e: dict(e, progs=[dict(e["progs"][0], insns="AAAA")]),         # 3 bytes
+    lambda e: dict(e, progs=[dict(e["progs"][0], map_refs=[[0, 1]])]),    # no map 1
+    lambda e: dict(e, progs=[dict(e["progs"][0], map_refs=[[5, 0]])]),    # no insn 5
+    lambda e: dict(e, maps=[dict(e["maps"][0], leaf="no such type")]),
+    lambda e: dict(e, maps=None),
+], ids=["garbage", "truncated", "key", "format", "base64", "size", "map", "insn", "type",
+        "maps"])
+def test_read_entry_refuses_a_spoiled_entry(tmp_path, spoil):
+    e = entry()
+    assert program.read_entry(write(tmp_path, spoil(e)), e["key"]) is None
+
+
+def test_read_entry_of_a_missing_file_is_none(tmp_path):
+    assert program.read_entry(str(tmp_path / "nothing.json"), "k") is None
+
+
+def test_cache_directory_is_made_private(tmp_path, monkeypatch):
+    where = tmp_path / "c"
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(where))
+    path, why = cache.directory()
+    assert (path, why) == (where, None)
+    assert where.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_cache_directory_others_can_write_is_not_used(tmp_path, monkeypatch, mode):
+    where = tmp_path / "c"
+    where.mkdir()
+    where.chmod(mode)
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(where))
+    path, why = cache.directory()
+    assert path is None and "writable by others" in why
+    cache.store("x.json", {"a": 1})
+    assert not (where / "x.json").exists() and cache.load("x.json") is None
+
+
+def test_cache_directory_of_another_owner_is_not_used(tmp_path, monkeypatch):
+    where = tmp_path / "c"
+    where.mkdir(mode=0o700)
+    os.chown(where, 12345, 12345) if os.geteuid() == 0 else pytest.skip("needs root to chown")
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(where))
+    path, why = cache.directory()
+    assert path is None and "uid 12345" in why
+
+
+def test_cache_off(monkeypatch):
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", "off")
+    assert cache.directory() == (None, "KVTRACE_CACHE_DIR turns it off")
+
+
+def test_cache_key_follows_flags_and_text(monkeypatch, tmp_path):
+    a = program.cache_key(["-DX=1"])
+    assert a == program.cache_key(["-DX=1"])
+    assert a != program.cache_key(["-DX=2"])
+    assert a != program.cache_key(["-DX=1", "-DY"])
+    copy = tmp_path / "bpf"
+    shutil.copytree(abi.BPF_DIR, copy)
+    monkeypatch.setattr(abi, "BPF_DIR", copy)
+    assert program.cache_key(["-DX=1"]) == a
+    header = copy / "kvtrace.h"
+    header.write_text(header.read_text() + "\n/* one more line */\n")
+    assert program.cache_key(["-DX=1"]) != a  # a header the program includes

@@ -1,0 +1,537 @@
+"""The BPF program, compiled once: bcc's output cached, loaded without LLVM.
+
+bcc compiles bpf/kvtrace.bpf.c with clang and LLVM at run time: about 2 s on
+an idle machine (77% of it LLVM's optimizer, docs/bench.md), and the process
+that does it keeps ~60 MB of LLVM resident.  The program's text depends only
+on its cflags (limits, stacks, index stream, transport), never on the target:
+probe sites are data in the `sites` map.  So the compile is done once per
+program text, kernel and bcc, in a short-lived child process
+(`python -m tracer.program`), which writes what bcc produced:
+
+- every map's spec as the kernel took it (type, key and value size, entries,
+  flags) and bcc's JSON description of its key and value types;
+- every function's instructions, with each reference to a map (an ld_imm64
+  whose src_reg is BPF_PSEUDO_MAP_FD and whose imm is the child's map fd)
+  turned into the map's index.
+
+A tracer then creates the maps, writes its own fds into those instructions and
+loads the programs through libbcc_bpf, bcc's loader library, which links no
+LLVM.  Why a cache of bcc's output and not a prebuilt libbpf object:
+docs/design.md, "Compile once".
+
+The entries live in the tracer's cache directory (cache.py), which only its
+owner can write: what is in them is loaded into the kernel.  A missing,
+stale, corrupt or refused entry is compiled again; without a usable cache
+directory the compile still runs in a child, into a private temporary
+directory.
+"""
+
+import base64
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from . import abi, cache
+from .errors import EnvironmentProblem
+
+FORMAT = 1  # bump when the cache entry's layout changes
+BPF_PROG_TYPE_KPROBE = 2
+BPF_MAP_TYPE_PERF_EVENT_ARRAY = 4
+BPF_MAP_TYPE_STACK_TRACE = 7
+BPF_PSEUDO_MAP_FD = 1
+_LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
+# struct bpf_map_info's head (uapi/linux/bpf.h): type, id, key_size,
+# value_size, max_entries, map_flags
+_MAP_INFO = struct.Struct("<6I")
+_MAP_INFO_SIZE = 88
+
+# bcc's names for C scalar types in its JSON type descriptions, as its own
+# Python module decodes them (bcc/__init__.py, BPF.str2ctype)
+_CTYPES = {
+    "_Bool": ctypes.c_bool, "char": ctypes.c_char, "unsigned char": ctypes.c_ubyte,
+    "signed char": ctypes.c_byte, "short": ctypes.c_short,
+    "unsigned short": ctypes.c_ushort, "int": ctypes.c_int, "unsigned int": ctypes.c_uint,
+    "long": ctypes.c_long, "unsigned long": ctypes.c_ulong, "long long": ctypes.c_longlong,
+    "unsigned long long": ctypes.c_ulonglong,
+    "__int128": ctypes.c_int64 * 2, "unsigned __int128": ctypes.c_uint64 * 2,
+}
+
+
+def decode_type(desc):
+    """A ctypes type from bcc's JSON description of a C type: a scalar's
+    name, or [name, [[field, type], [field, type, [n]] (array),
+    [field, type, bits]], "struct" | "union" | "struct_packed"].  The same
+    decoding as bcc's BPF._decode_table_type, which cannot be imported
+    without loading LLVM (bcc's module loads libbcc at import)."""
+    if isinstance(desc, str):
+        try:
+            return _CTYPES[desc]
+        except KeyError:
+            raise ValueError(f"unknown C type {desc!r}") from None
+    name, members = desc[0], desc[1]
+    kind = desc[2] if len(desc) > 2 else "struct"
+    fields, anonymous = [], []
+    for m in members:
+        if len(m) == 2:
+            fields.append((m[0], decode_type(m[1])))
+        elif len(m) == 3 and isinstance(m[2], list):
+            fields.append((m[0], decode_type(m[1]) * m[2][0]))
+        elif len(m) == 3 and isinstance(m[2], int):
+            fields.append((m[0], decode_type(m[1]), m[2]))
+        elif len(m) == 3 and m[2] in ("struct", "union", "struct_packed"):
+            field_name = m[0] or f"__anon{len(anonymous)}"
+            if not m[0]:
+                anonymous.append(field_name)
+            fields.append((field_name, decode_type(m)))
+        else:
+            raise ValueError(f"cannot decode member {m!r}")
+    base = ctypes.Union if kind == "union" else ctypes.Structure
+    body = dict(_anonymous_=anonymous, _fields_=fields)
+    if kind == "struct_packed":
+        body["_pack_"] = 1
+    return type(str(name), (base,), body)
+
+
+# -- libbcc_bpf: bcc's map, program and buffer calls, without LLVM ------------
+
+_RAW_CB = ctypes.CFUNCTYPE(None, ctypes.py_object, ctypes.c_void_p, ctypes.c_int)
+_LOST_CB = ctypes.CFUNCTYPE(None, ctypes.py_object, ctypes.c_ulonglong)
+_RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+
+
+class _PerfBufferOpts(ctypes.Structure):  # bcc's struct bcc_perf_buffer_opts
+    _fields_ = [("pid", ctypes.c_int), ("cpu", ctypes.c_int), ("wakeup_events", ctypes.c_int)]
+
+
+_lib = None
+
+
+def libbcc_bpf():
+    global _lib
+    if _lib is None:
+        try:
+            lib = ctypes.CDLL("libbcc_bpf.so.0", use_errno=True)
+        except OSError as e:
+            raise EnvironmentProblem(
+                f"bcc's loader library is missing ({e}): install libbpfcc "
+                "(`make setup` does)") from None
+        vp, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+        for name, res, args in (
+                ("bcc_create_map", i, [i, ctypes.c_char_p, i, i, i, i]),
+                ("bcc_prog_load", i, [i, ctypes.c_char_p, vp, i, ctypes.c_char_p, u, i,
+                                      ctypes.c_char_p, u]),
+                ("bpf_lookup_elem", i, [i, vp, vp]),
+                ("bpf_update_elem", i, [i, vp, vp, ctypes.c_ulonglong]),
+                ("bpf_delete_elem", i, [i, vp]),
+                ("bpf_get_next_key", i, [i, vp, vp]),
+                ("bpf_obj_get_info", i, [i, vp, ctypes.POINTER(ctypes.c_uint32)]),
+                ("bpf_open_perf_buffer_opts", vp,
+                 [_RAW_CB, _LOST_CB, ctypes.py_object, i, ctypes.POINTER(_PerfBufferOpts)]),
+                ("perf_reader_fd", i, [vp]),
+                ("perf_reader_poll", i, [i, ctypes.POINTER(vp), i]),
+                ("perf_reader_consume", i, [i, ctypes.POINTER(vp)]),
+                ("perf_reader_free", None, [vp]),
+                ("bpf_new_ringbuf", vp, [i, _RINGBUF_CB, vp]),
+                ("bpf_poll_ringbuf", i, [vp, i]),
+                ("bpf_consume_ringbuf", i, [vp]),
+                ("bpf_free_ringbuf", None, [vp])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _lib = lib
+    return _lib
+
+
+def _oserror(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def map_info(fd: int) -> tuple:
+    """(type, key_size, value_size, max_entries, flags) of a map, from the kernel."""
+    buf = ctypes.create_string_buffer(_MAP_INFO_SIZE)
+    size = ctypes.c_uint32(_MAP_INFO_SIZE)
+    if libbcc_bpf().bpf_obj_get_info(fd, buf, ctypes.byref(size)) < 0:
+        raise _oserror("BPF_OBJ_GET_INFO_BY_FD")
+    mtype, _id, key_size, value_size, entries, flags = _MAP_INFO.unpack_from(buf.raw)
+    return mtype, key_size, value_size, entries, flags
+
+
+class Map:
+    """One BPF map: typed lookups, updates and iteration (bcc's Table API,
+    as much of it as the tracer uses)."""
+
+    def __init__(self, name: str, fd: int, map_type: int, key_type, leaf_type):
+        self.name, self.map_fd, self.map_type = name, fd, map_type
+        self.Key, self.Leaf = key_type, leaf_type
+
+    def __getitem__(self, key):
+        leaf = self.Leaf()
+        if libbcc_bpf().bpf_lookup_elem(self.map_fd, ctypes.byref(key), ctypes.byref(leaf)) < 0:
+            raise KeyError(key)
+        return leaf
+
+    def __setitem__(self, key, leaf):
+        if libbcc_bpf().bpf_update_elem(self.map_fd, ctypes.byref(key), ctypes.byref(leaf), 0) < 0:
+            raise _oserror(f"updating map {self.name}")
+
+    def __delitem__(self, key):
+        if libbcc_bpf().bpf_delete_elem(self.map_fd, ctypes.byref(key)) < 0:
+            raise KeyError(key)
+
+    def keys(self):
+        lib, prev, keys = libbcc_bpf(), None, []
+        while True:
+            key = self.Key()
+            if lib.bpf_get_next_key(self.map_fd, prev, ctypes.byref(key)) < 0:
+                return keys
+            keys.append(key)
+            prev = ctypes.byref(key)
+
+    def items(self):
+        """(key, value) pairs; a key deleted while we walk is left out."""
+        out = []
+        for key in self.keys():
+            try:
+                out.append((key, self[key]))
+            except KeyError:
+                pass
+        return out
+
+    def walk(self, stack_id: int):
+        """The addresses of a stack-trace map's entry, innermost first."""
+        for ip in self[self.Key(stack_id)].ip:
+            if not ip:
+                return
+            yield ip
+
+
+class ProgramFd:
+    def __init__(self, name: str, fd: int):
+        self.name, self.fd = name, fd
+
+
+def _online_cpus() -> list:
+    with open("/sys/devices/system/cpu/online") as f:
+        text = f.read().strip()
+    cpus = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+class LoadedProgram:
+    """The maps and programs of one cached compile, in the kernel."""
+
+    def __init__(self, entry: dict):
+        lib = libbcc_bpf()
+        self.maps, self._fds, self._progs = {}, [], {}
+        self._readers, self._ringbuf, self._callbacks = [], None, []
+        try:
+            fds = []
+            for spec in entry["maps"]:
+                fd = lib.bcc_create_map(spec["type"], spec["name"][:15].encode(),
+                                        spec["key_size"], spec["value_size"],
+                                        spec["max_entries"], spec["flags"])
+                if fd < 0:
+                    raise _oserror(f"creating map {spec['name']}")
+                self._fds.append(fd)
+                fds.append(fd)
+                self.maps[spec["name"]] = Map(spec["name"], fd, spec["type"],
+                                              decode_type(spec["key"]), decode_type(spec["leaf"]))
+            license_ = entry["license"].encode()
+
+            def load_one(prog):
+                insns = bytearray(base64.b64decode(prog["insns"]))
+                for at, map_index in prog["map_refs"]:
+                    struct.pack_into("<i", insns, at * 8 + 4, fds[map_index])
+                buf = (ctypes.c_char * len(insns)).from_buffer(insns)
+                fd = lib.bcc_prog_load(BPF_PROG_TYPE_KPROBE, prog["name"][:15].encode(), buf,
+                                       len(insns), license_, entry["kern_version"], 0, None, 0)
+                return prog["name"], fd, None if fd >= 0 else _oserror(f"loading {prog['name']}")
+
+            # The verifier is most of the load (0.7 s, a quarter of it the
+            # table stage) and runs in each bpf() call with the GIL released:
+            # one thread per CPU loads the programs side by side
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                loaded = list(pool.map(load_one, entry["progs"]))
+            for name, fd, _ in loaded:
+                if fd >= 0:
+                    self._fds.append(fd)
+                    self._progs[name] = ProgramFd(name, fd)
+            for _, _, error in loaded:
+                if error is not None:
+                    raise error
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def __getitem__(self, name: str) -> Map:
+        return self.maps[name]
+
+    def load_func(self, name) -> ProgramFd:
+        name = name.decode() if isinstance(name, bytes) else name
+        try:
+            return self._progs[name]
+        except KeyError:
+            raise KeyError(f"no program {name} in the BPF object") from None
+
+    # -- the per-op stream: perf buffer or ring buffer ------------------------
+
+    def open_perf_buffer(self, map_name: str, callback, page_cnt: int, lost_cb,
+                         wakeup_events: int = 1):
+        lib, table = libbcc_bpf(), self.maps[map_name]
+        for cpu in _online_cpus():
+            def raw(_cookie, data, size, cpu=cpu):
+                callback(cpu, data, size)
+            raw_fn, lost_fn = _RAW_CB(raw), _LOST_CB(lambda _cookie, n: lost_cb(n))
+            opts = _PerfBufferOpts(pid=-1, cpu=cpu, wakeup_events=wakeup_events)
+            reader = lib.bpf_open_perf_buffer_opts(raw_fn, lost_fn, None, page_cnt,
+                                                   ctypes.byref(opts))
+            if not reader:
+                raise _oserror(f"opening the perf buffer on CPU {cpu}")
+            self._readers.append(reader)
+            self._callbacks.append((raw_fn, lost_fn))  # alive as long as the reader
+            table[ctypes.c_int(cpu)] = ctypes.c_int(lib.perf_reader_fd(reader))
+
+    def open_ring_buffer(self, map_name: str, callback):
+        def raw(_ctx, data, size):
+            callback(_ctx, data, size)
+            return 0
+        fn = _RINGBUF_CB(raw)
+        self._ringbuf = libbcc_bpf().bpf_new_ringbuf(self.maps[map_name].map_fd, fn, None)
+        if not self._ringbuf:
+            raise _oserror("opening the ring buffer")
+        self._callbacks.append(fn)
+
+    def _reader_array(self):
+        return (ctypes.c_void_p * len(self._readers))(*self._readers)
+
+    def perf_buffer_poll(self, timeout_ms: int = -1):
+        libbcc_bpf().perf_reader_poll(len(self._readers), self._reader_array(), timeout_ms)
+
+    def perf_buffer_consume(self):
+        libbcc_bpf().perf_reader_consume(len(self._readers), self._reader_array())
+
+    def ring_buffer_poll(self, timeout_ms: int = -1):
+        libbcc_bpf().bpf_poll_ringbuf(self._ringbuf, timeout_ms)
+
+    def ring_buffer_consume(self):
+        libbcc_bpf().bpf_consume_ringbuf(self._ringbuf)
+
+    @staticmethod
+    def sym(addr: int, pid: int, show_module: bool = False) -> bytes:
+        """A user address as function+module (only --stacks asks: it loads
+        bcc's symbolizer, and with it LLVM, then)."""
+        import bcc
+        return bcc.BPF.sym(addr, pid, show_module=show_module)
+
+    def cleanup(self):
+        lib = libbcc_bpf()
+        for reader in self._readers:
+            lib.perf_reader_free(reader)
+        self._readers = []
+        if self._ringbuf:
+            lib.bpf_free_ringbuf(self._ringbuf)
+            self._ringbuf = None
+        self._callbacks = []
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self._progs = [], {}
+
+
+# -- the cache -----------------------------------------------------------------
+
+def _loader_identity() -> str:
+    """bcc's installed build (path, size, mtime of libbcc_bpf, shipped in
+    the same package as the compiler): a new bcc compiles anew."""
+    libbcc_bpf()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if "libbcc_bpf.so" in path:
+                st = os.stat(path)
+                return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    return "unknown"
+
+
+def cache_key(cflags: list) -> str:
+    """What the compiled program depends on: its text (every file of bpf/,
+    headers included), its flags, the kernel, its headers, the CPUs bcc
+    sizes per-CPU maps by, and bcc itself."""
+    h = hashlib.sha256()
+
+    def add(label, value):
+        data = value if isinstance(value, bytes) else str(value).encode()
+        h.update(f"{label}:{len(data)}:".encode() + data)
+
+    add("format", FORMAT)
+    for path in sorted(abi.BPF_DIR.iterdir()):
+        if path.is_file():
+            add(path.name, path.read_bytes())
+    add("cflags", "\0".join(cflags))
+    uname = os.uname()
+    add("kernel", f"{uname.release} {uname.version} {uname.machine}")
+    build = f"/lib/modules/{uname.release}/build"
+    add("headers", os.path.realpath(build) if os.path.exists(build) else "-")
+    try:
+        with open("/sys/devices/system/cpu/possible") as f:
+            add("cpus", f.read().strip())
+    except OSError:
+        add("cpus", os.cpu_count())
+    add("bcc", _loader_identity())
+    return h.hexdigest()
+
+
+def read_entry(path: str, key: str):
+    """The cached entry at path, or None when it is missing or unusable
+    (corrupt, another key, another format): those are compiled again."""
+    try:
+        with open(path, "rb") as f:
+            entry = json.loads(f.read())
+        if entry.get("format") != FORMAT or entry.get("key") != key:
+            return None
+        for spec in entry["maps"]:
+            decode_type(spec["key"]), decode_type(spec["leaf"])
+        for prog in entry["progs"]:
+            n = len(base64.b64decode(prog["insns"], validate=True))
+            if n % 8 or any(not 0 <= at < n // 8 or not 0 <= m < len(entry["maps"])
+                            for at, m in prog["map_refs"]):
+                return None
+        return entry
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def compile_entry(cflags: list, key: str, out_path: str):
+    """Compile in a child process, which writes the entry to out_path.
+    The child has LLVM mapped; this process never does."""
+    proc = subprocess.run([sys.executable, "-m", "tracer.program", out_path, key, *cflags],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              [str(abi.BPF_DIR.parent)] +
+                              [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                               if p])))
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        raise EnvironmentProblem(f"the BPF program did not compile: "
+                                 f"{lines[-1] if lines else f'exit {proc.returncode}'}"
+                                 + (f" (and {len(lines) - 1} more lines)"
+                                    if len(lines) > 1 else ""))
+
+
+def load(cflags: list, before_compile=lambda: None) -> tuple:
+    """(LoadedProgram, how) for the program with these cflags: from the
+    cache when an entry is there, else compiled now (and cached where the
+    cache is usable).  `how` says which, for the ready line.
+    before_compile() runs before a compile (the checks only it needs)."""
+    key = cache_key(cflags)
+    directory, why_not = cache.directory()
+    if directory is not None:
+        path = os.path.join(directory, f"bpf-{key}.json")
+        entry = read_entry(path, key)
+        if entry is not None:
+            try:
+                return LoadedProgram(entry), "cached"
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.EACCES):
+                    raise
+                # refused as cached: compile again, and replace the entry
+        before_compile()
+        fd, tmp = tempfile.mkstemp(prefix=".compile-", dir=directory)
+        os.close(fd)
+        try:
+            compile_entry(cflags, key, tmp)
+            entry = read_entry(tmp, key)
+            if entry is None:
+                raise EnvironmentProblem("the BPF compile wrote no usable program")
+            os.replace(tmp, path)  # atomic: a reader sees the old entry or the new
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return LoadedProgram(entry), "compiled"
+    before_compile()
+    with tempfile.TemporaryDirectory(prefix="kvtrace-compile-") as tmpdir:
+        path = os.path.join(tmpdir, "program.json")
+        compile_entry(cflags, key, path)
+        entry = read_entry(path, key)
+        if entry is None:
+            raise EnvironmentProblem("the BPF compile wrote no usable program")
+    return LoadedProgram(entry), f"compiled, not cached: {why_not}"
+
+
+# -- the child: compile with bcc and write the entry ---------------------------
+
+def _compile_main(out_path: str, key: str, cflags: list) -> int:
+    try:
+        import bcc
+        from bcc.libbcc import lib
+    except ImportError as e:
+        print(f"bcc is not importable ({e})", file=sys.stderr)
+        return 1
+    try:
+        b = bcc.BPF(src_file=str(abi.BPF_PROGRAM).encode(), cflags=cflags)
+    except Exception as e:  # bcc raises bare Exception on compile errors
+        print(str(e).strip() or type(e).__name__, file=sys.stderr)
+        return 1
+    module = b.module
+    for name, res, args in (("bpf_num_tables", ctypes.c_size_t, [ctypes.c_void_p]),
+                            ("bpf_table_name", ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]),
+                            ("bpf_table_fd_id", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
+                            ("bpf_table_key_desc_id", ctypes.c_char_p,
+                             [ctypes.c_void_p, ctypes.c_size_t]),
+                            ("bpf_table_leaf_desc_id", ctypes.c_char_p,
+                             [ctypes.c_void_p, ctypes.c_size_t])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    maps, index_of_fd = [], {}
+    for i in range(lib.bpf_num_tables(module)):
+        fd = lib.bpf_table_fd_id(module, i)
+        mtype, key_size, value_size, entries, flags = map_info(fd)
+        index_of_fd[fd] = len(maps)
+        maps.append(dict(name=lib.bpf_table_name(module, i).decode(), type=mtype,
+                         key_size=key_size, value_size=value_size, max_entries=entries,
+                         flags=flags, key=json.loads(lib.bpf_table_key_desc_id(module, i)),
+                         leaf=json.loads(lib.bpf_table_leaf_desc_id(module, i))))
+    progs = []
+    for i in range(lib.bpf_num_functions(module)):
+        name = lib.bpf_function_name(module, i)
+        insns = b.dump_func(name)
+        refs, at = [], 0
+        while at < len(insns) // 8:
+            code, regs, _off, imm = struct.unpack_from("<BBhi", insns, at * 8)
+            at += 2 if code == _LD_IMM64 else 1  # ld_imm64's second half is no instruction
+            if code != _LD_IMM64:
+                continue
+            at_ld = at - 2
+            if regs >> 4 == BPF_PSEUDO_MAP_FD:
+                if imm not in index_of_fd:
+                    print(f"{name.decode()}: instruction {at_ld} names fd {imm}, not a map",
+                          file=sys.stderr)
+                    return 1
+                refs.append([at_ld, index_of_fd[imm]])
+            elif regs >> 4:
+                # another kind of pseudo load (map value, BTF id): not relocatable here
+                print(f"{name.decode()}: instruction {at_ld} is a pseudo load of kind "
+                      f"{regs >> 4}, which the cache cannot relocate", file=sys.stderr)
+                return 1
+        progs.append(dict(name=name.decode(), insns=base64.b64encode(insns).decode(),
+                          map_refs=refs))
+    entry = dict(format=FORMAT, key=key, license=lib.bpf_module_license(module).decode(),
+                 kern_version=lib.bpf_module_kern_version(module), maps=maps, progs=progs)
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(entry, f)
+    b.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_compile_main(sys.argv[1], sys.argv[2], sys.argv[3:]))
