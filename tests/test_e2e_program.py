@@ -6,6 +6,7 @@ unsafe cache is never loaded as it is."""
 import json
 import os
 import re
+import shutil
 import stat
 
 import pytest
@@ -15,13 +16,16 @@ from conftest import KVSIM, Kvsim, Tracer, assert_matches_truth, run_kvtrace
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
+def in_cache(cache_dir):
+    return dict(os.environ, KVTRACE_CACHE_DIR=str(cache_dir))
+
+
 def attach_default(tmp_path, cache_dir, name):
     """kvsim's default workload under `attach --`: (its ready line, its
     aggregate, kvsim's truth)."""
     out, truth = tmp_path / f"{name}.json", tmp_path / f"{name}-truth.json"
     r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", "default",
-                    "--truth", truth, "--quiet",
-                    env=dict(os.environ, KVTRACE_CACHE_DIR=str(cache_dir)))
+                    "--truth", truth, "--quiet", env=in_cache(cache_dir))
     assert r.returncode == 0, r.stderr
     ready = [line for line in r.stderr.splitlines() if "ready after" in line]
     assert len(ready) == 1, r.stderr
@@ -32,29 +36,65 @@ def entries(cache_dir):
     return sorted(cache_dir.glob("bpf-*.json"))
 
 
-def test_compiled_once_then_loaded_from_the_cache_both_exact(tmp_path):
-    cache_dir = tmp_path / "cache"
-    ready, doc, truth = attach_default(tmp_path, cache_dir, "first")
+def attach_pid_without_llvm(tmp_path, cache_dir, expect):
+    """attach -p to a paused kvsim: while it traces, the tracer process maps
+    no LLVM, clang or bcc compiler library (a compile ran in a child that
+    has exited); the counts equal kvsim's truth."""
+    sim = Kvsim(tmp_path, "default")
+    tracer = None
+    try:
+        out = tmp_path / f"pid-{expect}.json"
+        tracer = Tracer("-q", "-p", sim.pid, "--json", out, env=in_cache(cache_dir))
+        tracer.wait_attached()
+        assert f"BPF program {expect} in" in tracer.early_err, tracer.early_err
+        with open(f"/proc/{tracer.proc.pid}/maps") as f:
+            libs = {line.split()[-1] for line in f if ".so" in line}
+        assert not [p for p in libs if "libLLVM" in p or "libclang" in p
+                    or re.search(r"/libbcc\.so", p)], sorted(libs)
+        assert [p for p in libs if "libbcc_bpf.so" in p], sorted(libs)
+        sim.go()
+        assert sim.wait() == 0
+        rc, _, err = tracer.finish()
+        assert rc == 0, err
+        assert_matches_truth(json.loads(out.read_text()), sim.truth())
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        sim.kill()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """One attach on an empty cache: (its tmp dir, cache dir, ready line,
+    aggregate, truth).  The module's other tests start from its entry."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    cache_dir = tmp / "cache"
+    return (tmp, cache_dir, *attach_default(tmp, cache_dir, "first"))
+
+
+def test_compiled_once_then_loaded_from_the_cache_both_exact(compiled):
+    tmp, cache_dir, ready, doc, truth = compiled
     assert "BPF program compiled in" in ready, ready
     assert_matches_truth(doc, truth)
     [entry] = entries(cache_dir)
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(entry.stat().st_mode) == 0o600
     assert not list(cache_dir.glob(".compile-*"))  # no temporary left behind
-
-    ready, doc, truth = attach_default(tmp_path, cache_dir, "second")
-    assert "BPF program cached in" in ready, ready
-    assert_matches_truth(doc, truth)
+    attach_pid_without_llvm(tmp, cache_dir, "cached")
     assert entries(cache_dir) == [entry]
 
 
+def test_a_compiling_tracer_keeps_no_llvm_mapped(tmp_path):
+    attach_pid_without_llvm(tmp_path, tmp_path / "cache", "compiled")
+
+
 @pytest.mark.parametrize("spoil", ["garbage", "refused"])
-def test_a_spoiled_entry_is_compiled_again(tmp_path, spoil):
+def test_a_spoiled_entry_is_compiled_again(tmp_path, compiled, spoil):
     """Garbage is not read; an entry the kernel refuses (its first program's
     instructions replaced by an unterminated one) is compiled again and
     replaced.  Both runs still count exactly."""
     cache_dir = tmp_path / "cache"
-    attach_default(tmp_path, cache_dir, "first")
+    shutil.copytree(compiled[1], cache_dir)
     [entry] = entries(cache_dir)
     if spoil == "garbage":
         entry.write_text("{ this is not the program")
@@ -66,6 +106,7 @@ def test_a_spoiled_entry_is_compiled_again(tmp_path, spoil):
     ready, doc, truth = attach_default(tmp_path, cache_dir, "again")
     assert "BPF program compiled in" in ready, ready
     assert_matches_truth(doc, truth)
+    assert entries(cache_dir) == [entry]
     assert json.loads(entry.read_text())["progs"][0]["insns"] != "twAAAAAAAAA="
     ready, _, _ = attach_default(tmp_path, cache_dir, "third")
     assert "BPF program cached in" in ready, ready
@@ -79,27 +120,3 @@ def test_a_directory_others_can_write_is_not_used(tmp_path):
     assert re.search(r"BPF program compiled, not cached: .* writable by others", ready), ready
     assert_matches_truth(doc, truth)
     assert entries(cache_dir) == []
-
-
-def test_the_tracer_keeps_no_llvm_mapped(tmp_path):
-    """Compiled or cached, the tracer process itself never maps LLVM or
-    bcc's compiler library: the compile runs in a child that exits."""
-    cache_dir = tmp_path / "cache"
-    for run in ("compiled", "cached"):
-        sim = Kvsim(tmp_path, "default")
-        try:
-            tracer = Tracer("-q", "-p", sim.pid, env=dict(os.environ,
-                                                          KVTRACE_CACHE_DIR=str(cache_dir)))
-            tracer.wait_attached()
-            assert f"BPF program {run} in" in tracer.early_err, tracer.early_err
-            with open(f"/proc/{tracer.proc.pid}/maps") as f:
-                libs = {line.split()[-1] for line in f if ".so" in line}
-            assert not [p for p in libs if "libLLVM" in p or "libclang" in p
-                        or re.search(r"/libbcc\.so", p)], sorted(libs)
-            assert [p for p in libs if "libbcc_bpf.so" in p], sorted(libs)
-            sim.go()
-            assert sim.wait() == 0
-            rc, _, err = tracer.finish()
-            assert rc == 0, err
-        finally:
-            sim.kill()
