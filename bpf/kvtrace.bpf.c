@@ -19,7 +19,9 @@
  * the work until the 1M-instruction limit.  Masks stand in for branches, and
  * OPAQUE() keeps clang from turning the masks back into branches.  One run
  * handles KVTRACE_SEGMENT_CHUNKS * KVTRACE_CHUNK items, which the verifier
- * walks in about a quarter of its budget.
+ * walks in about a quarter of its budget.  The one exception is the slot
+ * stages' run-of-a-block branch, which pays for itself and reads
+ * KVTRACE_SLOT_SEGMENT_CHUNKS per run instead (docs/design.md).
  */
 #include <uapi/linux/ptrace.h>
 #include "kvtrace.h"
@@ -561,12 +563,16 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 		return 0;
 	u64 keep = w->keep, block_size = w->block_size, shift = w->block_shift;
 	u64 valid = 0, padding = 0, oor = 0, lost = 0;
+	/* Consecutive slots of one block (a prefill writes block_size of them
+	 * in a row) share one atomic add: the run's count is added when the
+	 * block changes, and at the end of the segment. */
+	u64 run_block = 0, run = 0;
 	OPAQUE(keep);
 
 	w->rec_start = w->done;
 
 #pragma clang loop unroll(disable)
-	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+	for (u32 c = 0; c < KVTRACE_SLOT_SEGMENT_CHUNKS; c++) {
 		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1); /* chunk in the record */
 		s64 cnt = next_chunk(w, buf, k);
 		if (cnt <= 0)
@@ -583,12 +589,19 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 			valid += real;
 			padding += live & pad;
 			oor += real & (kept ^ 1);
-			__sync_fetch_and_add(&row->count[block & BLOCK_MASK], kept);
+			if (block != run_block) {
+				__sync_fetch_and_add(
+				    &row->count[run_block & BLOCK_MASK], run);
+				run_block = block;
+				run = 0;
+			}
+			run += kept;
 		}
 		/* c is known on every path: this is no branch for the verifier */
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
 			lost += emit_chunk(ctx, w, buf);
 	}
+	__sync_fetch_and_add(&row->count[run_block & BLOCK_MASK], run);
 	lost += emit_chunk(ctx, w, buf); /* the rest, if any */
 	w->ev.slots += valid;
 	w->ev.padding += padding;

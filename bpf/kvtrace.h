@@ -110,6 +110,10 @@ enum kvtrace_arg_kind {
  */
 #define KVTRACE_CHUNK 64
 #define KVTRACE_SEGMENT_CHUNKS 128
+/* The slot stages branch once per slot (one atomic add per run of slots in
+ * one block), which the verifier allows only for shorter runs: 33 * 2048 =
+ * 67584 slots per op (docs/design.md). */
+#define KVTRACE_SLOT_SEGMENT_CHUNKS 32
 #define KVTRACE_MAX_TAIL_CALLS 33
 /* The index stream sends up to this many chunks (512 values) per record:
  * fewer, larger records for user space to take.  Divides SEGMENT_CHUNKS. */
