@@ -474,7 +474,8 @@ def _compile_main(out_path: str, key: str, cflags: list) -> int:
         import bcc
         from bcc.libbcc import lib
     except ImportError as e:
-        print(f"bcc is not importable ({e})", file=sys.stderr)
+        print(f"bcc is not importable ({e}): install python3-bpfcc and use a venv made "
+              "with --system-site-packages (`make setup` does both)", file=sys.stderr)
         return 1
     try:
         b = bcc.BPF(src_file=str(abi.BPF_PROGRAM).encode(), cflags=cflags)
