@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer import abi, cache, catalog, torch_layout
+from tracer import abi, catalog, torch_layout
 from tracer.discover import process_probe_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def torch_process():
 
 
 def test_tensor_layout_found_in_the_targets_torch(tmp_path, monkeypatch, torch_process):
-    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(tmp_path / "cache"))
     d = torch_layout.Discovery(torch_process.pid).start()
     layout = d.result()
     assert layout is not None, d.error
@@ -176,7 +176,7 @@ def test_tensor_layout_found_in_the_targets_torch(tmp_path, monkeypatch, torch_p
 
 
 def test_no_torch_no_layout(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(tmp_path / "cache"))
     p = subprocess.Popen(["sleep", "30"])
     try:
         d = torch_layout.Discovery(p.pid).start()
