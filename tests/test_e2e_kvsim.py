@@ -72,6 +72,47 @@ def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
     print(f"stress x3: {calls} ops, {doc['records']} records, {doc['lost_records']} lost")
 
 
+# One slot-writing op reads at most 33 tail-called runs of 2048 slots
+# (docs/design.md, "Reading 8192+ slots per op"): the documented limit
+SLOT_OP_LIMIT = 33 * 2048
+
+
+def test_ops_longer_than_the_read_limit_are_truncated_exactly(tmp_path):
+    """kvsim's `long` workload writes steps of ~125k slots in one op.  What
+    the tracer reads of each op (its first 67584 entries) is counted exactly,
+    the rest is `truncated`, and the run says it is NOT exact.  The expected
+    counts come from kvsim's own log of each op's values."""
+    out, log = tmp_path / "agg.json", tmp_path / "ops.log"
+    truth_path = tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", "long",
+                    "--truth", truth_path, "--ops-log", log, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc, truth = json.loads(out.read_text()), json.loads(truth_path.read_text())
+    writes = [(cache_id, values) for name, cache_id, values, _ in kvsim_ops_log(log)
+              if name == "reshape_and_cache_flash"]
+    assert writes and max(len(v) for _, v in writes) > SLOT_OP_LIMIT  # the test's premise
+    want_truncated = sum(max(0, len(v) - SLOT_OP_LIMIT) for _, v in writes)
+    op = doc["ops"]["reshape_and_cache_flash"]
+    assert op["truncated"] == want_truncated
+    assert op["calls"] == len(writes)
+    assert doc["exact"] is False
+    assert any("per-op read limit" in why for why in doc["inexact_reasons"])
+    # every slot the tracer read is counted, in its block
+    want = {}
+    for cache_id, values in writes:
+        read = values[:SLOT_OP_LIMIT]
+        blocks, counts = np.unique(read[read >= 0] // truth["block_size"], return_counts=True)
+        per_block = want.setdefault(cache_id, {})
+        for b, c in zip(blocks.tolist(), counts.tolist()):
+            per_block[b] = per_block.get(b, 0) + c
+    got = {layer["cache_id"]: dict(map(tuple, layer["writes"]))
+           for layer in doc["processes"][0]["layers"]}
+    assert got == want
+    assert op["slots"] == sum(sum(v.values()) for v in want.values())
+    # the log holds every slot kvsim wrote (its truth's total)
+    assert sum(int((v >= 0).sum()) for _, v in writes) == truth["slots_written"]
+
+
 def test_limits_are_reported_not_hidden(tmp_path):
     """Blocks and layers beyond --max-blocks / --max-layers: what is kept is
     exact, the rest is counted as out of range and the run says NOT exact.

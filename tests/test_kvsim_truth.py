@@ -15,7 +15,7 @@ import pytest
 
 from conftest import KVSIM, KVSIM_LIB
 
-WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
+WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window", "long")
 
 
 def kvsim_truth(tmp_path, workload, *extra):

@@ -154,6 +154,10 @@ static const struct workload workloads[] = {
 	/* 72 = 4.5 blocks: the window never ends on a block boundary */
 	{ "window", 4, 16, 512, 32, 1, 8, 300, 1, 64, 1024,
 	  KV_OP_RESHAPE_AND_CACHE, false, 0, 72 },
+	/* steps of up to 131072 tokens: write ops longer than the tracer
+	 * reads whole (its `truncated` counter is checked against this) */
+	{ "long", 1, 16, 16384, 12, 1, 20000, 30000, 1, 2, 131072,
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0, 0 },
 };
 #define NUM_WORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
 
@@ -1944,7 +1948,7 @@ static void print_help(void)
 	       "A paged-KV-cache simulator that fires the kvtrace USDT probes.\n"
 	       "\n"
 	       "  --workload NAME      default | beam | swap | stress | mla | prefix |\n"
-	       "                       window\n"
+	       "                       window | long\n"
 	       "  --seed N             RNG seed (default 1)\n"
 	       "  --truth FILE         write the ground-truth JSON to FILE\n"
 	       "  --truth-steps        include per-step read rows (reads.live_sets)\n"
