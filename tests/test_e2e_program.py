@@ -36,7 +36,7 @@ def entries(cache_dir):
     return sorted(cache_dir.glob("bpf-*.json"))
 
 
-def attach_pid_without_llvm(tmp_path, cache_dir, expect):
+def attach_pid_without_llvm(tmp_path, cache_dir, expect, *extra):
     """attach -p to a paused kvsim: while it traces, the tracer process maps
     no LLVM, clang or bcc compiler library (a compile ran in a child that
     has exited); the counts equal kvsim's truth."""
@@ -44,7 +44,7 @@ def attach_pid_without_llvm(tmp_path, cache_dir, expect):
     tracer = None
     try:
         out = tmp_path / f"pid-{expect}.json"
-        tracer = Tracer("-q", "-p", sim.pid, "--json", out, env=in_cache(cache_dir))
+        tracer = Tracer("-q", "-p", sim.pid, "--json", out, *extra, env=in_cache(cache_dir))
         tracer.wait_attached()
         assert f"BPF program {expect} in" in tracer.early_err, tracer.early_err
         with open(f"/proc/{tracer.proc.pid}/maps") as f:
@@ -85,7 +85,12 @@ def test_compiled_once_then_loaded_from_the_cache_both_exact(compiled):
 
 
 def test_a_compiling_tracer_keeps_no_llvm_mapped(tmp_path):
-    attach_pid_without_llvm(tmp_path, tmp_path / "cache", "compiled")
+    """With --folded too: stacks are symbolized (at attach, and at the end)
+    without bcc's Python module, which would load LLVM."""
+    folded = tmp_path / "kv.folded"
+    attach_pid_without_llvm(tmp_path, tmp_path / "cache", "compiled", "--folded", folded)
+    lines = folded.read_text().splitlines()
+    assert lines and any("kvsim" in line for line in lines), lines[:5]
 
 
 @pytest.mark.parametrize("spoil", ["garbage", "refused"])

@@ -32,6 +32,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -110,6 +111,11 @@ class _PerfBufferOpts(ctypes.Structure):  # bcc's struct bcc_perf_buffer_opts
     _fields_ = [("pid", ctypes.c_int), ("cpu", ctypes.c_int), ("wakeup_events", ctypes.c_int)]
 
 
+class _Symbol(ctypes.Structure):  # bcc's struct bcc_symbol
+    _fields_ = [("name", ctypes.c_char_p), ("demangle_name", ctypes.c_char_p),
+                ("module", ctypes.POINTER(ctypes.c_char)), ("offset", ctypes.c_ulonglong)]
+
+
 _lib = None
 
 
@@ -141,7 +147,10 @@ def libbcc_bpf():
                 ("bpf_new_ringbuf", vp, [i, _RINGBUF_CB, vp]),
                 ("bpf_poll_ringbuf", i, [vp, i]),
                 ("bpf_consume_ringbuf", i, [vp]),
-                ("bpf_free_ringbuf", None, [vp])):
+                ("bpf_free_ringbuf", None, [vp]),
+                ("bcc_symcache_new", vp, [i, vp]),
+                ("bcc_symcache_resolve", i, [vp, ctypes.c_ulonglong, ctypes.POINTER(_Symbol)]),
+                ("bcc_symbol_free_demangle_name", None, [ctypes.POINTER(_Symbol)])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         _lib = lib
@@ -326,12 +335,28 @@ class LoadedProgram:
     def ring_buffer_consume(self):
         libbcc_bpf().bpf_consume_ringbuf(self._ringbuf)
 
-    @staticmethod
-    def sym(addr: int, pid: int, show_module: bool = False) -> bytes:
-        """A user address as function+module (only --stacks asks: it loads
-        bcc's symbolizer, and with it LLVM, then)."""
-        import bcc
-        return bcc.BPF.sym(addr, pid, show_module=show_module)
+    _symcaches = {}  # pid -> bcc symbol cache: it reads /proc/PID/maps once
+
+    @classmethod
+    def sym(cls, addr: int, pid: int, show_module: bool = False) -> bytes:
+        """A user address as `function [module]`, demangled, or `[unknown]`:
+        what bcc's BPF.sym gives, through the same symbolizer in libbcc_bpf
+        (bcc's Python module would load LLVM)."""
+        lib = libbcc_bpf()
+        cache = cls._symcaches.get(pid)
+        if cache is None:
+            cache = cls._symcaches[pid] = lib.bcc_symcache_new(pid, None)
+        sym, name, module = _Symbol(), None, None
+        if lib.bcc_symcache_resolve(cache, addr, ctypes.byref(sym)) == 0:
+            name = sym.demangle_name  # a copy: freed next
+            lib.bcc_symbol_free_demangle_name(ctypes.byref(sym))
+            module = ctypes.cast(sym.module, ctypes.c_char_p).value
+        elif sym.module and sym.offset:  # in a known file, but no symbol
+            module = ctypes.cast(sym.module, ctypes.c_char_p).value
+        label = name or b"[unknown]"
+        if show_module and module is not None:
+            label += b" [%s]" % os.path.basename(module)
+        return label
 
     def cleanup(self):
         lib = libbcc_bpf()
@@ -419,6 +444,9 @@ def compile_entry(cflags: list, key: str, out_path: str):
                               [str(abi.BPF_DIR.parent)] +
                               [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                if p])))
+    if proc.returncode < 0:  # a signal: Ctrl-C reaches the child's group too
+        raise EnvironmentProblem(f"the BPF compile was stopped by "
+                                 f"{signal.Signals(-proc.returncode).name}")
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         raise EnvironmentProblem(f"the BPF program did not compile: "
