@@ -125,3 +125,18 @@ def test_a_directory_others_can_write_is_not_used(tmp_path):
     assert re.search(r"BPF program compiled, not cached: .* writable by others", ready), ready
     assert_matches_truth(doc, truth)
     assert entries(cache_dir) == []
+
+
+def test_a_compile_error_names_clangs_first_error():
+    """The compile runs in a child; its failure still reaches the user as
+    one line that names the compiler's first error, not bcc's summary."""
+    from tracer import abi, program
+    from tracer.errors import EnvironmentProblem
+
+    with pytest.raises(EnvironmentProblem) as e:
+        program.compile_entry([f"-I{abi.BPF_DIR}", "-DKVTRACE_MAX_BLOCKS=notanumber"],
+                              "k" * 64, "/dev/null")
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("the BPF program did not compile: ")
+    assert "error: use of undeclared identifier 'notanumber'" in line, line

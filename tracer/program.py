@@ -448,11 +448,13 @@ def compile_entry(cflags: list, key: str, out_path: str):
         raise EnvironmentProblem(f"the BPF compile was stopped by "
                                  f"{signal.Signals(-proc.returncode).name}")
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise EnvironmentProblem(f"the BPF program did not compile: "
-                                 f"{lines[-1] if lines else f'exit {proc.returncode}'}"
-                                 + (f" (and {len(lines) - 1} more lines)"
-                                    if len(lines) > 1 else ""))
+        # clang's first error says most (a missing header, say); bcc's own
+        # summary comes last
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if "error:" in line]
+        first = (errors or lines or [f"exit {proc.returncode}"])[0 if errors else -1]
+        more = f" (and {len(lines) - 1} more lines of the compiler's)" if len(lines) > 1 else ""
+        raise EnvironmentProblem(f"the BPF program did not compile: {first}{more}")
 
 
 def load(cflags: list, before_compile=lambda: None) -> tuple:
