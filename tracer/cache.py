@@ -14,10 +14,17 @@ from pathlib import Path
 DEFAULT_DIR = "/var/cache/kvtrace-bpf"
 
 
+def configured():
+    """The cache directory asked for, or None when KVTRACE_CACHE_DIR turns
+    caching off.  Nothing is checked or created."""
+    path = os.environ.get("KVTRACE_CACHE_DIR") or DEFAULT_DIR
+    return None if path.lower() in ("off", "none", "0") else path
+
+
 def directory():
     """(Path, None) when the cache can be used, else (None, why not)."""
-    path = os.environ.get("KVTRACE_CACHE_DIR") or DEFAULT_DIR
-    if path.lower() in ("off", "none", "0"):
+    path = configured()
+    if path is None:
         return None, "KVTRACE_CACHE_DIR turns it off"
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)

@@ -167,6 +167,8 @@ class _ProgLoadAttr(ctypes.Structure):
 
 
 _BPF_PROG_LOAD = 5
+_SYS_bpf = 321  # x86_64
+_libc = ctypes.CDLL(None, use_errno=True)
 # a kprobe program, the type the tracer's programs are: it needs what tracing
 # needs (CAP_BPF + CAP_PERFMON), where a socket filter may load without them
 _BPF_PROG_TYPE_KPROBE = 2
@@ -193,8 +195,7 @@ def load_trivial_program() -> int:
     # checked against the running kernel's version before 5.0
     attr.kern_version = (major << 16) | (minor << 8) | min(patch, 255)
     attr.prog_name = b"kvtrace_doctor"
-    fd = session._libc.syscall(session._SYS_bpf, _BPF_PROG_LOAD, ctypes.byref(attr),
-                               ctypes.sizeof(attr))
+    fd = _libc.syscall(_SYS_bpf, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
     if fd < 0:
         return ctypes.get_errno()
     os.close(fd)
@@ -278,8 +279,8 @@ def check_kernel_headers() -> Check:
 def check_program_cache() -> Check:
     """Whether the next attach loads the compiled program or compiles it.
     Only read: a missing directory is not created here."""
-    path = os.environ.get("KVTRACE_CACHE_DIR") or cache.DEFAULT_DIR
-    if path.lower() in ("off", "none", "0"):
+    path = cache.configured()
+    if path is None:
         return Check("program cache", INFO, "off (KVTRACE_CACHE_DIR): every attach "
                      "compiles the BPF program (seconds)")
     if not os.path.isdir(path):

@@ -44,8 +44,6 @@ from .errors import EnvironmentProblem
 
 FORMAT = 1  # bump when the cache entry's layout changes
 BPF_PROG_TYPE_KPROBE = 2
-BPF_MAP_TYPE_PERF_EVENT_ARRAY = 4
-BPF_MAP_TYPE_STACK_TRACE = 7
 BPF_PSEUDO_MAP_FD = 1
 _LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
 # struct bpf_map_info's head (uapi/linux/bpf.h): type, id, key_size,
@@ -162,13 +160,21 @@ def _oserror(what: str) -> OSError:
     return OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def obj_info(fd: int, size: int) -> bytes:
+    """The first `size` bytes of a BPF object's info (BPF_OBJ_GET_INFO_BY_FD:
+    struct bpf_map_info or bpf_prog_info, uapi/linux/bpf.h); what an older
+    kernel does not fill stays zero."""
+    buf = ctypes.create_string_buffer(size)
+    length = ctypes.c_uint32(size)
+    if libbcc_bpf().bpf_obj_get_info(fd, buf, ctypes.byref(length)) < 0:
+        raise _oserror("BPF_OBJ_GET_INFO_BY_FD")
+    return buf.raw
+
+
 def map_info(fd: int) -> tuple:
     """(type, key_size, value_size, max_entries, flags) of a map, from the kernel."""
-    buf = ctypes.create_string_buffer(_MAP_INFO_SIZE)
-    size = ctypes.c_uint32(_MAP_INFO_SIZE)
-    if libbcc_bpf().bpf_obj_get_info(fd, buf, ctypes.byref(size)) < 0:
-        raise _oserror("BPF_OBJ_GET_INFO_BY_FD")
-    mtype, _id, key_size, value_size, entries, flags = _MAP_INFO.unpack_from(buf.raw)
+    mtype, _id, key_size, value_size, entries, flags = _MAP_INFO.unpack_from(
+        obj_info(fd, _MAP_INFO_SIZE))
     return mtype, key_size, value_size, entries, flags
 
 
@@ -176,8 +182,8 @@ class Map:
     """One BPF map: typed lookups, updates and iteration (bcc's Table API,
     as much of it as the tracer uses)."""
 
-    def __init__(self, name: str, fd: int, map_type: int, key_type, leaf_type):
-        self.name, self.map_fd, self.map_type = name, fd, map_type
+    def __init__(self, name: str, fd: int, key_type, leaf_type):
+        self.name, self.map_fd = name, fd
         self.Key, self.Leaf = key_type, leaf_type
 
     def __getitem__(self, key):
@@ -253,8 +259,8 @@ class LoadedProgram:
                     raise _oserror(f"creating map {spec['name']}")
                 self._fds.append(fd)
                 fds.append(fd)
-                self.maps[spec["name"]] = Map(spec["name"], fd, spec["type"],
-                                              decode_type(spec["key"]), decode_type(spec["leaf"]))
+                self.maps[spec["name"]] = Map(spec["name"], fd, decode_type(spec["key"]),
+                                              decode_type(spec["leaf"]))
             license_ = entry["license"].encode()
 
             def load_one(prog):
@@ -478,10 +484,7 @@ def load(cflags: list, before_compile=lambda: None) -> tuple:
         fd, tmp = tempfile.mkstemp(prefix=".compile-", dir=directory)
         os.close(fd)
         try:
-            compile_entry(cflags, key, tmp)
-            entry = read_entry(tmp, key)
-            if entry is None:
-                raise EnvironmentProblem("the BPF compile wrote no usable program")
+            entry = _compiled(cflags, key, tmp)
             os.replace(tmp, path)  # atomic: a reader sees the old entry or the new
         finally:
             if os.path.exists(tmp):
@@ -489,12 +492,17 @@ def load(cflags: list, before_compile=lambda: None) -> tuple:
         return LoadedProgram(entry), "compiled"
     before_compile()
     with tempfile.TemporaryDirectory(prefix="kvtrace-compile-") as tmpdir:
-        path = os.path.join(tmpdir, "program.json")
-        compile_entry(cflags, key, path)
-        entry = read_entry(path, key)
-        if entry is None:
-            raise EnvironmentProblem("the BPF compile wrote no usable program")
+        entry = _compiled(cflags, key, os.path.join(tmpdir, "program.json"))
     return LoadedProgram(entry), f"compiled, not cached: {why_not}"
+
+
+def _compiled(cflags: list, key: str, path: str) -> dict:
+    """Compile into path and read the entry back, checked as a cached one is."""
+    compile_entry(cflags, key, path)
+    entry = read_entry(path, key)
+    if entry is None:
+        raise EnvironmentProblem("the BPF compile wrote no usable program")
+    return entry
 
 
 # -- the child: compile with bcc and write the entry ---------------------------

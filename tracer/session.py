@@ -24,13 +24,10 @@ from .uprobe_pmu import Uprobe
 # The capabilities tracing involves (linux/capability.h), by CapEff bit
 CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
 
-# bpf(BPF_OBJ_GET_INFO_BY_FD) and the fields of struct bpf_prog_info we read
-# (uapi/linux/bpf.h; offsets checked against it with offsetof)
-_BPF_OBJ_GET_INFO_BY_FD = 15
+# struct bpf_prog_info's size and the field we read (uapi/linux/bpf.h;
+# offsets checked against it with offsetof)
 _PROG_INFO_SIZE = 232
 _PROG_INFO_RECURSION_MISSES = 208
-_SYS_bpf = 321
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def effective_capabilities() -> set:
@@ -370,13 +367,11 @@ class Tracer:
         while another runs there (this one preempted, or any other tracer's)
         is skipped and counted in the program's recursion_misses (5.12+).
         Each one is an op the counts lack, so it is reported, not hidden."""
-        info = ctypes.create_string_buffer(_PROG_INFO_SIZE)
-        # attr.info: {u32 bpf_fd, u32 info_len, u64 info}
-        attr = ctypes.create_string_buffer(struct.pack(
-            "<IIQ", self.site_prog.fd, _PROG_INFO_SIZE, ctypes.addressof(info)), 16)
-        if _libc.syscall(_SYS_bpf, _BPF_OBJ_GET_INFO_BY_FD, attr, 16) != 0:
+        try:
+            info = program.obj_info(self.site_prog.fd, _PROG_INFO_SIZE)
+        except OSError:
             return 0
-        return struct.unpack_from("<Q", info.raw, _PROG_INFO_RECURSION_MISSES)[0]
+        return struct.unpack_from("<Q", info, _PROG_INFO_RECURSION_MISSES)[0]
 
     def read_globals(self) -> dict:
         table = self.bpf["globals"]
