@@ -723,21 +723,22 @@ def row_attach(q, res):
     cache) and loaded from the cache (the default path after the first
     attach), alternating in one run."""
     reps = 1 if q else 5
-    figures = {kind: {"ready": [], "program": [], "live": [], "detach": [], "said": []}
+    figures = {kind: {"ready": [], "program": [], "live": [], "detach": []}
                for kind in ("compiled", "cached")}
     with tempfile.TemporaryDirectory(prefix="kvbench-cache-") as tmp:
         for i in range(reps):
             # an empty cache each time, then the entry that attach just made
             env = dict(os.environ, KVTRACE_CACHE_DIR=os.path.join(tmp, str(i)))
             for kind in ("compiled", "cached"):
-                _attach_once(figures[kind], env)
-                said = figures[kind]["said"].pop()
+                said = _attach_once(figures[kind], env)
                 assert said == kind, f"attach said its program was {said}, not {kind}"
     res["attach"] = {f"{kind}_{k}_s": stats(v) for kind, f in figures.items()
-                     for k, v in f.items() if k != "said"}
+                     for k, v in f.items()}
 
 
-def _attach_once(out, env):
+def _attach_once(out, env) -> str:
+    """One attach -p to `kvbench live` and its detach, timed into `out`;
+    returns how the ready line says the program came ("compiled", "cached")."""
     k = subprocess.Popen([KVBENCH, "live"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     tp = None
@@ -751,7 +752,6 @@ def _attach_once(out, env):
         # "... ready after 0.6s (BPF program cached in 0.4s)."
         out["ready"].append(float(line.split("ready after ")[1].split("s")[0]))
         said, _, took = line.split("BPF program ")[1].partition(" in ")
-        out["said"].append(said)
         out["program"].append(float(took.split("s")[0]))
         out["live"].append((t_live - t0) / 1e9)
         t1 = time.monotonic_ns()
@@ -759,6 +759,7 @@ def _attach_once(out, env):
         t_dead = int(read_until(k.stdout, "DEAD", 60)[-1].split()[1])
         out["detach"].append((t_dead - t1) / 1e9)
         tp.wait(60)
+        return said
     finally:
         for p in (k, tp):
             if p is not None and p.poll() is None:
