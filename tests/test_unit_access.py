@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tracer import access
+from tracer import abi, access, stream
 
 
 def test_idle_before_reuse_measures_from_the_last_read_strictly_before():
@@ -24,3 +24,124 @@ def test_idle_before_reuse_without_reads_or_generations():
                                     np.array([3])).tolist() == []
     assert access.idle_before_reuse(np.array([0]), np.array([1]), np.array([3]),
                                     empty, empty).tolist() == []
+
+
+# -- the stream half, on hand-made op streams --------------------------------------
+
+PID, GROUP, LEADER = 7, 100, 200
+WRITE = abi.OPS["reshape_and_cache"]
+
+
+def op_stream(records):
+    """records: (op id, cache_id, values, complete) in seq order -> OpStream,
+    with each op's values laid out in order (as stream.decode lays them)."""
+    ops = np.zeros(len(records), stream.OP_TABLE)
+    values, at = [], 0
+    for i, (op, cache_id, vals, complete) in enumerate(records):
+        ops[i]["seq"] = i + 1
+        ops[i]["ts_ns"] = 1000 * (i + 1)
+        ops[i]["pid"], ops[i]["op"], ops[i]["cache_id"] = PID, op, cache_id
+        ops[i]["start"], ops[i]["stop"] = at, at + len(vals)
+        ops[i]["complete"] = complete
+        values += vals
+        at += len(vals)
+    return stream.OpStream(ops, np.array(values, np.int64))
+
+
+def live_sets(values, bs):
+    """The test's own reading of one block_table op: seq_len, then
+    ceil(seq_len / bs) entries, row after row; a row cut short by the
+    end keeps what it has."""
+    rows, pos = [], 0
+    while pos < len(values):
+        seq = values[pos]
+        n = max(-(-seq // bs), 0)
+        rows.append((seq, list(values[pos + 1:pos + 1 + n])))
+        pos += 1 + n
+    return rows
+
+
+def groups(bs):
+    return [{"pid": PID, "group_id": GROUP, "block_size": bs, "leader": LEADER}]
+
+
+def test_rows_of_parses_every_row_as_a_plain_reading_does():
+    rng = np.random.default_rng(5)
+    bs = 4
+    records, want = [], []
+    for step in range(60):
+        vals = []
+        for _ in range(int(rng.integers(0, 6))):
+            seq = int(rng.integers(0, 30))
+            vals += [seq] + rng.integers(0, 50, -(-seq // bs)).tolist()
+        if step % 7 == 3 and vals:
+            vals = vals[:-1]  # a last row cut short
+        complete = step % 11 != 5
+        records.append((stream.TABLE_OP_ID, GROUP, vals, complete))
+        want.append(live_sets(vals, bs) if complete else [])
+    ops = op_stream(records)
+    st = access.steps_of(ops, groups(bs))[0]
+    for reorder in (False, True):
+        if reorder:  # values not in step order: the gathering path
+            ops.ops["start"], ops.ops["stop"] = (ops.ops["start"][::-1].copy(),
+                                                 ops.ops["stop"][::-1].copy())
+            want = [live_sets(ops.values_of(i).tolist(), bs) if c else []
+                    for i, (*_, c) in enumerate(records)]
+        rows = access.rows_of(ops, st)
+        got = [[(int(rows.seq[r]), rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
+                 .tolist()) for r in range(rows.row_lo[k], rows.row_lo[k + 1])]
+               for k in range(len(st))]
+        assert got == want
+        step_of, block = rows.reads()
+        flat = [(k, b) for k, rs in enumerate(want) for _, r in rs for b in r if b > 0]
+        assert list(zip(step_of.tolist(), block.tolist())) == flat
+
+
+def test_scan_reads_per_block_figures():
+    # step -> time: 0 -> 50, 1 -> 10, 2 -> 30 (the steps' times out of order)
+    ts = np.array([50, 10, 30])
+    step_of = np.array([0, 0, 0, 1, 1, 2, 2, 2, 0])
+    block = np.array([4, 4, 6, 4, 9, 6, 6, 1 << 24, 4])
+    sc = access.scan_reads(step_of, block, ts, gen_block=[4, 6, 9], gen_start_ns=[40, 60, 5])
+    assert sc.out_of_range == 1
+    assert sc.reads_per_block.tolist() == [0, 0, 0, 0, 4, 0, 3, 0, 0, 1]
+    assert sc.last_read_step.tolist() == [0, 0, 0, 0, 2, 0, 3, 0, 0, 2]
+    assert sc.last_read_ns.tolist() == [0, 0, 0, 0, 50, 0, 50, 0, 0, 10]
+    # block 4: three requests at step 0; block 6: two at step 2
+    assert sc.sharing.tolist() == [0, 0, 0, 0, 3, 0, 2, 0, 0, 1]
+    # (4, 40): last read before 40 is at 10; (6, 60): at 50; (9, 5): none
+    assert sc.idle.tolist() == [30, 10]
+
+
+def test_prefix_reuse_two_rows_wanting_one_earlier_row():
+    # block size 4.  Step 1: request A, 5 tokens in blocks 1, 2 (writes
+    # slots 4..8).  Step 2: B and C, both A's blocks and one more, each
+    # writing its 9th token (slots 12 and 16).  B comes first and
+    # continues A; C is a new request that found blocks 1 and 2 cached.
+    ops = op_stream([
+        (WRITE, LEADER, [4, 5, 6, 7, 8], True),
+        (stream.TABLE_OP_ID, GROUP, [5, 1, 2], True),
+        (WRITE, LEADER, [12, 16], True),
+        (stream.TABLE_OP_ID, GROUP, [9, 1, 2, 3, 9, 1, 2, 4], True),
+    ])
+    st = access.steps_of(ops, groups(4))[0]
+    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
+                   "steps_without_writes": 0}
+
+
+def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
+    # A (blocks 1, 2, 6 tokens) finishes; D gets the same blocks and writes
+    # A's last token's slot (2 * 4 + 1 = 9) at its first step: D is new,
+    # and block 2, written by D itself, is not reused; block 1 is.
+    ops = op_stream([
+        (WRITE, LEADER, [4, 5, 6, 7, 8, 9], True),
+        (stream.TABLE_OP_ID, GROUP, [6, 1, 2], True),
+        (WRITE, LEADER, [9, 10], True),
+        (stream.TABLE_OP_ID, GROUP, [7, 1, 2], True),
+        (stream.TABLE_OP_ID, GROUP, [8, 1, 2], True),  # no write before it
+    ])
+    st = access.steps_of(ops, groups(4))[0]
+    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    assert got == {"requests": 2, "blocks": 1, "per_block": {1: 1},
+                   "steps_without_writes": 1}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import abi, stream
+from .tracefile import MAX_BLOCKS
 
 PERCENTILES = (0, 25, 50, 75, 90, 99, 100)
 
@@ -121,88 +122,205 @@ def steps_of(ops: stream.OpStream, groups: list) -> list:
     return out
 
 
-def live_set(values: np.ndarray, block_size: int) -> list:
-    """One block_table op's streamed values as rows: [(seq_len, blocks)],
-    blocks as the table held them (0: the null block).  The stream is,
-    row after row, seq_len then ceil(seq_len / block_size) entries."""
-    rows, pos, n = [], 0, len(values)
-    while pos < n:
-        seq = int(values[pos])
-        length = -(-seq // block_size) if block_size else 0
-        rows.append((seq, values[pos + 1:pos + 1 + length]))
-        pos += 1 + length
-    return rows
+@dataclass
+class Rows:
+    """A group's complete steps, parsed once: every row (one request at one
+    step) with its seq_len and its table entries, nulls kept so that an
+    entry's place in its row stays its block's place in the request.
+
+    The stream holds, per block_table op, row after row, seq_len then
+    ceil(seq_len / block_size) entries (bpf/kvtrace.h).  Incomplete steps
+    have no rows here (their live set is not whole)."""
+
+    steps: Steps
+    row_lo: np.ndarray  # per step k (len(steps) + 1): its rows are row_lo[k]:row_lo[k + 1]
+    seq: np.ndarray  # per row: seq_len
+    start: np.ndarray  # per row: where its entries begin in `entries`
+    length: np.ndarray  # per row: how many entries it has
+    entries: np.ndarray  # every row's entries, row after row, step after step
+
+    @property
+    def step_of_row(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.steps)), np.diff(self.row_lo))
+
+    def reads(self) -> tuple:
+        """(step per read, block per read): every (request, block) read in
+        step order, null entries (0, or a negative number) left out."""
+        keep = self.entries > 0
+        step = np.repeat(self.step_of_row, self.length)
+        return step[keep], self.entries[keep]
+
+    def scan(self, gen_block=(), gen_start_ns=(), max_blocks: int = MAX_BLOCKS) -> "ReadScan":
+        """scan_reads() over these rows, without a step number per read."""
+        e = self.entries
+        keep = (e > 0) & (e < max_blocks)
+        out_of_range = int(np.count_nonzero(e >= max_blocks))
+        nz = self.length > 0
+        per_row = np.zeros(len(self.length), np.int64)
+        if len(e):
+            per_row[nz] = np.add.reduceat(keep, self.start[nz], dtype=np.int64)
+        row_end = np.concatenate([[0], np.cumsum(per_row)])
+        return _scan(row_end[self.row_lo], e[keep], self.steps.ts_ns, gen_block,
+                     gen_start_ns, out_of_range)
 
 
-def step_entries(ops: stream.OpStream, steps: Steps) -> tuple:
-    """(step number per entry, block per entry) over the complete steps,
-    null entries left out: every (request, block) read, in step order."""
-    idx, blocks = [], []
-    for k, i in enumerate(steps.index):
-        if not steps.complete[k]:
+def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
+    """Parse the complete steps' live sets, all steps at once: each round
+    finds every op's next row header (a row's length follows from its
+    seq_len), so the rounds are as many as the most rows one step has,
+    and no Python runs per row or per entry."""
+    values = ops.values
+    bs = steps.block_size
+    ks = np.flatnonzero(steps.complete)
+    idx = steps.index[ks]
+    lo = ops.ops["start"][idx].astype(np.int64)
+    hi = ops.ops["stop"][idx].astype(np.int64)
+
+    def entries_of(seq):
+        # ceil(seq_len / block_size); a corrupt negative seq_len has none
+        return np.maximum(-(-seq // bs), 0) if bs > 0 else np.zeros(len(seq), np.int64)
+
+    head_op, head_pos = [], []
+    pos = lo.copy()
+    live = np.flatnonzero(pos < hi)
+    while len(live):
+        p = pos[live]
+        head_op.append(live)
+        head_pos.append(p)
+        pos[live] = p + 1 + entries_of(values[p])
+        live = live[pos[live] < hi[live]]
+    if head_pos:
+        hop, hpos = np.concatenate(head_op), np.concatenate(head_pos)
+        order = np.lexsort((hpos, hop))
+        hop, hpos = hop[order], hpos[order]
+    else:
+        hop = hpos = np.zeros(0, np.int64)
+    seq = values[hpos].astype(np.int64)
+    # the op's last row may be cut short by its end (a damaged record)
+    length = np.clip(np.minimum(entries_of(seq), hi[hop] - hpos - 1), 0, None)
+    start = np.cumsum(length) - length
+
+    if len(lo) < 2 or bool(np.all(lo[1:] >= hi[:-1])):
+        # the ops' values lie in step order, one after another (decode puts
+        # them in seq order): the entries are those values less the row
+        # headers, taken in one pass
+        mark = np.zeros(len(values) + 1, np.int8)
+        np.add.at(mark, lo, 1)
+        np.add.at(mark, hi, -1)
+        inside = np.cumsum(mark, dtype=np.int8)[:-1].view(bool)
+        inside[hpos] = False
+        entries = values[inside]
+    else:
+        at = np.repeat(hpos + 1 - start, length) + np.arange(int(length.sum()))
+        entries = values[at]
+    per_step = np.zeros(len(steps), np.int64)
+    per_step[ks] = np.bincount(hop, minlength=len(ks))
+    row_lo = np.concatenate([[0], np.cumsum(per_step)])
+    return Rows(steps, row_lo, seq, start, length, entries.astype(np.int64, copy=False))
+
+
+@dataclass
+class ReadScan:
+    """What one pass over a group's reads, in time order, finds per block."""
+
+    reads_per_block: np.ndarray  # uint64: reads of complete steps
+    last_read_step: np.ndarray  # uint64: 1 + the last step that read it, 0: never
+    last_read_ns: np.ndarray  # int64: the time of its last read, 0: never
+    sharing: np.ndarray  # int64: the most requests that read it at one step
+    out_of_range: int  # reads of block numbers beyond tracefile's MAX_BLOCKS
+    idle: np.ndarray  # idle_before_reuse's answer for the generations given
+
+
+def scan_reads(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
+               gen_block=(), gen_start_ns=(), max_blocks: int = MAX_BLOCKS) -> ReadScan:
+    """The per-block figures of a group's reads in one pass over its steps.
+
+    step_of, block: every (request, block) read (positive blocks), in any
+    order; ts_ns: each step's time.  gen_block, gen_start_ns: block
+    generations (a block's new owner's first write) to measure
+    idle_before_reuse for.  Reads of blocks >= max_blocks are counted
+    (out_of_range), not kept per block, as the maps count what lies beyond
+    --max-blocks."""
+    step_of = np.asarray(step_of, np.int64)
+    block = np.asarray(block, np.int64)
+    inside = block < max_blocks
+    out_of_range = int(len(block) - np.count_nonzero(inside))
+    step_of, block = step_of[inside], block[inside]
+    order = np.argsort(step_of, kind="stable")
+    step_of, block = step_of[order], block[order]
+    bounds = np.searchsorted(step_of, np.arange(len(ts_ns) + 1))
+    return _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range)
+
+
+def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadScan:
+    """scan_reads(), with step k's reads at block[bounds[k]:bounds[k + 1]]."""
+    ts_ns = np.asarray(ts_ns, np.int64)
+    gen_block = np.asarray(gen_block, np.int64)
+    gen_start_ns = np.asarray(gen_start_ns, np.int64)
+    nb = int(block.max()) + 1 if len(block) else 0
+    reads = np.bincount(block, minlength=nb).astype(np.uint64)
+    last_step = np.zeros(nb, np.uint64)
+    last_ns = np.zeros(nb, np.int64)
+    has_read = np.zeros(nb, bool)
+    sharing = np.zeros(nb, np.int64)
+    place = np.zeros(nb, np.int64)  # scratch: where a block was last seen in a step
+    idle = np.zeros(len(gen_block), np.int64)
+    found = np.zeros(len(gen_block), bool)
+    g_order = np.argsort(gen_start_ns, kind="stable")
+    g_starts = gen_start_ns[g_order]
+    g_next = 0
+
+    def answer(upto):
+        # the generations starting at or before `upto` see only the reads
+        # applied so far, all of them earlier than their start: a read at a
+        # generation's very start is not before it
+        nonlocal g_next
+        g_end = int(np.searchsorted(g_starts, upto, side="right"))
+        if g_end > g_next:
+            g = g_order[g_next:g_end]
+            b = gen_block[g]
+            ok = (b >= 0) & (b < nb)
+            g, b = g[ok], b[ok]
+            seen = has_read[b]
+            found[g[seen]] = True
+            idle[g[seen]] = gen_start_ns[g[seen]] - last_ns[b[seen]]
+            g_next = g_end
+
+    steps_in_time = np.argsort(ts_ns, kind="stable")
+    prev_t = None
+    for k in steps_in_time.tolist():
+        t = int(ts_ns[k])
+        if t != prev_t:
+            answer(t)
+            prev_t = t
+        b = block[bounds[k]:bounds[k + 1]]
+        if not len(b):
             continue
-        for _, row in live_set(ops.values_of(i), steps.block_size):
-            row = row[row > 0]
-            blocks.append(row)
-            idx.append(np.full(len(row), k, np.int64))
-    if not blocks:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(idx), np.concatenate(blocks).astype(np.int64)
-
-
-def sharing_by_block(step_of: np.ndarray, block: np.ndarray) -> np.ndarray:
-    """Per block: the most requests that read it at one step."""
-    if not len(block):
-        return np.zeros(0, np.int64)
-    key = step_of * (int(block.max()) + 1) + block
-    uk, counts = np.unique(key, return_counts=True)
-    out = np.zeros(int(block.max()) + 1, np.int64)
-    np.maximum.at(out, uk % (int(block.max()) + 1), counts)
-    return out
-
-
-def last_read_ns(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray) -> np.ndarray:
-    """Per block: the time of its last read (0: never read)."""
-    if not len(block):
-        return np.zeros(0, np.int64)
-    out = np.zeros(int(block.max()) + 1, np.int64)
-    np.maximum.at(out, block, ts_ns[step_of])
-    return out
+        last_step[b] = np.maximum(last_step[b], k + 1)
+        last_ns[b] = t  # steps come in time order: this is the latest
+        has_read[b] = True
+        # a block read by more than one request at this step: found without
+        # sorting, as a place overwritten by a later occurrence
+        here = np.arange(len(b))
+        place[b] = here
+        if bool(np.any(place[b] != here)):
+            u, c = np.unique(b, return_counts=True)
+            sharing[u] = np.maximum(sharing[u], c)
+    answer(np.iinfo(np.int64).max)
+    sharing[(sharing == 0) & has_read] = 1
+    return ReadScan(reads, last_step, last_ns, sharing, out_of_range, idle[found])
 
 
 def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
                       gen_block: np.ndarray, gen_start_ns: np.ndarray) -> np.ndarray:
     """For every block generation that starts after the block was read:
     how long (ns) the block sat unread between its last read and the new
-    generation's first write (a new request reusing it)."""
-    if not len(block) or not len(gen_block):
-        return np.zeros(0, np.int64)
-    n = len(block)
-    gen_block = np.asarray(gen_block, np.int64)
-    gen_start_ns = np.asarray(gen_start_ns, np.int64)
-    # reads and generation starts in one order: by block, then time, a
-    # generation before a read at its very time (that read is not before
-    # it).  The last read at or before each position is then a running
-    # maximum, and a generation's idle time is measured from it when that
-    # read was of the same block.
-    blocks = np.concatenate([block, gen_block])
-    times = np.concatenate([ts_ns[step_of], gen_start_ns])
-    is_read = np.concatenate([np.ones(n, np.int8), np.zeros(len(gen_block), np.int8)])
-    order = np.lexsort((is_read, times, blocks))
-    last_read = np.where(order < n, np.arange(len(order)), -1)
-    np.maximum.accumulate(last_read, out=last_read)
-    at = np.flatnonzero(order >= n)  # generations' places in the order
-    gen = order[at] - n
-    read = order[last_read[at]]  # meaningful where last_read[at] >= 0
-    ok = (last_read[at] >= 0) & (blocks[read] == gen_block[gen])
-    found = np.zeros(len(gen_block), bool)
-    found[gen[ok]] = True
-    idle = np.zeros(len(gen_block), np.int64)
-    idle[gen[ok]] = gen_start_ns[gen[ok]] - times[read[ok]]
-    return idle[found]  # in the generations' order
+    generation's first write (a new request reusing it), in the
+    generations' order."""
+    return scan_reads(step_of, block, ts_ns, gen_block, gen_start_ns).idle
 
 
-def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
+def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
     """Prefix reuse: blocks a request read at its first step that it did not
     write (docs/access.md), i.e. blocks it found in the cache (vLLM's
     prefix-cache hits, in blocks) or shares with the sequence it was forked
@@ -213,18 +331,26 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
     a prefix of it (a request's row only grows; a block a sliding window
     dropped reads 0), its seq_len grew, and the last token the earlier row
     held was not written at this step (a new request that got a finished
-    one's freed blocks writes its own tokens there now).  A row that continues no
-    request is a request's first step.  What a step wrote: the leader
-    layer's write op just before the table op (vLLM and kvsim write a
-    layer's tokens, then attend), and the copies and swaps into that cache
-    since the step before (a swapped-in request's blocks are written by
-    the swap).  Requests already running at the first traced step look new:
-    attach before the load to count them.
+    one's freed blocks writes its own tokens there now).  The earlier rows
+    tried are the open ones (not yet continued) that end in one of the
+    row's blocks, in the order of those blocks in the row, then oldest
+    first; rows claim them in their order in the step.  A row that
+    continues no request is a request's first step.  What a step wrote:
+    the leader layer's write op just before the table op (vLLM and kvsim
+    write a layer's tokens, then attend), and the copies and swaps into
+    that cache since the step before (a swapped-in request's blocks are
+    written by the swap).  Requests already running at the first traced
+    step look new: attach before the load to count them.
+
+    Each step is one round of array operations over its rows and the
+    candidate pairs; Python runs per step, and per row only where two rows
+    of a step want the same earlier row.
 
     Returns {"requests": first steps seen, "blocks": reused blocks,
     "per_block": {block: times reused}, "steps_without_writes": steps
     whose writes were not found}."""
     o = ops.ops
+    steps = rows.steps
     bs = steps.block_size
     if bs <= 0:  # no block size: no row can be split (a damaged trace)
         return {"requests": 0, "blocks": 0, "per_block": {}, "steps_without_writes": 0}
@@ -236,93 +362,165 @@ def prefix_reuse(ops: stream.OpStream, steps: Steps, leader: int) -> dict:
     is_move = mine & np.isin(o["op"][order], list(stream.PAIR_OP_IDS))
     write_pos, write_seq = order[is_write], seqs[is_write]
     move_pos, move_seq = order[is_move], seqs[is_move]
-    open_by_last = {}  # a request's latest row, by its last block
+
+    entries, start, length, rseq = rows.entries, rows.start, rows.length, rows.seq
+    # a row takes part if it has a non-null entry; its key is its last
+    # entry, folded into [0, nb] (nb: anything not a plausible block) for
+    # the dense count of open rows by last entry
+    nonnull = np.zeros(len(start), np.int64)
+    if len(entries):  # reduceat over the rows with entries: empty ones have none
+        nz = length > 0
+        nonnull[nz] = np.add.reduceat(entries != 0, start[nz], dtype=np.int64)
+    valid = (entries >= 0) & (entries < MAX_BLOCKS)
+    nb = int(entries[valid].max()) + 1 if np.any(valid) else 1
+    last_entry = entries[np.maximum(start + length - 1, 0)] if len(entries) else \
+        np.zeros(len(start), np.int64)
+    row_key = np.where((last_entry >= 0) & (last_entry < nb), last_entry, nb)
+    open_count = np.zeros(nb + 1, np.int64)  # open rows by key
+    open_rows = np.zeros(0, np.int64)  # open rows, oldest first (row index order)
+    is_open = np.zeros(len(start), bool)
+    # per key, the last step that marked it (dense sets, cleared by the stamp)
+    hit_mark = np.zeros(nb + 1, np.int64)
+    run_mark = np.zeros(nb + 1, np.int64)
+    written_mark = np.zeros(nb + 1, np.int64)
+
+    plausible = bool(np.all(valid)) and nb == int(entries.max(initial=0)) + 1
+
+    def keys(v):
+        return v if plausible else np.where((v >= 0) & (v < nb), v, nb)
+
+    def distinct(v):
+        # np.unique without its hash table, which costs more on short arrays
+        v = np.sort(v)
+        return v[np.concatenate([[True], v[1:] != v[:-1]])] if len(v) else v
+
+    def gather(starts, lengths):
+        # the entries of several rows, one after another
+        total = int(lengths.sum())
+        return entries[np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) +
+                       np.arange(total)]
+
+    seq_of_step = o["seq"][steps.index].tolist()
+    complete = steps.complete.tolist()
+    row_lo = rows.row_lo.tolist()
     out_blocks, per_block, new_rows, missing = 0, {}, 0, 0
     prev_seq = -1
-    for k, i in enumerate(steps.index):
-        cur_seq = int(o["seq"][i])
-        if not steps.complete[k]:
+    for k in range(len(steps)):
+        stamp = k + 1
+        cur_seq = seq_of_step[k]
+        r0, r1 = row_lo[k], row_lo[k + 1]
+        if not complete[k]:
             prev_seq = cur_seq
             continue
-        rows = [(seq, tuple(r.tolist())) for seq, r in live_set(ops.values_of(i), bs)]
         # what this step wrote: the leader's write op just before the table
         # op, and copies and swaps into the cache since the step before
-        j = np.searchsorted(write_seq, cur_seq) - 1
-        slots = set()
+        j = int(np.searchsorted(write_seq, cur_seq)) - 1
         if j >= 0 and write_seq[j] > prev_seq:
             v = ops.values_of(write_pos[j])
-            slots = set(v[v >= 0].tolist())
-        elif any(r for _, r in rows):
-            missing += 1
-        written = {x // bs for x in slots}
-        lo, hi = np.searchsorted(move_seq, [prev_seq, cur_seq], side="right")
-        for m in move_pos[lo:hi]:
-            pairs = ops.values_of(m)
-            out_swap = o["flags"][m] & abi.EV_SWAP_OUT
-            if not out_swap:  # a copy's destination, a swap-in's device block
-                written.update(pairs[1::2].tolist())
+            slots = v[v >= 0]
+        else:
+            slots = np.zeros(0, np.int64)
+            if r1 > r0 and bool(np.any(length[r0:r1] > 0)):
+                missing += 1
+        lo_m, hi_m = np.searchsorted(move_seq, [prev_seq, cur_seq], side="right")
+        moved = [ops.values_of(m)[1::2] for m in move_pos[lo_m:hi_m]
+                 if not o["flags"][m] & abi.EV_SWAP_OUT]  # a copy's, a swap-in's destination
+        prev_seq = cur_seq
 
-        def continues(r, seq, p_seq, p):
-            # a request's seq_len grows at every step it is scheduled: a
-            # new request given a finished one's freed tail block, with
-            # fewer tokens than that one had, is not it
-            if len(p) > len(r) or p_seq < 1 or seq <= p_seq:
-                return False
-            # equal, entry by entry, except where either reads 0 (a block a
-            # sliding window dropped); the common case, an exact prefix, is
-            # one tuple comparison
-            if r[:len(p)] != p and any(a != b and a and b for a, b in zip(p, r)):
-                return False
-            last = p_seq - 1  # the earlier row's last token, in r's blocks
-            return last // bs < len(r) and r[last // bs] * bs + last % bs not in slots
+        part = r0 + np.flatnonzero(nonnull[r0:r1] > 0)  # the rows that take part
+        if not len(part):
+            continue
+        e_lo = int(start[r0])
+        e = entries[e_lo:int(start[r1 - 1] + length[r1 - 1])]
+        ek = keys(e)
+        hit = np.flatnonzero(open_count[ek])
+        match_row = match_open = np.zeros(0, np.int64)
+        if len(hit):
+            # the candidate pairs (row, open row), in the rows' order, then
+            # the order of the open row's last entry in the row, then oldest
+            hit_row = r0 + np.searchsorted(start[r0:r1] - e_lo, hit, side="right") - 1
+            hk = ek[hit]
+            hit_mark[hk] = stamp
+            cand = open_rows[hit_mark[row_key[open_rows]] == stamp]
+            cand = cand[np.lexsort((cand, row_key[cand]))]
+            ck = row_key[cand]
+            left = np.searchsorted(ck, hk, "left")
+            n = np.searchsorted(ck, hk, "right") - left
+            pick = np.repeat(left - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+            pr = np.repeat(hit_row, n)  # the row
+            pp = cand[pick]  # the open row
+            lp = length[pp]
+            ok = (last_entry[pp] == np.repeat(e[hit], n)) & (nonnull[pr] > 0) & \
+                (lp <= length[pr]) & (rseq[pp] >= 1) & (rseq[pr] > rseq[pp])
+            pr, pp, lp = pr[ok], pp[ok], lp[ok]
+            # most pairs fail at the open row's last place, checked first
+            end_r, end_p = entries[start[pr] + lp - 1], last_entry[pp]
+            ok = (end_r == end_p) | (end_r == 0) | (end_p == 0)
+            pr, pp, lp = pr[ok], pp[ok], lp[ok]
+            if len(pr):
+                # the open row is a prefix of the row, entry by entry,
+                # except where either reads 0 (a block a window dropped)
+                a, b = gather(start[pr], lp), gather(start[pp], lp)
+                bad = (a != b) & (a != 0) & (b != 0)
+                ok = ~np.logical_or.reduceat(bad, np.cumsum(lp) - lp)
+                # the open row's last token was not written at this step
+                last = rseq[pp] - 1
+                inrow = last // bs < length[pr]
+                at = start[pr] + np.where(inrow, last // bs, 0)
+                token = entries[at] * bs + last % bs
+                done = np.sort(slots)
+                seen = done[np.minimum(np.searchsorted(done, token), len(done) - 1)] == token \
+                    if len(done) else np.zeros(len(token), bool)
+                ok &= inrow & ~seen
+                pr, pp = pr[ok], pp[ok]
+            if len(pr):
+                first_row, first = np.unique(pr, return_index=True)
+                if len(distinct(pp[first])) == len(first):
+                    match_row, match_open = first_row, pp[first]
+                else:  # two rows want one open row: the earlier row gets it
+                    match, claimed = {}, set()
+                    for r, p in zip(pr.tolist(), pp.tolist()):
+                        if r not in match and p not in claimed:
+                            match[r] = p
+                            claimed.add(p)
+                    match_row = np.fromiter(match.keys(), np.int64, len(match))
+                    match_open = np.fromiter(match.values(), np.int64, len(match))
+        # each request's latest row replaces its last: the open rows
+        # continued now close, and this step's rows open
+        if len(match_open):
+            np.subtract.at(open_count, row_key[match_open], 1)
+            is_open[match_open] = False
+            open_rows = open_rows[is_open[open_rows]]
+        np.add.at(open_count, row_key[part], 1)
+        is_open[part] = True
+        open_rows = np.concatenate([open_rows, part])
 
-        new_count, running, claimed = {}, set(), []
-        for seq, r in rows:
-            if not any(r):
-                continue
-            match = None
-            # the earlier rows ending in one of r's blocks, tried in the
-            # order of those blocks in r: found from the smaller side (a
-            # row has hundreds of blocks, a step tens of open requests)
-            rset = set(r)
-            if len(open_by_last) < len(rset):
-                ends = [b for b in open_by_last if b in rset]
-            else:
-                ends = [b for b in rset if b in open_by_last]
-            for b in sorted(ends, key=r.index):
-                for cand in open_by_last[b]:
-                    if cand not in claimed and continues(r, seq, *cand):
-                        match = cand
-                        break
-                if match:
-                    break
-            if match:
-                claimed.append(match)
-                running.update(r)  # the same request, a step on
-            else:
-                new_rows += 1
-                for b in rset - {0}:
-                    new_count[b] = new_count.get(b, 0) + 1
-            claimed.append((seq, r))
-        for p_seq, p in claimed:  # each request's latest row replaces its last
-            end = p[-1] if p else 0
-            lst = open_by_last.get(end)
-            if lst and (p_seq, p) in lst:
-                lst.remove((p_seq, p))
-                if not lst:  # no empty lists: the dict holds open rows only
-                    del open_by_last[end]
-        for seq, r in rows:
-            if any(r):
-                open_by_last.setdefault(r[-1], []).append((seq, r))
+        is_new = np.ones(r1 - r0, bool)
+        is_new[match_row - r0] = False
+        new = part[is_new[part - r0]]
+        if not len(new):
+            continue
+        new_rows += len(new)
         # a block new rows hold was reused by all of them if this step did
         # not write it; if it did, by all but the one that wrote it, unless
         # a running request holds it (then that one wrote it: a prefix hit on
         # a block computed at the same step, as kvsim's scheduler allows)
-        for b, n in new_count.items():
-            reused = n if b not in written or b in running else n - 1
-            if reused:
-                out_blocks += reused
-                per_block[b] = per_block.get(b, 0) + reused
-        prev_seq = cur_seq
+        held = np.concatenate([distinct(entries[start[r]:start[r] + length[r]])
+                               for r in new.tolist()])
+        blocks, n = np.unique(held[held != 0], return_counts=True)
+        running = ek[np.repeat(~is_new, length[r0:r1])]
+        run_mark[running] = stamp
+        written = np.concatenate([slots // bs] + moved)
+        written_mark[keys(written)] = stamp
+        bk = keys(blocks)
+        was_written = (written_mark[bk] == stamp) & (run_mark[bk] != stamp)
+        odd = bk == nb  # not a plausible block: the dense marks cannot tell
+        if np.any(odd):
+            was_written[odd] = np.isin(blocks[odd], written) & \
+                ~np.isin(blocks[odd], gather(start[match_row], length[match_row]))
+        reused = n - was_written
+        for blk, c in zip(blocks[reused > 0].tolist(), reused[reused > 0].tolist()):
+            out_blocks += c
+            per_block[blk] = per_block.get(blk, 0) + c
     return {"requests": new_rows, "blocks": out_blocks, "per_block": per_block,
             "steps_without_writes": missing}

@@ -127,10 +127,9 @@ def reads_by_block(trace: tracefile.Trace, ops: stream.OpStream, group: int):
     rows, left_out = [], 0
     groups = [g for g in trace.groups if np.any(ops.ops["pid"] == g["pid"])]
     for n, (g, st) in enumerate(zip(groups, access.steps_of(ops, groups))):
-        _, blocks = access.step_entries(ops, st)
-        inside = blocks < tracefile.MAX_BLOCKS
-        left_out += int(np.count_nonzero(~inside))
-        counts = np.bincount(blocks[inside])
+        scan = access.rows_of(ops, st).scan()
+        left_out += scan.out_of_range
+        counts = scan.reads_per_block
         name = process_frame(procs.get(g["pid"], {}).get("comm", str(g["pid"])), g["pid"])
         rows += [(name, "block_table", n, int(b), int(counts[b]))
                  for b in np.flatnonzero(counts)]

@@ -97,14 +97,25 @@ class Report:
         # read of its complete steps as (step index, block)
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
         self.steps = access.steps_of(ops, self.groups)
-        self.entries = [access.step_entries(ops, st) for st in self.steps]
-        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.entries)
+        self.rows = [access.rows_of(ops, st) for st in self.steps]
         self.gens = occupancy.by_cache(ops, trace.block_sizes())
+        # one pass over each group's reads: per-block figures, and the idle
+        # time before reuse of its process's first layer's generations
+        self.scans = []
+        for st, rows in zip(self.steps, self.rows):
+            gens = self.first_layer_gens(st.pid)
+            self.scans.append(rows.scan(*((gens.block, gens.start_ns) if gens is not None else ())))
+        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans)
         # what the generations were computed from (a live set may replace it)
         self.occupancy_source = occupancy.FROM_WRITES
         self.reasons = stream_reasons(ops, trace, self.agg)
         # the plugin tier's block events (empty without the plugin)
         self.life = lifecycle.events(ops)
+
+    def first_layer_gens(self, pid):
+        """The block generations of pid's first layer (None without writes)."""
+        return next((g for (p, _), g in sorted(self.gens.items(), key=lambda x: (
+            x[0][0], self.layers[x[0]])) if p == pid), None)
 
     def duration_ns(self) -> int:
         end = self.trace.end or {}
@@ -138,8 +149,9 @@ class Report:
     def read_events(self):
         """(time since start ns, block) of every block read by a complete
         block_table op: once per (request, step), for every group."""
-        t = [st.ts_ns[k] - self.t0 for st, (k, _) in zip(self.steps, self.entries)]
-        b = [blocks for _, blocks in self.entries]
+        reads = [rows.reads() for rows in self.rows]
+        t = [st.ts_ns[k] - self.t0 for st, (k, _) in zip(self.steps, reads)]
+        b = [blocks for _, blocks in reads]
         if not t:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(t), np.concatenate(b)
@@ -198,23 +210,20 @@ def _log2_slot(v: np.ndarray) -> np.ndarray:
     return out
 
 
-def stream_groups(steps: list, entries: list, trace) -> list:
+def stream_groups(steps: list, scans: list, trace) -> list:
     """The reads of the stream as the maps have them (aggregate.ReadGroup's
     raw form): per group, per-block reads and last-read steps from the
-    complete steps; totals from every step's op record.  layer_calls comes
-    from the end record (only the leader layer's calls are streamed)."""
+    complete steps (access.ReadScan); totals from every step's op record.
+    layer_calls comes from the end record (only the leader layer's calls
+    are streamed)."""
     end_groups = {}
     for p in ((trace.end or {}).get("aggregate") or {}).get("processes") or []:
         for g in (p.get("groups") or []) if isinstance(p, dict) else []:
             if isinstance(g, dict) and isinstance(g.get("layer_calls"), int):
                 end_groups[(p.get("pid"), g.get("group_id"))] = g["layer_calls"]
     out = []
-    for index, (st, (k, blocks)) in enumerate(zip(steps, entries)):
-        keep = blocks < tracefile.MAX_BLOCKS
-        k, blocks = k[keep], blocks[keep]
-        nb = int(blocks.max()) + 1 if len(blocks) else 0
-        last = np.zeros(nb, np.uint64)
-        np.maximum.at(last, blocks, (k + 1).astype(np.uint64))
+    for index, (st, scan) in enumerate(zip(steps, scans)):
+        nb = len(scan.reads_per_block)
         n = len(st)
         out.append(dict(
             pid=st.pid, group_id=st.group_id, index=index, block_size=st.block_size,
@@ -222,17 +231,16 @@ def stream_groups(steps: list, entries: list, trace) -> list:
             requests=int(st.rows.sum()), tokens=int(st.tokens.sum()),
             reads=int(st.reads.sum()), distinct=int(st.distinct.sum()),
             held_tokens=int(st.held_tokens.sum()), null_entries=0,
-            out_of_range=int(np.count_nonzero(~keep)),
+            out_of_range=scan.out_of_range,
             # steps whose live set was lost or cut short are counted in the
             # totals but not per block: stream_reasons says so
             truncated=0, read_errors=0,
-            reads_per_block=np.bincount(blocks, minlength=nb).astype(np.uint64),
-            last_read_step=last))
+            reads_per_block=scan.reads_per_block, last_read_step=scan.last_read_step))
     return out
 
 
 def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
-                     entries=()) -> Aggregate:
+                     scans=()) -> Aggregate:
     """The per-block histograms of the stream, as an Aggregate (the same
     shape as attach's, so the same views and JSON serve)."""
     o = ops.ops
@@ -303,7 +311,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
             h[s] = h.get(s, 0) + n
     end = trace.end or {}
     lost = end.get("aggregate", {}).get("lost_records", 0)
-    raw = dict(time=0.0, caches=raw_caches, groups=stream_groups(steps, entries, trace),
+    raw = dict(time=0.0, caches=raw_caches, groups=stream_groups(steps, scans, trace),
                op_stats=op_stats, log2=log2, moves=moves, stacks=[], globals={},
                records=len(o), lost=lost)
     procs = trace.processes
@@ -407,23 +415,20 @@ def _pcts(values) -> list:
 def access_figures(rep: Report) -> list:
     """Per KV-cache group: the figures of docs/access.md, from the stream."""
     out = []
-    for st, (k, blocks) in zip(rep.steps, rep.entries):
+    for st, rows, scan in zip(rep.steps, rep.rows, rep.scans):
         proc = rep.agg.processes.get(st.pid)
         g = next((g for g in (proc.groups if proc else []) if g.group_id == st.group_id), None)
         if g is None:
             continue
         end_ns = int(st.ts_ns.max()) if len(st) else rep.t0
-        last_ns = access.last_read_ns(k, blocks, st.ts_ns)
+        last_ns = scan.last_read_ns
         read = np.flatnonzero(last_ns)
-        sharing = access.sharing_by_block(k, blocks)
-        gens = next((gg for (pid, _), gg in sorted(rep.gens.items(), key=lambda x: (
-            x[0][0], rep.layers[x[0]])) if pid == st.pid), None)
-        idle = access.idle_before_reuse(k, blocks, st.ts_ns, gens.block, gens.start_ns) \
-            if gens is not None else np.zeros(0, np.int64)
+        sharing = scan.sharing
+        idle = scan.idle
         layers = g.layers
         doc = next((d for d in rep.groups if d["pid"] == st.pid and
                     d["group_id"] == st.group_id), {})
-        reuse = access.prefix_reuse(rep.ops, st, doc["leader"]) if "leader" in doc else None
+        reuse = access.prefix_reuse(rep.ops, rows, doc["leader"]) if "leader" in doc else None
         out.append({
             "pid": st.pid, "group": g.group, "group_id": st.group_id,
             "block_size": st.block_size, "steps": len(st), "layers": round(layers, 3),
@@ -648,11 +653,10 @@ def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
                          for k, (b, t, f) in enumerate(zip(g.active_blocks, g.active_tokens, frag))])
     elif table == "access":
         w.writerow(["pid", "group", "block", "reads", "last_read_s", "max_sharing"])
-        for st, (k, blocks) in zip(rep.steps, rep.entries):
+        for st, scan in zip(rep.steps, rep.scans):
             proc = rep.agg.processes[st.pid]
             g = next(g for g in proc.groups if g.group_id == st.group_id)
-            last = access.last_read_ns(k, blocks, st.ts_ns)
-            share = access.sharing_by_block(k, blocks)
+            last, share = scan.last_read_ns, scan.sharing
             for b in np.flatnonzero(g.reads_per_block):
                 w.writerow([st.pid, g.group, int(b), int(g.reads_per_block[b]),
                             f"{(int(last[b]) - rep.t0) / 1e9:.6f}", int(share[b])])
