@@ -129,7 +129,8 @@ def check(path, data: bytes, command, original: bytes = None):
             header_whole, batches_whole = intact_prefix(original, data)
             assert trace is not None or not header_whole
             if trace is not None:
-                kept = [b.ops + b.chunk_hdrs + b.values for b in trace.batches]
+                kept = [bytes(b.ops) + bytes(b.chunk_hdrs) + bytes(b.values)
+                        for b in trace.batches]
                 assert kept[:len(batches_whole)] == batches_whole
         if trace is not None:
             len(trace.ops.ops)  # decoding the batches it kept must work

@@ -149,20 +149,19 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
     if isinstance(batches, RawBatch):
         batches = [batches]
     ev = np.frombuffer(b"".join(b.ops for b in batches), dtype=event_dtype)
-    hdr = np.frombuffer(b"".join(b.chunk_hdrs for b in batches), dtype=chunk_dtype)
-    vals = np.frombuffer(b"".join(b.values for b in batches), dtype=VALUE)
-    if int(hdr["count"].astype(np.int64).sum()) != len(vals):
+    hdrs = [np.frombuffer(b.chunk_hdrs, dtype=chunk_dtype) for b in batches]
+    hdr = np.concatenate(hdrs) if hdrs else np.zeros(0, chunk_dtype)
+    parts = [np.frombuffer(b.values, dtype=VALUE) for b in batches]
+    if int(hdr["count"].astype(np.int64).sum()) != sum(len(p) for p in parts):
         raise ValueError("chunk headers and values disagree in length")
 
-    # chunks sorted by (seq, offset); their values gathered in that order
+    # chunks sorted by (seq, offset), and their values put in that order
     count = hdr["count"].astype(np.int64)
-    at = np.cumsum(count) - count  # where each chunk's values are in vals
     order = np.lexsort((hdr["offset"], hdr["seq"]))
-    seq_s, off_s, count_s, at_s = hdr["seq"][order], hdr["offset"][order], count[order], at[order]
+    seq_s, off_s, count_s = hdr["seq"][order], hdr["offset"][order], count[order]
     ends_s = np.cumsum(count_s)
     starts_s = ends_s - count_s
-    gather = np.repeat(at_s - starts_s, count_s) + np.arange(int(ends_s[-1]) if len(ends_s) else 0)
-    values = vals[gather]
+    values = _place(parts, hdrs, count, order, starts_s, int(ends_s[-1]) if len(ends_s) else 0)
 
     # one group of chunks per seq: where its values are, how many, contiguous?
     useq, first = np.unique(seq_s, return_index=True)
@@ -201,6 +200,27 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
     orphan_chunks = int(g_chunks[~matched].sum()) if len(useq) else 0
     orphan_values = int(g_count[~matched].sum()) if len(useq) else 0
     return OpStream(ops, values, orphan_chunks, orphan_values)
+
+
+def _place(parts, hdrs, count, order, starts_s, total) -> np.ndarray:
+    """Every batch's values copied once, straight from the batch (a view of
+    a trace file's mapping, or the collector's bytes) to their place in
+    (seq, offset) order: no joined copy of them all first.  A batch whose
+    chunks already follow one another there (the common case: one CPU's
+    records in order) is one slice copy."""
+    values = np.empty(total, VALUE)
+    dest = np.empty(len(order), np.int64)
+    dest[order] = starts_s  # each chunk's place, in arrival order
+    c0 = 0
+    for part, h in zip(parts, hdrs):
+        c1 = c0 + len(h)
+        d, n = dest[c0:c1], count[c0:c1]
+        if len(d) and bool(np.all(d[1:] == d[:-1] + n[:-1])):
+            values[d[0]:d[0] + len(part)] = part
+        elif len(d):
+            values[np.repeat(d - (np.cumsum(n) - n), n) + np.arange(len(part))] = part
+        c0 = c1
+    return values
 
 
 def step_numbers(ops: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ Collector gathered them: slot chunks stay raw int64 arrays, never text.
 """
 
 import json
+import mmap
 import os
 import platform
 import socket
@@ -200,6 +201,17 @@ class Trace:
                 if pid is None or p == pid}
 
 
+def _map(f):
+    """The file's bytes, mapped rather than read: batches are views of the
+    mapping (no copy), and only the pages report touches stay resident.
+    A file that cannot be mapped (empty, or on a file system without mmap)
+    is read whole."""
+    try:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (ValueError, OSError):
+        return f.read()
+
+
 def read(path: str) -> Trace:
     """Read a trace file.  A file that is not a trace, or of another version,
     raises DataError; a damaged or cut-short one is read up to the damage,
@@ -214,7 +226,7 @@ def read(path: str) -> Trace:
         # a regular file only: a named pipe nobody writes to, or /dev/zero,
         # would never end (files.open_regular)
         with open_regular(path) as f:
-            data = f.read()
+            data = _map(f)
     except IsNotRegular as e:
         what = str(e)
         raise DataError(f"cannot read {path}: " + (
@@ -434,8 +446,8 @@ def _check_batch(payload, event_dt: np.dtype, chunk_dt: np.dtype,
     if n_ops % event_dt.itemsize or n_hdr % chunk_dt.itemsize or n_val % 8:
         raise ValueError("a batch array is not a whole number of records")
     a, b = _BATCH.size + n_ops, _BATCH.size + n_ops + n_hdr
-    batch = stream.RawBatch(bytes(payload[_BATCH.size:a]), bytes(payload[a:b]),
-                            bytes(payload[b:]))
+    # views of the file's mapping, not copies (read() keeps the mapping)
+    batch = stream.RawBatch(payload[_BATCH.size:a], payload[a:b], payload[b:])
     ev = np.frombuffer(batch.ops, dtype=event_dt)
     hdr = np.frombuffer(batch.chunk_hdrs, dtype=chunk_dt)
     if np.any(ev["type"] != stream.REC_OP) or np.any(hdr["type"] != stream.REC_CHUNK):
