@@ -44,9 +44,18 @@ class Events:
     event: np.ndarray   # int64: which op (row of the op table) it came from
     hash: np.ndarray = None  # uint64 content hash, 0 if the probe passed none
     incomplete: int = 0  # block events whose ids did not all arrive
+    pid: np.ndarray = None  # int64: the process (each EngineCore has its own pool)
 
     def __len__(self):
         return len(self.block)
+
+
+def _ranges(starts, lengths) -> np.ndarray:
+    """The indices starts[i] .. starts[i] + lengths[i] - 1, all i in order
+    (numpy, no loop)."""
+    n = np.asarray(lengths, dtype=np.int64)
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(np.asarray(starts, dtype=np.int64), n) + within
 
 
 def events(ops: stream.OpStream) -> Events:
@@ -59,12 +68,11 @@ def events(ops: stream.OpStream) -> Events:
     incomplete = int(np.count_nonzero(is_life & ~o["complete"]))
     # the ids come first; with KVTRACE_EV_HASHES as many hashes follow
     n = o["items"][idx].astype(np.int64)
-    first = np.repeat(o["start"][idx].astype(np.int64), n)
-    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    blocks = ops.values[first + within].astype(np.int64)
+    at = _ranges(o["start"][idx], n)
+    blocks = ops.values[at].astype(np.int64)
     has_hash = np.repeat((o["flags"][idx] & abi.EV_HASHES) != 0, n)
-    hashes = np.where(has_hash, ops.values[np.where(has_hash, first + within + np.repeat(n, n),
-                                                    first + within)], 0).astype(np.uint64)
+    hashes = np.where(has_hash, ops.values[np.where(has_hash, at + np.repeat(n, n), at)],
+                      0).astype(np.uint64)
     kind_table = np.zeros(abi.NR_OPS, dtype=np.int64)
     for op_id, kind in KIND_OF_OP.items():
         kind_table[op_id] = abi.LIFE.index(kind)
@@ -76,48 +84,96 @@ def events(ops: stream.OpStream) -> Events:
                   req=o["cache_id"][rows].astype(np.uint64),
                   group=o["cache_index"][rows].astype(np.int64),
                   block=blocks, event=rows.astype(np.int64), incomplete=incomplete,
-                  hash=hashes)
+                  hash=hashes, pid=o["pid"][rows].astype(np.int64))
+
+
+RESIDENCY = ("lifetime", "idle_before_evict", "reuse_gap")
+
+
+class Residency:
+    """Block residency as vLLM's collector defines it (module doc), event by
+    event: each sample is taken once, when the event that ends its interval
+    is added.  The one implementation behind report's histograms
+    (residency()), and one that can be fed as events arrive.
+
+    A block is (pid, KV-cache group, block id): each EngineCore and each
+    group has its own pool.  Per block it keeps [birth ns, last access ns,
+    last hit ns]: birth None for a life that began with a hit (allocated
+    before the trace: no known birth, so no lifetime), last hit None until
+    the life's first hit.  Its size is bounded by the blocks seen."""
+
+    def __init__(self):
+        self._blocks = {}
+        self.samples = {}  # pid -> {name: [ns, ...]} since the last take()
+
+    def add(self, ev: Events):
+        """Adds ev's allocations and hits in time order (the scheduler's
+        order among equal times).  Events must come no earlier than those
+        added before: LiveResidency holds recent ones back to make sure."""
+        alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
+        sel = np.flatnonzero(np.isin(ev.kind, (alloc, hit)))
+        if not len(sel):
+            return
+        sel = sel[np.lexsort((sel, ev.ts_ns[sel]))]
+        pids = ev.pid[sel] if ev.pid is not None else np.zeros(len(sel), np.int64)
+        blocks, samples = self._blocks, self.samples
+        for pid, group, block, ts, is_alloc in zip(
+                pids.tolist(), ev.group[sel].tolist(), ev.block[sel].tolist(),
+                ev.ts_ns[sel].tolist(), (ev.kind[sel] == alloc).tolist()):
+            key = (pid, group, block)
+            st = blocks.get(key)
+            if is_alloc:
+                # get_new_blocks hands it out again: the life before ends
+                if st is not None:
+                    out = samples.get(pid) or samples.setdefault(
+                        pid, {n: [] for n in RESIDENCY})
+                    if st[0] is not None:
+                        out["lifetime"].append(ts - st[0])
+                    out["idle_before_evict"].append(ts - st[1])
+                blocks[key] = [ts, ts, None]
+            elif st is None:
+                blocks[key] = [None, ts, ts]
+            else:
+                # vLLM's access_history records touches only, not the
+                # birth: the gap from the allocation to the first hit is
+                # not a reuse gap
+                if st[2] is not None:
+                    out = samples.get(pid) or samples.setdefault(
+                        pid, {n: [] for n in RESIDENCY})
+                    out["reuse_gap"].append(ts - st[2])
+                st[1] = st[2] = ts
+
+    def take(self) -> dict:
+        """{pid: {name: ns samples}} since the last take(), handed over."""
+        out, self.samples = self.samples, {}
+        return out
 
 
 def residency(ev: Events) -> dict:
     """{"lifetime", "idle_before_evict", "reuse_gap"}: seconds, one sample
     per block life (reuse gaps: per gap), as vLLM's collector defines them
-    (module doc).  Lives still running at the end of the trace have no
-    lifetime yet and are not counted (vLLM's neither: it records at
-    eviction)."""
-    alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
-    sel = np.isin(ev.kind, (alloc, hit))
-    group, block, ts = ev.group[sel], ev.block[sel], ev.ts_ns[sel]
-    is_alloc = ev.kind[sel] == alloc
-    # one block's accesses in time order (stable: the scheduler's order)
-    order = np.lexsort((np.arange(len(ts)), ts, block, group))
-    group, block, ts, is_alloc = group[order], block[order], ts[order], is_alloc[order]
-    same_block = np.r_[False, (group[1:] == group[:-1]) & (block[1:] == block[:-1])]
-    gaps = np.diff(ts)
-    # reuse gaps: between consecutive prefix hits of one life.  vLLM's
-    # access_history records touches only (not the birth), so the gap from
-    # the allocation to the first hit is not one
-    reuse = gaps[same_block[1:] & ~is_alloc[1:] & ~is_alloc[:-1]]
-    # a reallocation ends the life before it: lifetime from that life's birth,
-    # idle from its last access (the access just before the reallocation)
-    realloc = np.flatnonzero(is_alloc & same_block)
-    births = np.flatnonzero(is_alloc | ~same_block)
-    born_at = ts[births][np.searchsorted(births, realloc - 1, side="right") - 1]
-    # a "life" that began with a hit (its allocation before the trace) has
-    # no known birth: no lifetime, but its idle time is known
-    began_alloc = is_alloc[births][np.searchsorted(births, realloc - 1, side="right") - 1]
-    lifetime = (ts[realloc] - born_at)[began_alloc]
-    idle = ts[realloc] - ts[realloc - 1]
-    return {"lifetime": lifetime / 1e9, "idle_before_evict": idle / 1e9,
-            "reuse_gap": reuse / 1e9}
+    (module doc), all processes together.  Lives still running at the end
+    of the trace have no lifetime yet and are not counted (vLLM's neither:
+    it records at eviction)."""
+    r = Residency()
+    r.add(ev)
+    per_pid = r.take().values()
+    return {n: np.array([v for s in per_pid for v in s[n]], dtype=np.int64) / 1e9
+            for n in RESIDENCY}
+
+
+def bucket_counts(seconds, bounds=RESIDENCY_BUCKETS) -> np.ndarray:
+    """Samples per bucket, not cumulative: len(bounds) + 1 counts, the last
+    for +Inf.  A sample equal to a bound is in that bound's bucket (le)."""
+    s = np.asarray(seconds, dtype=np.float64)
+    return np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), s, side="left"),
+                       minlength=len(bounds) + 1)
 
 
 def histogram(seconds: np.ndarray, bounds=RESIDENCY_BUCKETS) -> list:
     """Cumulative [(le, count)], Prometheus style, +Inf last."""
-    s = np.asarray(seconds, dtype=np.float64)
-    rows = [(b, int(np.count_nonzero(s <= b))) for b in bounds]
-    rows.append(("+Inf", int(len(s))))
-    return rows
+    counts = np.cumsum(bucket_counts(seconds, bounds)).tolist()
+    return [*zip(bounds, counts[:-1]), ("+Inf", counts[-1])]
 
 
 def request_names(end_doc: dict) -> dict:
@@ -261,3 +317,4 @@ def miss_ratio_curve(ev: Events, sizes=None) -> dict:
             "compulsory": int(np.count_nonzero(d < 0)),
             "refetched": int(np.count_nonzero((kinds == cache) & (d >= 0))),
             "curve": curve}
+
