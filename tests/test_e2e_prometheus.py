@@ -3,8 +3,11 @@ tracer, checked against kvsim's own ground truth (--truth), never against
 the tracer's code; and the flag's errors (docs/metrics.md, docs/exit-codes.md)."""
 
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
 
@@ -119,7 +122,8 @@ def assert_counters_match(m, truth, pid):
 def assert_documented(m):
     """docs/metrics.md lists exactly the metrics served, and the dashboard
     queries only metrics that are served."""
-    served = {re.sub(r"_(bucket|gcount|gsum)$", "", name) for name in m}
+    # a histogram's samples are its _bucket, _count and _sum (gauge: _gcount, _gsum)
+    served = {re.sub(r"_(bucket|gcount|gsum|count|sum)$", "", name) for name in m}
     assert all(n.endswith("_total") for n in m if n.startswith("kvtrace_op")), m.keys()
     doc = (ROOT / "docs" / "metrics.md").read_text()
     listed = set(re.findall(r"^\| `(kvtrace_\w+)`", doc, re.M))
@@ -230,6 +234,132 @@ def test_scrapes_during_the_run_then_truth(tmp_path):
             tracer.proc.kill()
             tracer.proc.wait()
         sim.kill()
+
+
+# vLLM's KV_CACHE_RESIDENCY_BUCKETS (vllm/v1/metrics/buckets.py), the buckets
+# of vllm:kv_block_lifetime_seconds, _idle_before_evict_ and _reuse_gap_:
+# copied from vLLM here, not taken from the tracer
+VLLM_RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20,
+                          30, 60, 120, 300, 600, 1200, 1800]
+RESIDENCY = {"lifetime": "kvtrace_block_lifetime_seconds",
+             "idle_before_evict": "kvtrace_block_idle_before_evict_seconds",
+             "reuse_gap": "kvtrace_block_reuse_gap_seconds"}
+# kvsim reads CLOCK_MONOTONIC just before it fires a block probe, the BPF
+# program a few microseconds later, in the trap: a sample may differ by that
+# much (more when kvsim is preempted in between on this busy 2-CPU VM)
+CLOCK_SLACK_S = 0.002
+
+
+def test_residency_histograms_match_kvsim_and_the_recording(tmp_path):
+    """The plugin tier's residency histograms, scraped live: every block's
+    lifetime, idle before eviction and reuse gaps, as kvsim timed them
+    (its --truth residency), in vLLM's buckets; and equal, bucket by bucket,
+    to `report` of the same run recorded with -o."""
+    from tracer.lifecycle import LiveResidency
+
+    port = free_port()
+    trace = tmp_path / "run.kvt"
+    # a pool small enough that blocks are handed out again (lifetimes), a
+    # prefix cache (hits: reuse gaps), and a second repetition, whose
+    # allocations end the lives of the first's cached blocks (so that idle
+    # time and lifetime differ); steps 3 ms apart spread them over buckets
+    sim = Kvsim(tmp_path, "prefix", "--blocks", 96, "--repeat", 2, "--rounds", 2,
+                "--step-delay-us", 3000)
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 0.2, "--prometheus", port, "-o", trace)
+        tracer.wait_attached()
+        sim.go()
+        read_line(sim.proc.stderr, "paused", 60)  # round 1 done, truth written
+        # events reach the histograms HOLD_S after they happened
+        m, _ = scrape_after(port, time.time() + LiveResidency.HOLD_S + 0.2)
+        truth = sim.truth()
+        # kvsim ends at the pause (SIGUSR2, then the go it waits for):
+        # nothing happens after this scrape, so the recording holds its events
+        os.kill(sim.pid, signal.SIGUSR2)
+        sim.go()
+        assert sim.wait() == 0
+        rc, out, err = tracer.finish()
+        assert rc == 0, err
+        assert "Traceback" not in err
+    finally:
+        if tracer is not None and tracer.proc.poll() is None:
+            tracer.proc.kill()
+            tracer.proc.wait()
+        sim.kill()
+
+    me = {"pid": str(sim.pid), "role": "other"}
+    life = truth["lifecycle"]
+    # counts from kvsim's per-block books alone: every allocation of a block
+    # allocated before ends a life (each block's first event is its
+    # allocation: the tracer attached before kvsim ran, and kvsim's prefix
+    # hits are of blocks it computed)
+    allocs = [n for _, n in life["blocks"]["alloc"]]
+    ended = sum(allocs) - len(allocs)
+    assert ended > 0 and life["totals"]["hit"] > 0
+    want = {name: [ns / 1e9 for ns in life["residency"][name + "_ns"]] for name in RESIDENCY}
+    assert len(want["lifetime"]) == len(want["idle_before_evict"]) == ended
+    assert sum(want["lifetime"]) > sum(want["idle_before_evict"]) + ended * CLOCK_SLACK_S
+    assert value(m, "kvtrace_block_events_left_out_total") == 0
+    for name, metric in RESIDENCY.items():
+        samples = want[name]
+        # only pid and role: no block or request label
+        assert {tuple(sorted(l)) for l, _ in m[metric + "_bucket"]} == {("le", "pid", "role")}
+        buckets, inf = histogram(m, metric, **me)
+        assert [b for b, _ in buckets] == VLLM_RESIDENCY_BUCKETS
+        assert inf == value(m, metric + "_count", **me) == len(samples) > 0, name
+        for b, got in buckets:
+            lo = sum(1 for v in samples if v <= b - CLOCK_SLACK_S)
+            hi = sum(1 for v in samples if v <= b + CLOCK_SLACK_S)
+            assert lo <= got <= hi, (name, b, got, lo, hi)
+        # spread over buckets, so that equal counts say something
+        assert len({c for _, c in buckets if 0 < c < inf}) >= 2, (name, buckets)
+        assert value(m, metric + "_sum", **me) == pytest.approx(
+            sum(samples), abs=len(samples) * CLOCK_SLACK_S)
+
+    # the same run recorded: report's offline figures are the live ones
+    r = run_kvtrace("report", "--format", "json", trace)
+    assert r.returncode == 0, r.stderr
+    offline = json.loads(r.stdout)["lifecycle"]
+    for name, metric in RESIDENCY.items():
+        buckets, inf = histogram(m, metric, **me)
+        assert [[b, c] for b, c in buckets] + [["+Inf", inf]] == offline[name]["buckets"], name
+        assert value(m, metric + "_sum", **me) == pytest.approx(offline[name]["sum_s"]), name
+
+
+def test_no_plugin_tier_no_residency_series(tmp_path):
+    """A target without the plugin tier's probes (kvbench: one write probe):
+    the residency families are served empty, nothing else breaks, and the
+    writes are counted."""
+    subprocess.run(["make", "-s", "-C", ROOT / "bench"], check=True)
+    port = free_port()
+    truth = tmp_path / "truth.json"
+    tracer = Tracer("-q", "-i", 0.2, "--prometheus", port, "--", ROOT / "bench" / "kvbench",
+                    "rate", "--slots", 64, "--rate", 200000, "--duration-ms", 4000,
+                    "--truth", truth)
+    try:
+        tracer.wait_attached()
+        deadline = time.monotonic() + 30
+        while True:
+            m, _ = scrape(port)
+            if m.get("kvtrace_slots_written_total") and \
+                    value(m, "kvtrace_slots_written_total") > 0:
+                break
+            assert time.monotonic() < deadline, "no write counted"
+            time.sleep(0.2)
+        m, _ = scrape_after(port, time.time() + 0.3)
+        for metric in RESIDENCY.values():
+            assert m[metric] == []  # the family is served (HELP, TYPE), without samples
+            assert not m.get(metric + "_bucket") and not m.get(metric + "_count"), metric
+        assert not m["kvtrace_block_events_total"]
+        assert value(m, "kvtrace_block_events_left_out_total") == 0
+        assert value(m, "kvtrace_exact") == 1
+        rc, out, err = tracer.finish()
+        assert rc == 0, err
+        assert "Traceback" not in err
+    finally:
+        tracer.kill()
+    assert value(m, "kvtrace_slots_written_total") <= json.loads(truth.read_text())["slots"]
 
 
 @pytest.mark.parametrize("flag,why", [

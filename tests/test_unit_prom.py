@@ -98,3 +98,116 @@ def test_lifecycle_metrics_from_a_plugin_process():
     assert value("kvtrace_requests_finished_total") == 1
     assert value("kvtrace_preemptions_total") == 2
     assert value("kvtrace_recomputed_tokens_total") == 40
+
+
+# -- the residency histograms' live path (lifecycle.StreamTap, LiveResidency)
+
+def _records(*recs):
+    """Raw perf records, as the BPF program sends them: ("op", seq, ts_ns,
+    op name, pid, [ids]) or ("chunk", seq, offset, [values])."""
+    import numpy as np
+
+    from tracer import abi, stream
+
+    out = []
+    for r in recs:
+        if r[0] == "op":
+            _, seq, ts, op, pid, n = r
+            e = np.zeros(1, dtype=stream.EVENT)
+            e["type"], e["seq"], e["ts_ns"], e["op"], e["pid"] = stream.REC_OP, seq, ts, \
+                abi.OPS[op], pid
+            e["items"], e["chunks"] = n, 1 if n else 0
+            out.append(e.tobytes())
+        else:
+            _, seq, offset, values = r
+            h = np.zeros(1, dtype=stream.CHUNK_HDR)
+            h["type"], h["count"], h["seq"], h["offset"] = stream.REC_CHUNK, len(values), seq, \
+                offset
+            out.append(h.tobytes() + np.array(values, dtype=np.int64).tobytes())
+    return out
+
+
+def _feed(tap, raw):
+    import ctypes
+
+    for rec in raw:
+        buf = ctypes.create_string_buffer(rec, len(rec))
+        tap.add(ctypes.addressof(buf), len(rec))
+
+
+def test_stream_tap_keeps_block_ids_only_and_waits_for_late_op_records():
+    """The tap keeps the block events' records and ids; a write's slot
+    values are gone after the poll that saw its op record; a chunk whose
+    op record comes a poll later is kept until then; one whose record never
+    comes is dropped after EARLY_POLLS polls."""
+    from tracer import lifecycle, stream
+
+    S = 10 ** 9
+    tap = lifecycle.StreamTap()
+    _feed(tap, _records(("chunk", 1, 0, [100, 101, 102]), ("op", 1, 1 * S, "reshape_and_cache", 7, 3),
+                        ("chunk", 2, 0, [5, 6]), ("op", 2, 2 * S, "block_alloc", 7, 2),
+                        ("chunk", 3, 0, [5]),  # its record comes with the next poll
+                        ("chunk", 9, 0, [1, 2, 3])))  # its record never comes
+    tap.poll()
+    assert tap.pending_bytes == 0  # nothing of the stream held after a poll
+    (first,) = tap.take_life()
+    ops = stream.decode(first)
+    assert ops.ops["seq"].tolist() == [2] and ops.values_of(0).tolist() == [5, 6]
+    _feed(tap, _records(("op", 3, 3 * S, "block_hit", 7, 1)))
+    tap.poll()
+    ops = stream.decode(tap.take_life())
+    assert ops.ops["seq"].tolist() == [3] and ops.ops["complete"].all()
+    assert ops.values_of(0).tolist() == [5]
+    assert [len(h) for _, h, _ in tap._early] == [stream.CHUNK_HDR.itemsize]  # seq 9 waits
+    for _ in range(lifecycle.EARLY_POLLS):
+        tap.poll()
+    assert tap._early == [] and tap.take_life() == []
+
+
+def test_live_residency_holds_back_recent_events_and_matches_offline():
+    """Events reach the histograms HOLD_S after they happened, in time order
+    even when a later event is read first; the result equals report's
+    offline residency() of the same events, bucket by bucket."""
+    from tracer import lifecycle, stream
+
+    S = 10 ** 9
+    raw = [("chunk", 1, 0, [5, 6]), ("op", 1, 0, "block_alloc", 7, 2),
+           ("chunk", 2, 0, [5]), ("op", 2, S // 1000, "block_hit", 7, 1),    # 1 ms
+           ("chunk", 3, 0, [5]), ("op", 3, 3 * S // 1000, "block_hit", 7, 1),  # gap 2 ms
+           ("chunk", 5, 0, [5, 6]), ("op", 5, 2 * S, "block_alloc", 7, 2)]   # life 2 s
+    tap = lifecycle.StreamTap()
+    live = lifecycle.LiveResidency(tap)
+    # the allocation at 2 s is read before the hit at 3 ms (another CPU)
+    _feed(tap, _records(*raw[:4], *raw[6:]))
+    live.tick(now_ns=2 * S, force=True)  # only the first two are old enough
+    assert live.histograms(7)["reuse_gap"][0][-1] == ("+Inf", 0)
+    _feed(tap, _records(*raw[4:6]))
+    live.tick(now_ns=int(2.5 * S), force=True)  # still not the 2 s allocation
+    h = live.histograms(7)
+    assert h["reuse_gap"][0][-1] == ("+Inf", 1) and h["lifetime"][0][-1] == ("+Inf", 0)
+    live.tick(now_ns=4 * S, force=True)
+    h = live.histograms(7)
+    tap2 = lifecycle.StreamTap()
+    _feed(tap2, _records(*raw))
+    tap2.poll()
+    offline = lifecycle.residency(lifecycle.events(stream.decode(tap2.take_life())))
+    for name in lifecycle.RESIDENCY:
+        assert h[name][0] == lifecycle.histogram(offline[name]), name
+        assert h[name][1] == pytest.approx(float(offline[name].sum())), name
+    assert dict(h["lifetime"][0])[2] == 2 and dict(h["lifetime"][0])[1] == 0  # 5 and 6: 2 s
+    assert dict(h["idle_before_evict"][0])[2] == 2 and dict(h["idle_before_evict"][0])[1] == 0
+    assert dict(h["reuse_gap"][0])[0.002] == 1 and dict(h["reuse_gap"][0])[0.001] == 0
+    assert live.histograms(8)["lifetime"][0][-1] == ("+Inf", 0)  # another process: zeros
+
+
+@pytest.mark.parametrize("argv,streams", [
+    (["-p", "1"], False), (["-p", "1", "--prometheus"], True),
+    (["-p", "1", "-o", "/tmp/kvtrace-unit.kvt"], True)])
+def test_index_stream_only_with_o_or_prometheus(argv, streams):
+    """Plain attach neither streams nor takes the stream's larger buffers."""
+    from tracer import cli, cmd_attach
+
+    args = cli.build_parser().parse_args(["attach", *argv])
+    cmd_attach._validate(args)
+    assert cmd_attach.index_stream(args) is streams
+    assert (args.perf_pages == 64) is not streams

@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.segment import Segment
 from rich.style import Style
 
-from . import abi, discover, follow, live, prom, target as target_mod
+from . import abi, discover, follow, lifecycle, live, prom, target as target_mod
 from .aggregate import Aggregate, probed_ops
 from .errors import TargetError, UsageError
 from .export import folded_lines
@@ -110,7 +110,8 @@ def add_parser(sub):
                    f"(default {DEFAULT_MAX_PROCS})")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
                    help="perf buffer pages per CPU for the per-op records (default 64; "
-                   "with -o, which streams every slot, 4096 up to 256 MiB in all)")
+                   "with -o or --prometheus, which stream every slot, 4096 up to 256 MiB "
+                   "in all)")
     p.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
                    help="per-op records through the per-CPU perf buffer or one BPF "
                    f"ring buffer of the same total size (default {DEFAULT_TRANSPORT}; "
@@ -143,8 +144,11 @@ def _validate(args):
     if args.max_layers * args.max_blocks > MAX_COUNTERS:
         raise UsageError(f"--max-layers x --max-blocks must be at most {MAX_COUNTERS} "
                          f"(2 GiB of counters); {args.max_layers} x {args.max_blocks} is more")
+    # `record` shares run() and has no --prometheus
+    args.prometheus_at = prom.parse_endpoint(args.prometheus) \
+        if getattr(args, "prometheus", None) else None
     if args.perf_pages is None:
-        args.perf_pages = stream_perf_pages() if args.output else 64
+        args.perf_pages = stream_perf_pages() if index_stream(args) else 64
     if args.perf_pages & (args.perf_pages - 1):
         raise UsageError("--perf-pages must be a power of two")
     for path in (args.json, args.folded, args.output):
@@ -155,9 +159,13 @@ def _validate(args):
         raise UsageError("--cmd-output goes with -- CMD (a -p process keeps its own output)")
     if cmd_output and cmd_output != "-":
         check_writable(cmd_output)
-    # `record` shares run() and has no --prometheus
-    args.prometheus_at = prom.parse_endpoint(args.prometheus) \
-        if getattr(args, "prometheus", None) else None
+
+
+def index_stream(args) -> bool:
+    """Whether the BPF program streams every op's index values: to record
+    them (-o), or for the block events' ids that the residency histograms
+    of --prometheus need (the program cannot stream some ops only)."""
+    return bool(args.output or args.prometheus_at)
 
 
 def stream_perf_pages() -> int:
@@ -176,10 +184,14 @@ def run(args) -> int:
     from .session import Tracer, check_privileges
 
     check_privileges()
-    exporter = server = None
+    exporter = server = residency = None
     if args.prometheus_at:
+        # The plugin tier's residency histograms need the block events' ids,
+        # which only the index stream carries: on with --prometheus, its
+        # other values dropped at every poll unless -o records them
+        residency = lifecycle.LiveResidency(lifecycle.StreamTap(keep_all=bool(args.output)))
         # bound before any BPF is loaded: a busy port fails in a second
-        exporter = prom.Exporter(_model_name(args))
+        exporter = prom.Exporter(_model_name(args), residency)
         server = prom.start_server(*args.prometheus_at, exporter)
     follower = None
     if args.pid:
@@ -201,8 +213,9 @@ def run(args) -> int:
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         max_procs=args.max_procs, stacks=bool(args.folded or args.output),
-                        perf_pages=args.perf_pages, index_stream=bool(args.output),
-                        transport=args.transport)
+                        perf_pages=args.perf_pages, index_stream=index_stream(args),
+                        transport=args.transport,
+                        collector=residency.tap if residency else None)
         target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
         if server is not None:
@@ -210,8 +223,15 @@ def run(args) -> int:
                  ("" if prom.is_loopback(args.prometheus_at[0]) else
                   " (not loopback: whoever reaches it sees the traffic's shape)"))
         _announce(args, tracer, target, follower, t_start)
+
+        def on_poll():
+            if recorder:
+                recorder.tick()  # first: with -o, its take feeds the residency's tap
+            if residency:
+                residency.tick()
+
         _trace_loop(args, tracer, target, follower, stop,
-                    on_poll=recorder.tick if recorder else None, recorder=recorder,
+                    on_poll=on_poll if recorder or residency else None, recorder=recorder,
                     on_refresh=exporter.publish if exporter else None)
     except BaseException:
         if tracer is not None:

@@ -1,4 +1,5 @@
-"""The plugin tier's block lifecycle, from a recorded stream (docs/lifecycle.md).
+"""The plugin tier's block lifecycle, from a recorded stream (docs/lifecycle.md),
+and its residency histograms live, for attach --prometheus (LiveResidency).
 
 Each block event (block_alloc, block_hit, block_cache, block_free,
 block_evict) is one op record with its block ids as the index stream:
@@ -17,6 +18,7 @@ block (vLLM samples 1% of blocks, and only with --kv-cache-metrics):
 - per request, its timeline: each event with its time and blocks.
 """
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,9 +46,18 @@ class Events:
     event: np.ndarray   # int64: which op (row of the op table) it came from
     hash: np.ndarray = None  # uint64 content hash, 0 if the probe passed none
     incomplete: int = 0  # block events whose ids did not all arrive
+    pid: np.ndarray = None  # int64: the process (each EngineCore has its own pool)
 
     def __len__(self):
         return len(self.block)
+
+
+def _ranges(starts, lengths) -> np.ndarray:
+    """The indices starts[i] .. starts[i] + lengths[i] - 1, all i in order
+    (numpy, no loop)."""
+    n = np.asarray(lengths, dtype=np.int64)
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(np.asarray(starts, dtype=np.int64), n) + within
 
 
 def events(ops: stream.OpStream) -> Events:
@@ -59,12 +70,11 @@ def events(ops: stream.OpStream) -> Events:
     incomplete = int(np.count_nonzero(is_life & ~o["complete"]))
     # the ids come first; with KVTRACE_EV_HASHES as many hashes follow
     n = o["items"][idx].astype(np.int64)
-    first = np.repeat(o["start"][idx].astype(np.int64), n)
-    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    blocks = ops.values[first + within].astype(np.int64)
+    at = _ranges(o["start"][idx], n)
+    blocks = ops.values[at].astype(np.int64)
     has_hash = np.repeat((o["flags"][idx] & abi.EV_HASHES) != 0, n)
-    hashes = np.where(has_hash, ops.values[np.where(has_hash, first + within + np.repeat(n, n),
-                                                    first + within)], 0).astype(np.uint64)
+    hashes = np.where(has_hash, ops.values[np.where(has_hash, at + np.repeat(n, n), at)],
+                      0).astype(np.uint64)
     kind_table = np.zeros(abi.NR_OPS, dtype=np.int64)
     for op_id, kind in KIND_OF_OP.items():
         kind_table[op_id] = abi.LIFE.index(kind)
@@ -76,48 +86,96 @@ def events(ops: stream.OpStream) -> Events:
                   req=o["cache_id"][rows].astype(np.uint64),
                   group=o["cache_index"][rows].astype(np.int64),
                   block=blocks, event=rows.astype(np.int64), incomplete=incomplete,
-                  hash=hashes)
+                  hash=hashes, pid=o["pid"][rows].astype(np.int64))
+
+
+RESIDENCY = ("lifetime", "idle_before_evict", "reuse_gap")
+
+
+class Residency:
+    """Block residency as vLLM's collector defines it (module doc), event by
+    event: each sample is taken once, when the event that ends its interval
+    is added.  The one implementation behind report's histograms
+    (residency()) and attach --prometheus's (LiveResidency).
+
+    A block is (pid, KV-cache group, block id): each EngineCore and each
+    group has its own pool.  Per block it keeps [birth ns, last access ns,
+    last hit ns]: birth None for a life that began with a hit (allocated
+    before the trace: no known birth, so no lifetime), last hit None until
+    the life's first hit.  Its size is bounded by the blocks seen."""
+
+    def __init__(self):
+        self._blocks = {}
+        self.samples = {}  # pid -> {name: [ns, ...]} since the last take()
+
+    def add(self, ev: Events):
+        """Adds ev's allocations and hits in time order (the scheduler's
+        order among equal times).  Events must come no earlier than those
+        added before: LiveResidency holds recent ones back to make sure."""
+        alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
+        sel = np.flatnonzero(np.isin(ev.kind, (alloc, hit)))
+        if not len(sel):
+            return
+        sel = sel[np.lexsort((sel, ev.ts_ns[sel]))]
+        pids = ev.pid[sel] if ev.pid is not None else np.zeros(len(sel), np.int64)
+        blocks, samples = self._blocks, self.samples
+        for pid, group, block, ts, is_alloc in zip(
+                pids.tolist(), ev.group[sel].tolist(), ev.block[sel].tolist(),
+                ev.ts_ns[sel].tolist(), (ev.kind[sel] == alloc).tolist()):
+            key = (pid, group, block)
+            st = blocks.get(key)
+            if is_alloc:
+                # get_new_blocks hands it out again: the life before ends
+                if st is not None:
+                    out = samples.get(pid) or samples.setdefault(
+                        pid, {n: [] for n in RESIDENCY})
+                    if st[0] is not None:
+                        out["lifetime"].append(ts - st[0])
+                    out["idle_before_evict"].append(ts - st[1])
+                blocks[key] = [ts, ts, None]
+            elif st is None:
+                blocks[key] = [None, ts, ts]
+            else:
+                # vLLM's access_history records touches only, not the
+                # birth: the gap from the allocation to the first hit is
+                # not a reuse gap
+                if st[2] is not None:
+                    out = samples.get(pid) or samples.setdefault(
+                        pid, {n: [] for n in RESIDENCY})
+                    out["reuse_gap"].append(ts - st[2])
+                st[1] = st[2] = ts
+
+    def take(self) -> dict:
+        """{pid: {name: ns samples}} since the last take(), handed over."""
+        out, self.samples = self.samples, {}
+        return out
 
 
 def residency(ev: Events) -> dict:
     """{"lifetime", "idle_before_evict", "reuse_gap"}: seconds, one sample
     per block life (reuse gaps: per gap), as vLLM's collector defines them
-    (module doc).  Lives still running at the end of the trace have no
-    lifetime yet and are not counted (vLLM's neither: it records at
-    eviction)."""
-    alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
-    sel = np.isin(ev.kind, (alloc, hit))
-    group, block, ts = ev.group[sel], ev.block[sel], ev.ts_ns[sel]
-    is_alloc = ev.kind[sel] == alloc
-    # one block's accesses in time order (stable: the scheduler's order)
-    order = np.lexsort((np.arange(len(ts)), ts, block, group))
-    group, block, ts, is_alloc = group[order], block[order], ts[order], is_alloc[order]
-    same_block = np.r_[False, (group[1:] == group[:-1]) & (block[1:] == block[:-1])]
-    gaps = np.diff(ts)
-    # reuse gaps: between consecutive prefix hits of one life.  vLLM's
-    # access_history records touches only (not the birth), so the gap from
-    # the allocation to the first hit is not one
-    reuse = gaps[same_block[1:] & ~is_alloc[1:] & ~is_alloc[:-1]]
-    # a reallocation ends the life before it: lifetime from that life's birth,
-    # idle from its last access (the access just before the reallocation)
-    realloc = np.flatnonzero(is_alloc & same_block)
-    births = np.flatnonzero(is_alloc | ~same_block)
-    born_at = ts[births][np.searchsorted(births, realloc - 1, side="right") - 1]
-    # a "life" that began with a hit (its allocation before the trace) has
-    # no known birth: no lifetime, but its idle time is known
-    began_alloc = is_alloc[births][np.searchsorted(births, realloc - 1, side="right") - 1]
-    lifetime = (ts[realloc] - born_at)[began_alloc]
-    idle = ts[realloc] - ts[realloc - 1]
-    return {"lifetime": lifetime / 1e9, "idle_before_evict": idle / 1e9,
-            "reuse_gap": reuse / 1e9}
+    (module doc), all processes together.  Lives still running at the end
+    of the trace have no lifetime yet and are not counted (vLLM's neither:
+    it records at eviction)."""
+    r = Residency()
+    r.add(ev)
+    per_pid = r.take().values()
+    return {n: np.array([v for s in per_pid for v in s[n]], dtype=np.int64) / 1e9
+            for n in RESIDENCY}
+
+
+def bucket_counts(seconds, bounds=RESIDENCY_BUCKETS) -> np.ndarray:
+    """Samples per bucket, not cumulative: len(bounds) + 1 counts, the last
+    for +Inf.  A sample equal to a bound is in that bound's bucket (le)."""
+    s = np.asarray(seconds, dtype=np.float64)
+    return np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), s, side="left"),
+                       minlength=len(bounds) + 1)
 
 
 def histogram(seconds: np.ndarray, bounds=RESIDENCY_BUCKETS) -> list:
     """Cumulative [(le, count)], Prometheus style, +Inf last."""
-    s = np.asarray(seconds, dtype=np.float64)
-    rows = [(b, int(np.count_nonzero(s <= b))) for b in bounds]
-    rows.append(("+Inf", int(len(s))))
-    return rows
+    counts = np.cumsum(bucket_counts(seconds, bounds)).tolist()
+    return [*zip(bounds, counts[:-1]), ("+Inf", counts[-1])]
 
 
 def request_names(end_doc: dict) -> dict:
@@ -261,3 +319,172 @@ def miss_ratio_curve(ev: Events, sizes=None) -> dict:
             "compulsory": int(np.count_nonzero(d < 0)),
             "refetched": int(np.count_nonzero((kinds == cache) & (d >= 0))),
             "curve": curve}
+
+
+# -- live: attach --prometheus ---------------------------------------------
+
+# polls a chunk may wait for its op record (an op takes microseconds; a poll
+# of the buffers reads for up to 100 ms)
+EARLY_POLLS = 3
+
+
+class StreamTap(stream.Collector):
+    """The index stream's collector while the residency histograms are live.
+
+    The block ids of the plugin's events come only in the index stream, and
+    the BPF program streams either every op's values or none (a compile-time
+    switch): so the slot numbers of every write come too, and are the bulk.
+    This keeps them no longer than one poll: each take() pulls out the
+    block events' op records and their chunks for LiveResidency and, unless
+    a Recorder consumes the whole stream (attach -o: keep_all), drops the
+    rest.  The records are sorted and validated by Collector as always."""
+
+    def __init__(self, keep_all: bool = False):
+        super().__init__()
+        self.keep_all = keep_all
+        self._life = []  # RawBatches of block events, until LiveResidency takes them
+        # chunks whose op record had not come yet (the reader caught the op
+        # mid-way): (polls waited, header bytes, value bytes)
+        self._early = []
+
+    def take(self) -> stream.RawBatch:
+        batch = super().take()
+        self._pick(batch)
+        return batch
+
+    def poll(self):
+        """After each poll of the buffers: without a Recorder to take the
+        stream, take it here, so that at most one poll's worth is held."""
+        if not self.keep_all:
+            self.take()
+
+    def take_life(self) -> list:
+        out, self._life = self._life, []
+        return out
+
+    def _pick(self, batch):
+        ops = np.frombuffer(batch.ops, dtype=stream.EVENT)
+        life = ops[np.isin(ops["op"], list(KIND_OF_OP))]
+        parts = [(0, batch.chunk_hdrs, batch.values), *self._early]
+        hdr = np.concatenate([np.frombuffer(h, dtype=stream.CHUNK_HDR) for _, h, _ in parts])
+        vals = np.concatenate([np.frombuffer(v, dtype=stream.VALUE) for _, _, v in parts])
+        waited = np.concatenate([np.full(len(h) // stream.CHUNK_HDR.itemsize, n, np.int64)
+                                 for n, h, _ in parts])
+        count = hdr["count"].astype(np.int64)
+        at = np.cumsum(count) - count  # where each chunk's values are in vals
+
+        def chunks(mask):
+            idx = np.flatnonzero(mask)
+            return hdr[idx].tobytes(), vals[_ranges(at[idx], count[idx])].tobytes()
+
+        mine = np.isin(hdr["seq"], life["seq"])
+        if len(life):
+            self._life.append(stream.RawBatch(life.tobytes(), *chunks(mine)))
+        # An op's chunks come before its op record (from the same CPU, or in
+        # the ring buffer's order): a chunk whose record is not here yet is
+        # of an op the reader caught mid-way, kept for the next polls, or,
+        # after EARLY_POLLS, of an op whose record was lost (records_lost)
+        early = ~np.isin(hdr["seq"], ops["seq"]) & ~mine
+        stale = early & (waited >= EARLY_POLLS)
+        self._early = [(int(n) + 1, *chunks(early & ~stale & (waited == n)))
+                       for n in np.unique(waited[early & ~stale])]
+
+
+class LiveResidency:
+    """attach --prometheus: the residency histograms of every block, since
+    attach, per process.  Fed from the tracing loop after each poll (tick());
+    the exporter copies histograms() into its snapshot at each refresh.
+
+    Events are added in time order, and a block event read late (the
+    scheduler thread moved to another CPU, whose buffer the reader had
+    already passed in that poll) could come after a later one: so events
+    younger than HOLD_S are held back, and their samples come one HOLD_S
+    later, once nothing older can still be in a buffer."""
+
+    HOLD_S = 1.0
+    # The loop polls the buffers up to a few hundred times a second (a
+    # wake-up per 64 records): work is done at most every TICK_S, or as
+    # soon as TAKE_BYTES of the stream wait (what that keeps in memory)
+    TICK_S = 0.1
+    TAKE_BYTES = 1 << 20
+
+    def __init__(self, tap: StreamTap, bounds=RESIDENCY_BUCKETS):
+        self.tap = tap
+        self.bounds = bounds
+        self.residency = Residency()
+        self._held = []  # OpStreams decoded and not yet added, in arrival order
+        self._next = 0.0
+        self._counts = {}  # pid -> {name: [per-bucket counts (np.int64), sum in seconds]}
+        self.incomplete = 0  # block events left out: some of their ids did not arrive
+
+    def tick(self, now_ns: int = None, force: bool = False):
+        """After a poll: take the stream, add the events older than HOLD_S.
+        now_ns: the CLOCK_MONOTONIC time (the BPF program's clock) to hold
+        back from; force: now, whenever the last tick was."""
+        now = time.monotonic()
+        if not force and now < self._next and self.tap.pending_bytes < self.TAKE_BYTES:
+            return
+        self._next = now + self.TICK_S
+        self.tap.poll()
+        batches = self.tap.take_life()
+        if batches:
+            self._held.append(stream.decode(batches))
+        horizon = (time.monotonic_ns() if now_ns is None else now_ns) - int(self.HOLD_S * 1e9)
+        due, held = [], []
+        for o in self._held:
+            ts = o.ops["ts_ns"].astype(np.int64)
+            if not len(ts) or ts.max() <= horizon:
+                due.append(o)
+            elif ts.min() > horizon:
+                held.append(o)
+            else:
+                due.append(o.select(ts <= horizon))
+                held.append(_repacked(o.select(ts > horizon)))
+        self._held = held
+        if not due:
+            return
+        ev = events(_joined(due))
+        self.incomplete += ev.incomplete
+        self.residency.add(ev)
+        for pid, samples in self.residency.take().items():
+            per = self._counts.setdefault(pid, {n: [np.zeros(len(self.bounds) + 1, np.int64), 0.0]
+                                                for n in RESIDENCY})
+            for name, ns in samples.items():
+                seconds = np.array(ns, dtype=np.int64) / 1e9
+                per[name][0] += bucket_counts(seconds, self.bounds)
+                per[name][1] += float(seconds.sum())
+
+    def histograms(self, pid: int) -> dict:
+        """{name: ([(le, cumulative count)], sum in seconds)} of one
+        process, zero before its first sample: new lists, for a snapshot
+        that nobody changes."""
+        out = {}
+        for name in RESIDENCY:
+            counts, total = self._counts.get(pid, {}).get(name, (None, 0.0))
+            c = np.cumsum(counts).tolist() if counts is not None else \
+                [0] * (len(self.bounds) + 1)
+            out[name] = ([*zip(self.bounds, c[:-1]), ("+Inf", c[-1])], total)
+        return out
+
+
+def _joined(streams: list) -> stream.OpStream:
+    """Decoded streams as one (each one's value offsets shifted)."""
+    if len(streams) == 1:
+        return streams[0]
+    ops = np.concatenate([o.ops for o in streams])
+    sizes = [len(o.values) for o in streams]
+    shift = np.repeat(np.cumsum([0] + sizes[:-1]), [len(o.ops) for o in streams])
+    ops["start"] += shift
+    ops["stop"] += shift
+    return stream.OpStream(ops, np.concatenate([o.values for o in streams]))
+
+
+def _repacked(ops: stream.OpStream) -> stream.OpStream:
+    """ops with only their own values, in a new array (what is held back
+    must not keep the values of the events already added)."""
+    o = ops.ops.copy()
+    n = (o["stop"] - o["start"]).astype(np.int64)
+    values = ops.values[_ranges(o["start"], n)]
+    o["start"] = np.cumsum(n) - n
+    o["stop"] = np.cumsum(n)
+    return stream.OpStream(o, values)

@@ -6,6 +6,8 @@ the figures of the last interval (working set, true utilization, the access
 histograms) and swaps in one immutable snapshot.  A scrape runs in
 prometheus_client's HTTP thread and only formats that snapshot: it never
 reads a map, never takes a lock the loop holds, and never waits for the loop.
+The plugin tier's residency histograms are fed by the loop too, after each
+poll (lifecycle.LiveResidency), and copied into the snapshot at publish().
 docs/metrics.md lists every metric and how it is computed.
 """
 
@@ -161,6 +163,15 @@ def _buckets(values, bounds):
     return pairs, float(values.sum())
 
 
+def _residency(hists):
+    """lifecycle.LiveResidency's histograms of one process, le written as
+    Prometheus writes it."""
+    from prometheus_client.utils import floatToGoString
+
+    return {n: ([(le if le == "+Inf" else floatToGoString(le), c) for le, c in buckets], total)
+            for n, (buckets, total) in hists.items()}
+
+
 def _life(p):
     """The plugin tier's figures for one process, or None without it: blocks
     per lifecycle event, and the blocks held now (a block is held while the
@@ -190,8 +201,11 @@ def _life(p):
 class Exporter:
     """A prometheus_client collector over the snapshot the loop publishes."""
 
-    def __init__(self, model: str = ""):
+    def __init__(self, model: str = "", residency=None):
         self.model = model
+        # lifecycle.LiveResidency when the index stream is on: the plugin
+        # tier's block lifetime, idle and reuse-gap histograms
+        self.residency = residency
         self._snap = None  # replaced whole, never changed: a scrape reads one
         self._last_window = {}  # (pid, group) -> (working set, tokens held, utilization)
         self._roles = {}  # pid -> role, once it is not 'other'
@@ -246,6 +260,9 @@ class Exporter:
                                [g.block_size for g in p.groups] + [0]),
                 moves={k: int(v.sum()) for k, v in p.moves.items()},
                 life=_life(p),
+                # with the plugin tier only; zero counts until its first sample
+                residency=_residency(self.residency.histograms(p.pid))
+                if p.life and self.residency else None,
                 groups=groups,
                 written=_buckets(written, WRITE_BUCKETS)))
         self._snap = dict(
@@ -253,7 +270,8 @@ class Exporter:
             lost=int(agg.lost), records=int(agg.records),
             missed=int(agg.globals.get("missed_hits", 0)),
             foreign=int(agg.globals.get("foreign", 0)),
-            chunks_lost=int(agg.globals.get("chunks_lost", 0)))
+            chunks_lost=int(agg.globals.get("chunks_lost", 0)),
+            left_out=self.residency.incomplete if self.residency else 0)
 
     def _role(self, p):
         """The role by the process's comm now: vLLM renames its engine and
@@ -272,7 +290,7 @@ class Exporter:
 
     def collect(self):
         from prometheus_client.core import (CounterMetricFamily, GaugeHistogramMetricFamily,
-                                            GaugeMetricFamily)
+                                            GaugeMetricFamily, HistogramMetricFamily)
 
         snap = self._snap  # one reference read: the loop may swap it meanwhile
         model = [self.model] if self.model else []
@@ -298,8 +316,12 @@ class Exporter:
                 ("kvtrace_records_total", "per-op perf records delivered", snap["records"]),
                 ("kvtrace_records_lost_total", "per-op perf records lost (the counts never "
                  "come from them)", snap["lost"]),
-                ("kvtrace_slot_chunks_lost_total", "index-stream chunks lost (-o)",
-                 snap["chunks_lost"]),
+                ("kvtrace_slot_chunks_lost_total", "index-stream chunks lost (-o, "
+                 "--prometheus)", snap["chunks_lost"]),
+                ("kvtrace_block_events_left_out_total", "block events (plugin tier) left "
+                 "out of the residency histograms: some of their ids were lost (an event "
+                 "whose op record was lost counts in records_lost)",
+                 snap["left_out"]),
                 ("kvtrace_probe_misses_total", "probe hits the kernel skipped (another BPF "
                  "program was running on that CPU)", snap["missed"]),
                 ("kvtrace_foreign_hits_total", "probe hits of processes not traced, dropped",
@@ -366,6 +388,18 @@ class Exporter:
         freq = fam(GaugeHistogramMetricFamily, "kvtrace_block_access_frequency",
                    "blocks by reads in the last interval (blocks read at least once)",
                    ["group"])
+        # vLLM's vllm:kv_block_*_seconds, same buckets (lifecycle.RESIDENCY_BUCKETS)
+        residency = {
+            "lifetime": fam(HistogramMetricFamily, "kvtrace_block_lifetime_seconds",
+                            "block lifetime, from its allocation to its next one (vLLM's "
+                            "eviction), every block (plugin tier, since attach)"),
+            "idle_before_evict": fam(HistogramMetricFamily,
+                                     "kvtrace_block_idle_before_evict_seconds",
+                                     "block idle time, from its last access (allocation or "
+                                     "prefix hit) to its next allocation (plugin tier)"),
+            "reuse_gap": fam(HistogramMetricFamily, "kvtrace_block_reuse_gap_seconds",
+                             "time between consecutive prefix hits of one block life "
+                             "(plugin tier)")}
         wfill = fam(GaugeHistogramMetricFamily, "kvtrace_block_tokens_written",
                     "blocks by tokens written in the last interval (blocks written "
                     "at least once)")
@@ -398,6 +432,8 @@ class Exporter:
                 req_done.add_metric(lv, life["finished"])
                 preempt.add_metric(lv, life["preemptions"])
                 recomp.add_metric(lv, life["recomputed"])
+            for name, (buckets, total) in (p.get("residency") or {}).items():
+                residency[name].add_metric(lv, buckets, total)
             for g in p["groups"]:
                 gl = [*lv, str(g["group"])]
                 reads.add_metric(gl, g["reads"])
@@ -415,4 +451,4 @@ class Exporter:
         yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
                     ws, tokens_held, util, frag, freq, wfill, events, held_blocks, req_seen,
-                    req_done, preempt, recomp)
+                    req_done, preempt, recomp, *residency.values())

@@ -140,7 +140,8 @@ class Tracer:
                  max_caches: int = abi.DEFAULT_MAX_CACHES,
                  max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
                  stacks: bool = False, perf_pages: int = 64, index_stream: bool = False,
-                 transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY):
+                 transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
+                 collector: stream.Collector = None):
         check_privileges()
         discover.check_arch()
         if max_blocks & (max_blocks - 1):
@@ -161,7 +162,9 @@ class Tracer:
             cflags.append(f"-DKVTRACE_RINGBUF={ring_pages(perf_pages)}")
             cflags.append(f"-DKVTRACE_WAKEUP_EVERY={wakeup_every}")
         self.wakeup_every = wakeup_every
-        self.stream = stream.Collector() if index_stream else None
+        # collector: the stream's consumer side, if not a plain Collector
+        # (attach --prometheus: lifecycle.StreamTap)
+        self.stream = (collector or stream.Collector()) if index_stream else None
         self.stacks = stacks
         t0 = time.monotonic()
         # compiled once per program text, kernel and bcc (tracer/program.py);

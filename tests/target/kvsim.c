@@ -240,6 +240,8 @@ struct req_truth {
 	uint64_t blocks[KV_NUM_LIFE]; /* block ids per event kind */
 };
 
+enum { RES_LIFETIME, RES_IDLE, RES_REUSE_GAP };
+
 struct truth {
 	uint64_t **writes;     /* [layer][block] valid slots written */
 	uint64_t *token_writes; /* [block] once per step, layer-independent */
@@ -259,6 +261,14 @@ struct truth {
 	uint64_t request_calls, preempt_calls, finish_calls;
 	struct req_truth *reqs;
 	int64_t nreqs, reqs_cap;
+	/* block residency (write_lifecycle()): per GPU block, by CLOCK_MONOTONIC
+	 * read as its alloc or hit probe fires: its life's birth, last access
+	 * and last hit (0: none), and the samples */
+	int64_t *res_born, *res_last, *res_hit;
+	struct ns_list {
+		int64_t *v;
+		int64_t n, cap;
+	} res[3]; /* RES_LIFETIME, RES_IDLE, RES_REUSE_GAP */
 
 	/* true fill per generation, from the block manager's own view */
 	struct gen_truth *gens;
@@ -638,6 +648,9 @@ static void sim_init(struct sim *s, const struct config *cfg)
 		t->life[k] = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
 		s->life_ids[k] = xcalloc((size_t)s->nblocks, sizeof(int32_t));
 	}
+	t->res_born = xcalloc((size_t)s->nblocks, sizeof(int64_t));
+	t->res_last = xcalloc((size_t)s->nblocks, sizeof(int64_t));
+	t->res_hit = xcalloc((size_t)s->nblocks, sizeof(int64_t));
 
 	struct read_truth *rd = &t->rd;
 	rd->per_block = xcalloc((size_t)s->nblocks, sizeof(uint64_t));
@@ -733,12 +746,59 @@ static void life_add(struct sim *s, struct request *r, int kind, int32_t b)
 	s->t.reqs[r->tr].blocks[kind]++;
 }
 
+static void res_sample(struct truth *t, int which, int64_t ns)
+{
+	struct ns_list *l = &t->res[which];
+	if (l->n == l->cap) {
+		l->cap = l->cap ? 2 * l->cap : 1024;
+		l->v = realloc(l->v, (size_t)l->cap * sizeof(*l->v));
+		if (!l->v)
+			fatal("out of memory");
+	}
+	l->v[l->n++] = ns;
+}
+
+/*
+ * Block residency as vLLM's KVCacheMetricsCollector defines it: a block's
+ * life begins when the pool hands it out (alloc) and ends when the pool
+ * hands it out again; its accesses are that alloc and each prefix hit.
+ * lifetime = the next alloc - this one; idle = the next alloc - the last
+ * access; a reuse gap is the time between two hits of one life (the alloc
+ * is not a hit).  A block first seen by a hit has no known birth.
+ */
+static void res_event(struct truth *t, int kind, const int32_t *ids, int64_t n,
+		      int64_t now)
+{
+	for (int64_t i = 0; i < n; i++) {
+		int32_t b = ids[i];
+		if (kind == KV_LIFE_ALLOC) {
+			if (t->res_last[b]) {
+				if (t->res_born[b])
+					res_sample(t, RES_LIFETIME, now - t->res_born[b]);
+				res_sample(t, RES_IDLE, now - t->res_last[b]);
+			}
+			t->res_born[b] = t->res_last[b] = now;
+			t->res_hit[b] = 0;
+		} else if (kind == KV_LIFE_HIT) {
+			if (t->res_hit[b])
+				res_sample(t, RES_REUSE_GAP, now - t->res_hit[b]);
+			t->res_last[b] = t->res_hit[b] = now;
+		}
+	}
+}
+
 /* Fires the batched events, one probe call per kind, in kind order. */
 static void life_flush(struct sim *s)
 {
 	for (int k = 0; k < KV_NUM_LIFE; k++) {
 		if (!s->life_n[k])
 			continue;
+		/* the clock as close to the probe as kvsim can read it: a
+		 * tracer's timestamp comes microseconds later */
+		struct timespec ts;
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		res_event(&s->t, k, s->life_ids[k], s->life_n[k],
+			  (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec);
 		kv_block_event(k, s->t.reqs[s->life_req->tr].req, 0,
 			       s->life_ids[k], s->life_n[k], s->nblocks);
 		s->t.life_calls[k]++;
@@ -1802,6 +1862,10 @@ static void write_reads(FILE *f, const struct sim *s)
  *                 once, by the last one), evict (never: kvsim pins its
  *                 cached blocks, see struct sim's prefix_cache)
  *   totals        {kind: sum of the counts above}
+ *   residency     {lifetime_ns, idle_before_evict_ns, reuse_gap_ns}: every
+ *                 sample of vLLM's block residency (res_event()), in the
+ *                 order taken, timed by CLOCK_MONOTONIC read just before
+ *                 each alloc and hit probe call
  *   requests      one per request created, in creation order: id, req
  *                 (FNV-1a 64 of id, 16 hex digits), prompt_tokens,
  *                 output_tokens (tokens generated, all samples; 0 until it
@@ -1836,6 +1900,15 @@ static void write_lifecycle(FILE *f, const struct sim *s)
 		for (int64_t b = 0; b < s->nblocks; b++)
 			sum += t->life[k][b];
 		fprintf(f, "%s\"%s\": %" PRIu64, k ? ", " : "", kinds[k], sum);
+	}
+	fprintf(f, "},\n    \"residency\": {");
+	static const char *const res_names[3] = { "lifetime_ns", "idle_before_evict_ns",
+						   "reuse_gap_ns" };
+	for (int r = 0; r < 3; r++) {
+		fprintf(f, "%s\"%s\": [", r ? ", " : "", res_names[r]);
+		for (int64_t i = 0; i < t->res[r].n; i++)
+			fprintf(f, "%s%" PRId64, i ? ", " : "", t->res[r].v[i]);
+		fputc(']', f);
 	}
 	fprintf(f, "},\n    \"requests\": [");
 	for (int64_t i = 0; i < t->nreqs; i++) {
