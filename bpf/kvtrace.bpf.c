@@ -26,6 +26,22 @@
 #include <uapi/linux/ptrace.h>
 #include "kvtrace.h"
 
+/* What the index stream carries (kvtrace.h): every op's values
+ * (KVTRACE_WITH_INDEX_STREAM: record, attach -o), or only the plugin's
+ * block events' ids (KVTRACE_WITH_BLOCK_ID_STREAM: attach --prometheus's
+ * residency histograms), or nothing.  Constants, so that a stage whose
+ * values are not streamed has no send in it at all. */
+#if defined(KVTRACE_WITH_INDEX_STREAM)
+#define STREAM_VALUES 1
+#define STREAM_BLOCK_IDS 1
+#elif defined(KVTRACE_WITH_BLOCK_ID_STREAM)
+#define STREAM_VALUES 0
+#define STREAM_BLOCK_IDS 1
+#else
+#define STREAM_VALUES 0
+#define STREAM_BLOCK_IDS 0
+#endif
+
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
 BPF_HASH(sites, struct kvtrace_site_key, struct kvtrace_site, 4096);
 BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, 4096);
@@ -355,9 +371,11 @@ static __always_inline void start_record(struct work *w)
  * is sent too; user space skips it, and it is not counted in ev.chunks.
  */
 static __always_inline u64 emit_chunk(struct pt_regs *ctx, struct work *w,
-				      struct chunk *buf)
+				      struct chunk *buf, const int streamed)
 {
-#ifdef KVTRACE_WITH_INDEX_STREAM
+#if STREAM_VALUES || STREAM_BLOCK_IDS
+	if (!streamed) /* a constant: the stage's code has no send at all */
+		return 0;
 	u64 cnt = w->done - w->rec_start;
 	u64 some = lt(0, cnt);
 	buf->hdr.type = KVTRACE_REC_CHUNK;
@@ -599,10 +617,10 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 		}
 		/* c is known on every path: this is no branch for the verifier */
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf);
+			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	}
 	__sync_fetch_and_add(&row->count[run_block & BLOCK_MASK], run);
-	lost += emit_chunk(ctx, w, buf); /* the rest, if any */
+	lost += emit_chunk(ctx, w, buf, STREAM_VALUES); /* the rest, if any */
 	w->ev.slots += valid;
 	w->ev.padding += padding;
 	w->oor += oor;
@@ -662,9 +680,9 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 			__sync_fetch_and_add(&dst_row->count[dst & BLOCK_MASK], dst_ok);
 		}
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf);
+			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	}
-	lost += emit_chunk(ctx, w, buf);
+	lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	w->oor += oor;
 	chunks_lost(w, lost);
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_PAIRS);
@@ -717,15 +735,15 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 			nulls += live & (nz ^ 1);
 			oor += live & nz & (ok ^ 1);
 			__sync_fetch_and_add(&row->count[id & BLOCK_MASK], ok);
-#ifdef KVTRACE_WITH_INDEX_STREAM
+#if STREAM_BLOCK_IDS
 			buf->v[(k * KVTRACE_CHUNK + i) & (2 * RECORD_VALUES - 1)] =
 			    (s64)(s32)tb->v[i];
 #endif
 		}
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf);
+			lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	}
-	lost += emit_chunk(ctx, w, buf);
+	lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	w->ev.slots += valid;
 	w->ev.padding += nulls;
 	w->oor += oor;
@@ -758,9 +776,9 @@ int kvtrace_stage_hashes(struct pt_regs *ctx)
 		if (next_chunk(w, buf, k) <= 0)
 			break;
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf);
+			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	}
-	lost += emit_chunk(ctx, w, buf);
+	lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	chunks_lost(w, lost);
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_HASHES);
 }
@@ -859,7 +877,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 		next_row += adv;
 		rows += adv;
 		tokens += sl & m;
-#ifdef KVTRACE_WITH_INDEX_STREAM
+#if STREAM_VALUES
 		buf->v[pos & (2 * RECORD_VALUES - 1)] = sl;
 		pos += adv;
 #endif
@@ -889,7 +907,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 			u64 old = e->last_step;
 			e->last_step = old ^ ((old ^ step) & -ok);
 			acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) + r * PACK_REAL;
-#ifdef KVTRACE_WITH_INDEX_STREAM
+#if STREAM_VALUES
 			buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
 #endif
 		}
@@ -908,14 +926,14 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 		counted += acc & 0xffff;
 		distinct += (acc >> 16) & 0xffff;
 		real += acc >> 32;
-#ifdef KVTRACE_WITH_INDEX_STREAM
+#if STREAM_VALUES
 		pos += cnt;
 		/* Every other chunk, send what is waiting (at most 2 * 129
 		 * values, within a record).  c is known on every path, so this
 		 * is no branch for the verifier, as a test of pos would be. */
 		if (c % STREAM_EVERY == STREAM_EVERY - 1) {
 			w->done += pos;
-			lost += emit_chunk(ctx, w, buf);
+			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 			pos = 0;
 		}
 #endif
@@ -928,7 +946,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 	w->ev.rows += rows;
 	w->tokens += tokens;
 	w->done += pos;
-	lost += emit_chunk(ctx, w, buf); /* the rest, if any */
+	lost += emit_chunk(ctx, w, buf, STREAM_VALUES); /* the rest, if any */
 	if (!w->keep) /* counted into the sink row: none of it is kept */
 		counted = distinct = gaps = 0;
 	w->ev.items += counted;
@@ -1086,7 +1104,7 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.bytes = a[4];
 		w->arr = a[2];
 		w->n = w->nids = n;
-#ifdef KVTRACE_WITH_INDEX_STREAM
+#if STREAM_VALUES
 		/* the content hashes follow the ids in the stream (miss-ratio
 		 * curves, report); without the stream they are not read */
 		if (a[5] && n) {

@@ -201,13 +201,15 @@ def test_live_residency_holds_back_recent_events_and_matches_offline():
 
 
 @pytest.mark.parametrize("argv,streams", [
-    (["-p", "1"], False), (["-p", "1", "--prometheus"], True),
-    (["-p", "1", "-o", "/tmp/kvtrace-unit.kvt"], True)])
+    (["-p", "1"], None), (["-p", "1", "--prometheus"], "block_ids"),
+    (["-p", "1", "-o", "/tmp/kvtrace-unit.kvt"], "all"),
+    (["-p", "1", "-o", "/tmp/kvtrace-unit.kvt", "--prometheus"], "all")])
 def test_index_stream_only_with_o_or_prometheus(argv, streams):
-    """Plain attach neither streams nor takes the stream's larger buffers."""
+    """Plain attach streams nothing; --prometheus only the block events'
+    ids; only -o streams every value and takes the larger buffers."""
     from tracer import cli, cmd_attach
 
     args = cli.build_parser().parse_args(["attach", *argv])
     cmd_attach._validate(args)
-    assert cmd_attach.index_stream(args) is streams
-    assert (args.perf_pages == 64) is not streams
+    assert cmd_attach.index_stream(args) == streams
+    assert (args.perf_pages == 64) is (streams != "all")

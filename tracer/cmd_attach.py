@@ -148,7 +148,7 @@ def _validate(args):
     args.prometheus_at = prom.parse_endpoint(args.prometheus) \
         if getattr(args, "prometheus", None) else None
     if args.perf_pages is None:
-        args.perf_pages = stream_perf_pages() if index_stream(args) else 64
+        args.perf_pages = stream_perf_pages() if index_stream(args) == "all" else 64
     if args.perf_pages & (args.perf_pages - 1):
         raise UsageError("--perf-pages must be a power of two")
     for path in (args.json, args.folded, args.output):
@@ -161,11 +161,14 @@ def _validate(args):
         check_writable(cmd_output)
 
 
-def index_stream(args) -> bool:
-    """Whether the BPF program streams every op's index values: to record
-    them (-o), or for the block events' ids that the residency histograms
-    of --prometheus need (the program cannot stream some ops only)."""
-    return bool(args.output or args.prometheus_at)
+def index_stream(args):
+    """What the BPF program streams: every op's index values, to record
+    them (-o: "all"); only the plugin's block events' ids, which the
+    residency histograms of --prometheus need ("block_ids": a few values a
+    step, where the slots of every layer's writes are the bulk); or nothing."""
+    if args.output:
+        return "all"
+    return "block_ids" if args.prometheus_at else None
 
 
 def stream_perf_pages() -> int:
@@ -187,8 +190,9 @@ def run(args) -> int:
     exporter = server = residency = None
     if args.prometheus_at:
         # The plugin tier's residency histograms need the block events' ids,
-        # which only the index stream carries: on with --prometheus, its
-        # other values dropped at every poll unless -o records them
+        # which only the index stream carries: the ids alone with
+        # --prometheus, everything with -o (the tap then drops the rest
+        # after the Recorder took it)
         residency = lifecycle.LiveResidency(lifecycle.StreamTap(keep_all=bool(args.output)))
         # bound before any BPF is loaded: a busy port fails in a second
         exporter = prom.Exporter(_model_name(args), residency)

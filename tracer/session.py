@@ -139,7 +139,7 @@ class Tracer:
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
                  max_caches: int = abi.DEFAULT_MAX_CACHES,
                  max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
-                 stacks: bool = False, perf_pages: int = 64, index_stream: bool = False,
+                 stacks: bool = False, perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  collector: stream.Collector = None):
         check_privileges()
@@ -153,7 +153,9 @@ class Tracer:
                   f"-DKVTRACE_MAX_GROUPS={max_groups}"]
         if stacks:
             cflags.append("-DKVTRACE_WITH_STACKS")
-        if index_stream:  # the slot/pair chunks (record, attach -o); off costs nothing
+        if index_stream == "block_ids":  # the block events' ids only (--prometheus)
+            cflags.append("-DKVTRACE_WITH_BLOCK_ID_STREAM")
+        elif index_stream:  # every op's values (record, attach -o); off costs nothing
             cflags.append("-DKVTRACE_WITH_INDEX_STREAM")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
