@@ -259,11 +259,18 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     gen_start_ns = np.asarray(gen_start_ns, np.int64)
     nb = int(block.max()) + 1 if len(block) else 0
     reads = np.bincount(block, minlength=nb).astype(np.uint64)
-    last_step = np.zeros(nb, np.uint64)
-    last_ns = np.zeros(nb, np.int64)
-    has_read = np.zeros(nb, bool)
+    steps_in_time = np.argsort(ts_ns, kind="stable")
+    t_sorted = ts_ns[steps_in_time]
+    # per block, 1 + the place in time order of the last step that read it
+    # (0: none yet): the one array the pass writes per read
+    last_at = np.zeros(nb, np.int64)
+    # the steps' times in step order (the usual case): the latest step is
+    # also the highest-numbered; otherwise that is kept apart
+    in_order = bool(np.all(steps_in_time == np.arange(len(ts_ns))))
+    last_step = None if in_order else np.zeros(nb, np.int64)
     sharing = np.zeros(nb, np.int64)
     place = np.zeros(nb, np.int64)  # scratch: where a block was last seen in a step
+    here_all = np.arange(int(np.max(np.diff(bounds), initial=0)))
     idle = np.zeros(len(gen_block), np.int64)
     found = np.zeros(len(gen_block), bool)
     g_order = np.argsort(gen_start_ns, kind="stable")
@@ -280,35 +287,40 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
             g = g_order[g_next:g_end]
             b = gen_block[g]
             ok = (b >= 0) & (b < nb)
-            g, b = g[ok], b[ok]
-            seen = has_read[b]
+            g, at = g[ok], last_at[b[ok]]
+            seen = at > 0
             found[g[seen]] = True
-            idle[g[seen]] = gen_start_ns[g[seen]] - last_ns[b[seen]]
+            idle[g[seen]] = gen_start_ns[g[seen]] - t_sorted[at[seen] - 1]
             g_next = g_end
 
-    steps_in_time = np.argsort(ts_ns, kind="stable")
     prev_t = None
-    for k in steps_in_time.tolist():
-        t = int(ts_ns[k])
+    for i, k in enumerate(steps_in_time.tolist()):
+        t = int(t_sorted[i])
         if t != prev_t:
             answer(t)
             prev_t = t
         b = block[bounds[k]:bounds[k + 1]]
         if not len(b):
             continue
-        last_step[b] = np.maximum(last_step[b], k + 1)
-        last_ns[b] = t  # steps come in time order: this is the latest
-        has_read[b] = True
+        last_at[b] = i + 1  # time order: this is the latest
+        if last_step is not None:
+            last_step[b] = np.maximum(last_step[b], k + 1)
         # a block read by more than one request at this step: found without
         # sorting, as a place overwritten by a later occurrence
-        here = np.arange(len(b))
+        here = here_all[:len(b)]
         place[b] = here
         if bool(np.any(place[b] != here)):
             u, c = np.unique(b, return_counts=True)
             sharing[u] = np.maximum(sharing[u], c)
     answer(np.iinfo(np.int64).max)
+    has_read = last_at > 0
     sharing[(sharing == 0) & has_read] = 1
-    return ReadScan(reads, last_step, last_ns, sharing, out_of_range, idle[found])
+    last_ns = np.where(has_read, t_sorted[np.maximum(last_at - 1, 0)], 0) if nb else \
+        np.zeros(0, np.int64)
+    if last_step is None:
+        last_step = last_at
+    return ReadScan(reads, last_step.astype(np.uint64), last_ns, sharing, out_of_range,
+                    idle[found])
 
 
 def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
