@@ -472,9 +472,15 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
             if len(pr):
                 # the open row is a prefix of the row, entry by entry,
                 # except where either reads 0 (a block a window dropped)
-                a, b = gather(start[pr], lp), gather(start[pp], lp)
-                bad = (a != b) & (a != 0) & (b != 0)
-                ok = ~np.logical_or.reduceat(bad, np.cumsum(lp) - lp)
+                seg = np.cumsum(lp) - lp  # each pair's place in a and b
+                within = np.arange(int(lp.sum())) - np.repeat(seg, lp)
+                a = entries[np.repeat(start[pr], lp) + within]
+                b = entries[np.repeat(start[pp], lp) + within]
+                # the few places that differ, then whether either reads 0 there
+                diff = np.flatnonzero(a != b)
+                diff = diff[(a[diff] != 0) & (b[diff] != 0)]
+                ok = np.ones(len(pr), bool)
+                ok[np.searchsorted(seg, diff, side="right") - 1] = False
                 # the open row's last token was not written at this step
                 last = rseq[pp] - 1
                 inrow = last // bs < length[pr]
