@@ -200,8 +200,10 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     s_move = np.concatenate([np.full(np.count_nonzero(w_off == 0), -1),
                              np.flatnonzero(m_starts)])
     # ...and, for blocks written before any start, the first such write
-    w_gen = _latest_start(*_sorted_starts(s_block, s_key)[:2], w_block, w_key, False)
-    if np.any(w_gen < 0):
+    sorted_starts = _sorted_starts(s_block, s_key)
+    w_gen = _latest_start(*sorted_starts[:2], w_block, w_key, False)
+    orphans = bool(np.any(w_gen < 0))
+    if orphans:
         orphan = np.flatnonzero(w_gen < 0)
         blocks, first = np.unique(w_block[orphan], return_index=True)  # orphans are key-sorted
         at = orphan[first]
@@ -210,10 +212,13 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
         s_kind = np.concatenate([s_kind, np.full(len(at), _K_BEFORE)])
         s_op = np.concatenate([s_op, w_op[at]])
         s_move = np.concatenate([s_move, np.full(len(at), -1)])
-    s_block, s_key, order = _sorted_starts(s_block, s_key)
+    if orphans:  # the starts changed: sort them and find each write's again
+        sorted_starts = _sorted_starts(s_block, s_key)
+    s_block, s_key, order = sorted_starts
     s_kind, s_op, s_move = s_kind[order], s_op[order], s_move[order]
     G = len(s_block)
-    w_gen = _latest_start(s_block, s_key, w_block, w_key, False)
+    if orphans:
+        w_gen = _latest_start(s_block, s_key, w_block, w_key, False)
 
     # per generation, from its writes (sorted by generation, then order)
     worder = _sort3(w_gen, w_key, np.zeros(len(w_gen), np.int64))
