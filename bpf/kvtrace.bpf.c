@@ -225,6 +225,46 @@ static __always_inline u64 fetch_tensor(u64 tensor, u32 kind, u64 val,
 }
 
 /* One probe argument, decoded as libbpf's usdt.bpf.h does. */
+/* A register's value, loaded from the probe's context instead of a
+ * bpf_probe_read_kernel() helper call per argument.  The verifier allows
+ * loads from ctx at constant offsets only, so the offset (x86_64 struct
+ * pt_regs, as tracer/discover.py computes it) picks one of these, each
+ * written as inline asm: clang would merge a switch of plain ctx->field
+ * loads into one load from ctx + offset, which the verifier refuses
+ * ("dereference of modified ctx ptr"). */
+#define CTX_U64(ctx, off)                                                \
+	({                                                               \
+		u64 __v;                                                 \
+		asm volatile("%0 = *(u64 *)(%1 + " #off ")"              \
+			     : "=r"(__v)                                 \
+			     : "r"(ctx));                                \
+		__v;                                                     \
+	})
+
+static __always_inline u64 read_reg(struct pt_regs *ctx, u32 off)
+{
+	switch (off) {
+	case 0: return CTX_U64(ctx, 0);
+	case 8: return CTX_U64(ctx, 8);
+	case 16: return CTX_U64(ctx, 16);
+	case 24: return CTX_U64(ctx, 24);
+	case 32: return CTX_U64(ctx, 32);
+	case 40: return CTX_U64(ctx, 40);
+	case 48: return CTX_U64(ctx, 48);
+	case 56: return CTX_U64(ctx, 56);
+	case 64: return CTX_U64(ctx, 64);
+	case 72: return CTX_U64(ctx, 72);
+	case 80: return CTX_U64(ctx, 80);
+	case 88: return CTX_U64(ctx, 88);
+	case 96: return CTX_U64(ctx, 96);
+	case 104: return CTX_U64(ctx, 104);
+	case 112: return CTX_U64(ctx, 112);
+	case 128: return CTX_U64(ctx, 128);
+	case 152: return CTX_U64(ctx, 152);
+	}
+	return 0; /* discover.py names no other register */
+}
+
 static __always_inline u64 fetch_arg(struct pt_regs *ctx,
 				     const struct kvtrace_site *site,
 				     const struct kvtrace_arg_spec *spec)
@@ -236,20 +276,17 @@ static __always_inline u64 fetch_arg(struct pt_regs *ctx,
 		val = spec->val_off;
 		break;
 	case KVTRACE_ARG_REG:
-		bpf_probe_read_kernel(&val, sizeof(val),
-				      (void *)ctx + (spec->reg_off & 0xff));
+		val = read_reg(ctx, spec->reg_off);
 		break;
 	case KVTRACE_ARG_REG_DEREF:
-		bpf_probe_read_kernel(&val, sizeof(val),
-				      (void *)ctx + (spec->reg_off & 0xff));
+		val = read_reg(ctx, spec->reg_off);
 		bpf_probe_read_user(&val, sizeof(val),
 				    (void *)(val + spec->val_off));
 		break;
 	case KVTRACE_ARG_TENSOR_DATA:
 	case KVTRACE_ARG_TENSOR_SIZE:
 	case KVTRACE_ARG_TENSOR_STRIDE:
-		bpf_probe_read_kernel(&val, sizeof(val),
-				      (void *)ctx + (spec->reg_off & 0xff));
+		val = read_reg(ctx, spec->reg_off);
 		val = fetch_tensor(val, spec->kind, spec->val_off, &site->tensor);
 		break;
 	case KVTRACE_ARG_STACK_TENSOR_DATA:
@@ -257,8 +294,7 @@ static __always_inline u64 fetch_arg(struct pt_regs *ctx,
 	case KVTRACE_ARG_STACK_TENSOR_STRIDE:
 		/* regs[reg_off] is the stack pointer; the at::Tensor& is on
 		 * the stack (val_off >> 32 bytes up) */
-		bpf_probe_read_kernel(&val, sizeof(val),
-				      (void *)ctx + (spec->reg_off & 0xff));
+		val = read_reg(ctx, spec->reg_off);
 		val = read_u64(val + (spec->val_off >> 32));
 		val = fetch_tensor(val, spec->kind - (KVTRACE_ARG_STACK_TENSOR_DATA -
 						      KVTRACE_ARG_TENSOR_DATA),
