@@ -191,7 +191,8 @@ def uprobe_floor(argv):
     from tracer.uprobe_pmu import Uprobe
     bpf = BPF(text="int kvbench_empty(void *ctx) { return 0; }")
     fn = bpf.load_func(b"kvbench_empty", BPF.KPROBE)
-    probe = discover.read_probes(str(KVBENCH))[0]
+    # the write probe `kvbench loop` fires (kvbench also has a block_table one)
+    probe = next(p for p in discover.read_probes(str(KVBENCH)) if p.name == "reshape_and_cache")
     p = subprocess.Popen(argv + ["--pause"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     up = None
