@@ -476,40 +476,113 @@ def row_prometheus(q, res):
 
 # -- 3. real vLLM ---------------------------------------------------------------
 
+def tree_pids(pid) -> list:
+    """pid and its descendants (vLLM's engine core and worker)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def run_queue_wait_s(pids) -> float:
+    """Seconds every thread of pids has spent runnable but not running
+    (/proc/PID/task/TID/schedstat, second field), summed."""
+    total = 0
+    for p in pids:
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                with open(f"/proc/{p}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return total / 1e9
+
+
+def median_ci(values, level=0.95, resamples=10000, seed=0):
+    """(lo, hi): a bootstrap confidence interval of the median."""
+    import numpy as np
+
+    v = np.asarray([x for x in values if x is not None], np.float64)
+    if len(v) < 3:
+        return None
+    rng = np.random.default_rng(seed)
+    med = np.median(v[rng.integers(0, len(v), (resamples, len(v)))], axis=1)
+    lo, hi = np.quantile(med, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def ratio_stats(traced, untraced):
+    """Each traced batch against the untraced batch of its own cycle, with
+    a 95% bootstrap interval of the median ratio."""
+    out = stats([t / u for t, u in zip(traced, untraced)])
+    if out is not None:
+        out["ci95"] = median_ci(out["values"])
+    return out
+
+
+# KVTRACE_BENCH_TRACER_CPUS=LIST runs row 3's tracer under taskset -c LIST:
+# to see whether a traced batch loses its time to the tracer taking the CPU
+# that vLLM's pinned worker runs on (docs/bench.md)
+TRACER_PIN = ["taskset", "-c", os.environ["KVTRACE_BENCH_TRACER_CPUS"]] \
+    if os.environ.get("KVTRACE_BENCH_TRACER_CPUS") else []
+
+
 def row_vllm(q, res):
     if not VLLM_PYTHON.exists():
         res["vllm"] = {"skipped": "no .venv-vllm (run make setup)"}
         return
     subprocess.run([sys.executable, ROOT / "scripts" / "make-tiny-model.py", TINY_MODEL],
                    check=True, stdout=subprocess.DEVNULL)
-    cycles = 2 if q else 5
+    cycles = 2 if q else 30
     v = subprocess.Popen([VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL,
-                          "--repeat", "6"], cwd=ROOT, stdin=subprocess.PIPE,
+                          "--repeat", "4"], cwd=ROOT, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     modes = {"untraced": None, "full": [], "calls_only": ["--calls-only"]}
     rates = {m: [] for m in modes}
     counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
     tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
+    # vLLM's threads' time runnable but not running, per second of the batch:
+    # where a traced batch loses time if the tracer takes vLLM's CPU
+    waited = {m: [] for m in modes}
     agg = Path(tempfile.mkdtemp()) / "agg.json"
     try:
         read_until(v.stderr, "READY", 300)
         drain = _Drain(v.stderr)  # vLLM logs a lot: keep its pipe empty
-        for _ in range(cycles):
-            for mode, flags in modes.items():
+        vllm_pids = tree_pids(v.pid)
+        order = list(modes)
+        for cycle in range(cycles):
+            # ABBA: every other cycle runs the modes backwards, so that a
+            # drift in the machine's speed does not favour one mode
+            for mode in (order if cycle % 2 == 0 else order[::-1]):
+                flags = modes[mode]
                 tp = None
                 if flags is not None:
                     agg.unlink(missing_ok=True)
-                    tp = subprocess.Popen(kvtrace("attach", "-p", v.pid, "-q", "--json", agg,
-                                                  *flags),
+                    tp = subprocess.Popen(TRACER_PIN + kvtrace("attach", "-p", v.pid, "-q",
+                                                               "--json", agg, *flags),
                                           cwd=ROOT, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True)
                     # ready once every worker has its probes (it follows the tree)
                     read_until(tp.stderr, "ready after", 120)
                     cpu0, t0 = proc_sample(tp.pid)[0], time.monotonic()
+                w0, tw = run_queue_wait_s(vllm_pids), time.monotonic()
                 v.stdin.write("go\n")
                 v.stdin.flush()
                 doc = json.loads(read_until(v.stdout, '"generate_s"', 600)[-1])
+                waited[mode].append((run_queue_wait_s(vllm_pids) - w0)
+                                    / (time.monotonic() - tw))
                 if tp is not None:
                     tracer_cpu[mode].append((proc_sample(tp.pid)[0] - cpu0)
                                             / (time.monotonic() - t0))
@@ -524,17 +597,20 @@ def row_vllm(q, res):
         _end_engine(v)
     base = rates["untraced"]
     res["vllm"] = {
-        "batch": "8 requests x 64-token prompts, 32 tokens each, 6 times per measurement",
+        "batch": "8 requests x 64-token prompts, 32 tokens each, 4 times per measurement; "
+                 f"{cycles} cycles, modes in ABBA order; vLLM's queue readers nap",
         # what each traced measurement counted (calls, slots): proof it traced
         "traced_counts": counted,
         "untraced_tokens_per_s": stats(base),
         "full_tokens_per_s": stats(rates["full"]),
         "calls_only_tokens_per_s": stats(rates["calls_only"]),
-        # each traced batch against the untraced batch of its own cycle
-        "full_ratio": stats([t / u for t, u in zip(rates["full"], base)]),
-        "calls_only_ratio": stats([t / u for t, u in zip(rates["calls_only"], base)]),
+        "full_ratio": ratio_stats(rates["full"], base),
+        "calls_only_ratio": ratio_stats(rates["calls_only"], base),
         "full_tracer_cpu_s_per_s": stats(tracer_cpu["full"]),
         "calls_only_tracer_cpu_s_per_s": stats(tracer_cpu["calls_only"]),
+        "untraced_run_queue_wait_s_per_s": stats(waited["untraced"]),
+        "full_run_queue_wait_s_per_s": stats(waited["full"]),
+        "calls_only_run_queue_wait_s_per_s": stats(waited["calls_only"]),
     }
 
 
@@ -886,10 +962,18 @@ def table_rows(res):
         add("3 vLLM untraced", s["untraced_tokens_per_s"], "tok/s")
         add("3 vLLM traced (full)", s["full_tokens_per_s"], "tok/s")
         add("3 vLLM traced (calls-only)", s["calls_only_tokens_per_s"], "tok/s")
-        add("3 vLLM full/untraced", s["full_ratio"], "x", "vllm.full_ratio")
-        add("3 vLLM calls-only/untraced", s["calls_only_ratio"], "x", "vllm.calls_only_ratio")
+        for name, key in (("full", "full_ratio"), ("calls-only", "calls_only_ratio")):
+            add(f"3 vLLM {name}/untraced", s[key], "x", f"vllm.{key}")
+            ci = (s[key] or {}).get("ci95")
+            if ci:
+                rows.append(("3   95% CI of the median", fmt(ci[0], "x"), "", fmt(ci[1], "x"),
+                             "x", "", ""))
         add("3 tracer CPU while vLLM runs (full)", s["full_tracer_cpu_s_per_s"], "s/s")
         add("3 tracer CPU while vLLM runs (calls)", s["calls_only_tracer_cpu_s_per_s"], "s/s")
+        for mode in ("untraced", "full", "calls_only"):
+            if s.get(f"{mode}_run_queue_wait_s_per_s"):
+                add(f"3 vLLM run-queue wait ({mode})", s[f"{mode}_run_queue_wait_s_per_s"],
+                    "s/s")
     s = res.get("capacity")
     if s:
         for key, step in s["steps"].items():

@@ -8,17 +8,33 @@ between batches, so untraced, traced and calls-only batches alternate in one
 process, side by side, with the same warm engine.  EOF on stdin ends it.
 
 The engine is configured as scripts/vllm-workload.py configures it (tiny
-dummy-weight model, token-id prompts, greedy sampling, eager mode).
+dummy-weight model, token-id prompts, greedy sampling, eager mode), and,
+as there, vLLM's queue readers nap instead of spinning on sched_yield
+(--busy-wait keeps vLLM's way): on a 2-CPU machine the engine core's spin
+takes the CPU the tracer needs, and a batch's time then measures how the
+kernel shares that CPU, not what tracing costs (docs/bench.md, row 3).
 
 Run it with the vLLM venv's python:
   .venv-vllm/bin/python bench/vllm_loop.py --model build/tiny-llama
 """
 import argparse
+import importlib.util
 import json
 import os
 import random
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _workload():
+    """scripts/vllm-workload.py as a module (its name has a hyphen)."""
+    spec = importlib.util.spec_from_file_location(
+        "vllm_workload", os.path.join(ROOT, "scripts", "vllm-workload.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main():
@@ -30,7 +46,13 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="batches per line read")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--busy-wait", action="store_true",
+                   help="keep vLLM's sched_yield loops (default: nap 100 us a turn)")
     args = p.parse_args()
+    workload = _workload()
+    if args.busy_wait:
+        os.environ[workload.BUSY_WAIT_ENV] = "1"  # for the engine core and worker too
+    workload.no_busy_wait()
 
     from vllm import LLM, SamplingParams
 
@@ -62,3 +84,5 @@ def main():
 
 if __name__ == "__main__":  # vLLM's worker processes re-import this file
     main()
+if __name__ == "__mp_main__":  # in the engine core and the worker, as in main
+    _workload().no_busy_wait()
