@@ -348,3 +348,32 @@ def test_ending_a_command_ends_its_whole_process_group(tmp_path):
     while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{child}"), "the command's child outlived it"
+
+
+def _allowed_cpus(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":")[1].strip() for line in f
+                    if line.startswith("Cpus_allowed_list"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_cpu_pins_the_tracer_and_not_the_command(tmp_path):
+    """--cpu: the tracer runs on the CPUs asked for, and a command it starts
+    keeps every CPU."""
+    every = _allowed_cpus(os.getpid())
+    first = min(os.sched_getaffinity(0))
+    seen = tmp_path / "cpus"
+    script = f"grep Cpus_allowed_list /proc/self/status > {seen}; sleep 2"
+    tracer = Tracer("-q", "--cpu", first, "--", "sh", "-c", script)
+    tracer.wait_attached()
+    assert _allowed_cpus(tracer.proc.pid) == str(first)
+    rc, _, err = tracer.finish()
+    assert rc == 0, err
+    assert seen.read_text().split(":")[1].strip() == every != str(first)
+
+
+@pytest.mark.parametrize("value", ["x", "3-1", "-1", "4096"])
+def test_cpu_refuses_what_is_not_a_usable_cpu_list(value):
+    r = run_kvtrace("attach", "--cpu", value, "-p", "1")
+    assert r.returncode == 1 and "--cpu" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

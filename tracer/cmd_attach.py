@@ -30,6 +30,7 @@ examples:
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   sudo kvtrace-bpf attach -q -p 1234 --prometheus 9472   # /metrics on 127.0.0.1:9472
+  sudo kvtrace-bpf attach -p 1234 --cpu 1          # the tracer on CPU 1 only
   flamegraph.pl --countname=slots kv.folded > kv.svg
 """
 
@@ -56,6 +57,38 @@ def positive_float(text):
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
     return v
+
+
+def cpu_list(text):
+    """'1', '0,2', '2-3' -> a set of CPU numbers this process may use."""
+    cpus = set()
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            lo, hi = int(lo), int(hi) if sep else int(lo)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list (1, 0,2 or 2-3): {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise argparse.ArgumentTypeError(
+            f"CPU {min(cpus - allowed)} is not one this process may use "
+            f"({_ranges(sorted(allowed))}): {text!r}")
+    return cpus
+
+
+def _ranges(cpus):
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(f"{start}-{c}" if c != start else str(c))
+            start = None
+    return ",".join(out)
 
 
 def positive_int(text):
@@ -102,6 +135,10 @@ def add_parser(sub):
     p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
                    metavar="N", help="layers (caches) counted per block, all processes "
                    f"together (default {abi.DEFAULT_MAX_CACHES})")
+    p.add_argument("--cpu", type=cpu_list, metavar="LIST",
+                   help="run the tracer on these CPUs only (1, 0,2 or 2-3), to keep it "
+                   "off the CPUs vLLM's workers are pinned to; a command started with "
+                   "-- CMD keeps every CPU (default: no pinning)")
     p.add_argument("--calls-only", action="store_true",
                    help="stock vLLM: count ops without reading their tensors (no "
                    "per-block counts; the cheapest mode)")
@@ -183,6 +220,11 @@ def stream_perf_pages() -> int:
 def run(args) -> int:
     t_start = time.monotonic()
     _validate(args)
+    # pinned before any thread or child starts, so that they inherit it; the
+    # command of -- CMD gets back every CPU (target.launch)
+    args.every_cpu = os.sched_getaffinity(0)
+    if getattr(args, "cpu", None):
+        os.sched_setaffinity(0, args.cpu)
     # imported here so that `--help` and `probes` work without bcc
     from .session import Tracer, check_privileges
 
@@ -289,7 +331,7 @@ def _start(args, tracer, follower):
         # chosen (a new file made) only now, once the tracer is ready to start it
         args.cmd_output_path = cmd_output_path(args, Console().is_terminal and not args.quiet)
         with _command_output(args):
-            target = target_mod.launch(args.command, tracer)
+            target = target_mod.launch(args.command, tracer, cpus=args.every_cpu)
         follower = follow.Follower(target.pid, calls_only=args.calls_only)
         try:
             follower.step(tracer, wait=True)

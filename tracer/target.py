@@ -105,10 +105,11 @@ def resolve_command(argv: list) -> str:
     return os.path.realpath(exe)
 
 
-def launch(argv: list, tracer, wait_for_entry=True) -> Target:
+def launch(argv: list, tracer, wait_for_entry=True, cpus=None) -> Target:
     """Fork argv held at a gate; with an ELF executable, have the BPF side
     stop it at its entry point (libraries mapped, no code of its own run) and
-    return with it stopped.  The caller attaches, then sends SIGCONT."""
+    return with it stopped.  The caller attaches, then sends SIGCONT.
+    cpus: the CPUs the command may use (attach --cpu pins the tracer only)."""
     exe = resolve_command(argv)
     entry = discover.entry_offset(exe) if wait_for_entry else None
     gate_r, gate_w = os.pipe()
@@ -121,6 +122,8 @@ def launch(argv: list, tracer, wait_for_entry=True) -> Target:
             os.close(gate_w)
             os.close(err_r)
             os.setpgid(0, 0)  # its own process group: end_child ends all of it
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
             if os.read(gate_r, 2) == b"go":
                 os.execv(exe, argv)
         except OSError as e:
