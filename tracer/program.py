@@ -374,7 +374,15 @@ class LoadedProgram:
             self._ringbuf = None
         self._callbacks = []
         for fd in self._fds:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as e:
+                # Already closed by someone else: seen once at exit, after -o
+                # symbolized the stacks of a process that had exited (a close
+                # in libbcc's symbolizer is suspected, not found).  Exiting
+                # cleanly matters more here than the traceback.
+                if e.errno != errno.EBADF:
+                    raise
         self._fds, self._progs = [], {}
 
 
