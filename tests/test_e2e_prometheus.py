@@ -190,9 +190,8 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
         assert rc == 0, err
         assert "Traceback" not in err
     finally:
-        if tracer is not None and tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        if tracer is not None:
+            tracer.kill()
         sim.kill()
 
 
@@ -230,9 +229,8 @@ def test_scrapes_during_the_run_then_truth(tmp_path):
         rc, out, err = tracer.finish()
         assert rc == 0, err
     finally:
-        if tracer is not None and tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        if tracer is not None:
+            tracer.kill()
         sim.kill()
 
 
@@ -286,9 +284,8 @@ def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
         assert rc == 0, err
         assert "Traceback" not in err
     finally:
-        if tracer is not None and tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        if tracer is not None:
+            tracer.kill()
         sim.kill()
 
     me = {"pid": str(sim.pid), "role": "other"}
@@ -437,9 +434,8 @@ def test_vllm_scraped_during_generation_equals_the_identities(tmp_path, tiny_mod
         rc, out, err = tracer.finish(timeout=300)
     finally:
         wl.kill()
-        if tracer is not None and tracer.proc.poll() is None:
-            tracer.proc.kill()
-            tracer.proc.wait()
+        if tracer is not None:
+            tracer.kill()
     assert rc == 0, err
     assert scrapes >= 1 and generated_2["requests"]
     assert value(m, "kvtrace_exact") == 1
