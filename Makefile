@@ -6,13 +6,14 @@ VENV := .venv
 # the real target, stock vLLM for the CPU: its own venv, never the tracer's
 VLLM_VENV := .venv-vllm
 TINY_MODEL := build/tiny-llama
+PROMTOOL := build/promtool
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-plugin vllm-fork test test-fast demo \
+.PHONY: setup packages kernel-headers tracefs venv target vllm-env vllm-plugin vllm-fork promtool test test-fast demo \
 	demo-vllm bench clean distclean
 
-setup: packages kernel-headers tracefs venv target vllm-env vllm-plugin vllm-fork
+setup: packages kernel-headers tracefs venv target vllm-env vllm-plugin vllm-fork promtool
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -64,6 +65,12 @@ $(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env scri
 	scripts/build-vllm-fork.sh source $(FORK_BUILD) >/dev/null
 	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python
 	@touch $@
+
+# Prometheus's checker of the exposition format, for the scrape tests: only
+# its binary, unpacked from the distribution's prometheus package (a second)
+promtool: $(PROMTOOL)
+$(PROMTOOL): scripts/setup-promtool.sh $(STAMPS)/packages
+	scripts/setup-promtool.sh $@
 
 test: setup
 	$(VENV)/bin/python -m pytest --durations=25 tests

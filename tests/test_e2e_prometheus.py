@@ -19,9 +19,21 @@ from test_e2e_vllm import tiny_model  # noqa: F401  (the fixture of the vLLM tes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
-# prometheus_client's parser accepts what Prometheus's own text parser
-# accepts; promtool comes only with Debian's prometheus server package
-# (96 MB installed), so it is not used here.
+# Every scrape is parsed by prometheus_client's text parser; the final ones
+# also go through Prometheus's own checker, `promtool check metrics` (make
+# setup unpacks it from the distribution's prometheus package).
+PROMTOOL = ROOT / "build" / "promtool"
+
+
+def promtool_check(text):
+    """promtool's parse and lint of one exposition: exit 0 and nothing
+    said (it exits 1 on a format error and 3 on a lint finding, such as a
+    counter without _total or a metric without help)."""
+    assert PROMTOOL.exists(), f"{PROMTOOL} is missing: run make setup"
+    r = subprocess.run([str(PROMTOOL), "check", "metrics"], input=text,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), \
+        f"promtool exit {r.returncode}: {r.stdout}{r.stderr}"
 
 
 def free_port():
@@ -45,6 +57,15 @@ def scrape(port):
         for s in fam.samples:
             out.setdefault(s.name, []).append((s.labels, s.value))
     return out, text
+
+
+@pytest.mark.parametrize("bad", [
+    "# TYPE kvtrace_x counter\nkvtrace_x 1\n",  # lint: no _total, no HELP
+    "# HELP kvtrace_x_total x\n# TYPE kvtrace_x_total counter\nkvtrace_x_total{a=} 1\n"])
+def test_promtool_check_can_fail(bad):
+    """The checker the scrape tests use refuses a bad exposition."""
+    with pytest.raises(AssertionError, match="promtool exit [13]"):
+        promtool_check(bad)
 
 
 def value(m, name, **labels):
@@ -184,6 +205,7 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
         assert value(m, "kvtrace_internal_fragmentation_ratio", group=0) == pytest.approx(
             1 - reads["held_tokens"] / (reads["distinct"] * truth["block_size"]))
         assert_documented(m)
+        promtool_check(text)
         sim.go()  # round 2; the tracer stops when kvsim exits
         assert sim.wait() == 0
         rc, out, err = tracer.finish()
@@ -273,7 +295,8 @@ def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
         sim.go()
         read_line(sim.proc.stderr, "paused", 60)  # round 1 done, truth written
         # events reach the histograms HOLD_S after they happened
-        m, _ = scrape_after(port, time.time() + LiveResidency.HOLD_S + 0.2)
+        m, text = scrape_after(port, time.time() + LiveResidency.HOLD_S + 0.2)
+        promtool_check(text)  # with the plugin tier's series and histograms
         truth = sim.truth()
         # kvsim ends at the pause (SIGUSR2, then the go it waits for):
         # nothing happens after this scrape, so the recording holds its events
@@ -428,7 +451,8 @@ def test_vllm_scraped_during_generation_equals_the_identities(tmp_path, tiny_mod
             time.sleep(0.2)
         done = time.time()
         generated = wl.round_result(1)
-        m, _ = scrape_after(port, done)
+        m, text = scrape_after(port, done)
+        promtool_check(text)  # with model_name and vLLM's roles
         wl.go()  # round 2; the tracer stops when vLLM exits
         generated_2 = wl.result()
         rc, out, err = tracer.finish(timeout=300)
