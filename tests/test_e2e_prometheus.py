@@ -270,6 +270,40 @@ RESIDENCY = {"lifetime": "kvtrace_block_lifetime_seconds",
 CLOCK_SLACK_S = 0.002
 
 
+def assert_residency_matches(m, truth, me):
+    """The residency histograms of one scrape against kvsim's --truth
+    residency (its own clock), and their bucket counts spread enough that
+    equal counts say something."""
+    life = truth["lifecycle"]
+    # counts from kvsim's per-block books alone: every allocation of a block
+    # allocated before ends a life (each block's first event is its
+    # allocation: the tracer attached before kvsim ran, and kvsim's prefix
+    # hits are of blocks it computed)
+    allocs = [n for _, n in life["blocks"]["alloc"]]
+    ended = sum(allocs) - len(allocs)
+    assert ended > 0 and life["totals"]["hit"] > 0
+    want = {name: [ns / 1e9 for ns in life["residency"][name + "_ns"]] for name in RESIDENCY}
+    assert len(want["lifetime"]) == len(want["idle_before_evict"]) == ended
+    assert sum(want["lifetime"]) > sum(want["idle_before_evict"]) + ended * CLOCK_SLACK_S
+    assert value(m, "kvtrace_block_events_left_out_total") == 0
+    for name, metric in RESIDENCY.items():
+        samples = want[name]
+        # only pid and role: no block or request label
+        assert {tuple(sorted(l)) for l, _ in m[metric + "_bucket"]} == {("le", "pid", "role")}
+        buckets, inf = histogram(m, metric, **me)
+        assert [b for b, _ in buckets] == VLLM_RESIDENCY_BUCKETS
+        assert inf == value(m, metric + "_count", **me) == len(samples) > 0, name
+        for b, got in buckets:
+            lo = sum(1 for v in samples if v <= b - CLOCK_SLACK_S)
+            hi = sum(1 for v in samples if v <= b + CLOCK_SLACK_S)
+            assert lo <= got <= hi, (name, b, got, lo, hi)
+        # spread over buckets, so that equal counts say something
+        assert len({c for _, c in buckets if 0 < c < inf}) >= 2, (name, buckets)
+        assert value(m, metric + "_sum", **me) == pytest.approx(
+            sum(samples), abs=len(samples) * CLOCK_SLACK_S)
+
+
+
 @pytest.mark.parametrize("recorded", [True, False], ids=["with-o", "ids-only"])
 def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
     """The plugin tier's residency histograms, scraped live: every block's
@@ -312,33 +346,7 @@ def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
         sim.kill()
 
     me = {"pid": str(sim.pid), "role": "other"}
-    life = truth["lifecycle"]
-    # counts from kvsim's per-block books alone: every allocation of a block
-    # allocated before ends a life (each block's first event is its
-    # allocation: the tracer attached before kvsim ran, and kvsim's prefix
-    # hits are of blocks it computed)
-    allocs = [n for _, n in life["blocks"]["alloc"]]
-    ended = sum(allocs) - len(allocs)
-    assert ended > 0 and life["totals"]["hit"] > 0
-    want = {name: [ns / 1e9 for ns in life["residency"][name + "_ns"]] for name in RESIDENCY}
-    assert len(want["lifetime"]) == len(want["idle_before_evict"]) == ended
-    assert sum(want["lifetime"]) > sum(want["idle_before_evict"]) + ended * CLOCK_SLACK_S
-    assert value(m, "kvtrace_block_events_left_out_total") == 0
-    for name, metric in RESIDENCY.items():
-        samples = want[name]
-        # only pid and role: no block or request label
-        assert {tuple(sorted(l)) for l, _ in m[metric + "_bucket"]} == {("le", "pid", "role")}
-        buckets, inf = histogram(m, metric, **me)
-        assert [b for b, _ in buckets] == VLLM_RESIDENCY_BUCKETS
-        assert inf == value(m, metric + "_count", **me) == len(samples) > 0, name
-        for b, got in buckets:
-            lo = sum(1 for v in samples if v <= b - CLOCK_SLACK_S)
-            hi = sum(1 for v in samples if v <= b + CLOCK_SLACK_S)
-            assert lo <= got <= hi, (name, b, got, lo, hi)
-        # spread over buckets, so that equal counts say something
-        assert len({c for _, c in buckets if 0 < c < inf}) >= 2, (name, buckets)
-        assert value(m, metric + "_sum", **me) == pytest.approx(
-            sum(samples), abs=len(samples) * CLOCK_SLACK_S)
+    assert_residency_matches(m, truth, me)
 
     if not recorded:
         return
@@ -350,6 +358,42 @@ def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
         buckets, inf = histogram(m, metric, **me)
         assert [[b, c] for b, c in buckets] + [["+Inf", inf]] == offline[name]["buckets"], name
         assert value(m, metric + "_sum", **me) == pytest.approx(offline[name]["sum_s"]), name
+
+
+def test_final_figures_served_after_the_target_exits(tmp_path):
+    """--prometheus-linger: once kvsim exits, /metrics serves the whole run,
+    every counter and residency histogram equal to kvsim's truth, events of
+    its last second included (the live path holds events back HOLD_S).
+    The interval outlasts the run, so the only snapshot with counts in it
+    is the one published after the drain.  A signal ends the wait."""
+    port = free_port()
+    sim = Kvsim(tmp_path, "prefix", "--blocks", 96, "--repeat", 2, "--step-delay-us", 3000)
+    linger = 120
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 600, "--prometheus", port,
+                        "--prometheus-linger", linger)
+        tracer.wait_attached()
+        m0, _ = scrape_after(port, 0)  # the loop's first snapshot
+        assert value(m0, "kvtrace_slots_written_total", pid=sim.pid) == 0
+        sim.go()
+        assert sim.wait() == 0
+        said = "".join(read_line(tracer.proc.stderr, "serving the final metrics", 60))
+        assert f"for {linger} s more" in said, said
+        m, text = scrape(port)
+        truth = sim.truth()
+        assert_counters_match(m, truth, sim.pid)
+        assert_residency_matches(m, truth, {"pid": str(sim.pid), "role": "other"})
+        promtool_check(text)
+        tracer.proc.send_signal(signal.SIGINT)
+        # well before the linger's end: the signal ended it
+        rc, out, err = tracer.finish(timeout=linger // 2)
+        assert rc == 0, err
+        assert "Traceback" not in err
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        sim.kill()
 
 
 def test_no_plugin_tier_no_residency_series(tmp_path):
@@ -395,13 +439,19 @@ def test_no_plugin_tier_no_residency_series(tmp_path):
     ("::1:9000", "in brackets"),
     ("192.0.2.1:9472", "not an address of this host"),  # TEST-NET-1: nobody's
     ("no-such-host.invalid:9472", "no such address"),
+    (("--prometheus-linger", "5"), "--prometheus-linger goes with --prometheus"),
+    (("--prometheus", "--prometheus-linger", "-1"), "must be >= 0"),
+    (("--prometheus", "--prometheus-linger", "inf"), "must be >= 0"),
+    (("--prometheus", "--prometheus-linger", "soon"), "not a number"),
 ])
 def test_bad_prometheus_values_one_line_usage_error(flag, why):
     """Exit 1 (usage), one line, before any BPF: the pid does not even exist."""
-    r = run_kvtrace("attach", "--prometheus", flag, "-p", unused_pid(), timeout=60)
+    r = run_kvtrace("attach", *(flag if isinstance(flag, tuple) else ("--prometheus", flag)),
+                    "-p", unused_pid(), timeout=60)
     assert r.returncode == 1, r.stderr
     lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvtrace-bpf: "), r.stderr
+    # argparse's own errors say "kvtrace-bpf attach: error: ..."
+    assert len(lines) == 1 and lines[0].startswith("kvtrace-bpf"), r.stderr
     assert why in lines[0], lines[0]
 
 

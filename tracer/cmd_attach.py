@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -30,6 +31,8 @@ examples:
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   sudo kvtrace-bpf attach -q -p 1234 --prometheus 9472   # /metrics on 127.0.0.1:9472
+  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 30 -- CMD
+                                                   # the final figures served 30 s more
   sudo kvtrace-bpf attach -p 1234 --cpu 1          # the tracer on CPU 1 only
   flamegraph.pl --countname=slots kv.folded > kv.svg
 """
@@ -89,6 +92,16 @@ def _ranges(cpus):
             out.append(f"{start}-{c}" if c != start else str(c))
             start = None
     return ",".join(out)
+
+
+def non_negative_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and finite: {text!r}")
+    return v
 
 
 def positive_int(text):
@@ -163,6 +176,10 @@ def add_parser(sub):
                    help="serve Prometheus metrics on http://ADDR:PORT/metrics while "
                    f"tracing (ADDR defaults to {prom.DEFAULT_ADDR}; the flag alone: "
                    f"port {prom.DEFAULT_PORT}; docs/metrics.md)")
+    p.add_argument("--prometheus-linger", type=non_negative_float, default=0.0, metavar="S",
+                   help="--prometheus: when the target exits, serve its final figures "
+                   "for S seconds more, so that the scraper's next scrape sees them "
+                   "(default 0: stop at once; Ctrl-C ends the wait)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -184,6 +201,8 @@ def _validate(args):
     # `record` shares run() and has no --prometheus
     args.prometheus_at = prom.parse_endpoint(args.prometheus) \
         if getattr(args, "prometheus", None) else None
+    if getattr(args, "prometheus_linger", 0) and not args.prometheus_at:
+        raise UsageError("--prometheus-linger goes with --prometheus")
     if args.perf_pages is None:
         args.perf_pages = stream_perf_pages() if index_stream(args) == "all" else 64
     if args.perf_pages & (args.perf_pages - 1):
@@ -249,13 +268,14 @@ def run(args) -> int:
     else:
         target_mod.resolve_command(args.command)
 
-    stop = {"reason": None}
+    stop = {"reason": None, "signal": None}
 
     def on_signal(signum, frame):
-        stop["reason"] = signal.Signals(signum).name
+        stop["reason"] = stop["signal"] = signal.Signals(signum).name
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     tracer = target = recorder = None
+    traced = False  # the loop ended without an exception
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         max_procs=args.max_procs, stacks=bool(args.folded or args.output),
@@ -279,13 +299,12 @@ def run(args) -> int:
         _trace_loop(args, tracer, target, follower, stop,
                     on_poll=on_poll if recorder or residency else None, recorder=recorder,
                     on_refresh=exporter.publish if exporter else None)
+        traced = True
     except BaseException:
         if tracer is not None:
             tracer.close()
         raise
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         if tracer is not None:
             tracer.detach()  # first thing: the semaphores drop now
         if follower is not None:
@@ -294,7 +313,11 @@ def run(args) -> int:
             target.end_child()
             target.close()
         if server is not None:
+            if traced:
+                _serve_final(args, tracer, exporter, recorder, stop)
             prom.stop_server(server)
+        for s, h in old.items():
+            signal.signal(s, h)
     try:
         rc = _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
@@ -302,6 +325,28 @@ def run(args) -> int:
     if getattr(args, "cmd_output_path", None):
         _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
     return rc
+
+
+def _serve_final(args, tracer, exporter, recorder, stop):
+    """--prometheus after detach: publish the figures of the whole run,
+    with the residency samples the live path still held back (HOLD_S; none
+    can come after the drain), and, when the target exited, keep serving
+    them --prometheus-linger seconds (a signal ends the wait).  Else the
+    last interval and second never reach a scraper."""
+    tracer.drain()
+    if recorder is not None:
+        recorder.tick(force=True)  # first: with -o, its take feeds the residency's tap
+    if exporter.residency is not None:
+        exporter.residency.tick(force=True, now_ns=time.monotonic_ns() +
+                                int(lifecycle.LiveResidency.HOLD_S * 1e9) + 1)
+    exporter.publish_final(_aggregate(tracer))
+    linger = getattr(args, "prometheus_linger", 0)
+    if not linger or stop["reason"] != "target exited":
+        return
+    _say(f"target exited: serving the final metrics for {linger:g} s more (Ctrl-C ends it)")
+    end = time.monotonic() + linger
+    while stop["signal"] is None and time.monotonic() < end:
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
 
 
 def _open_recorder(args, tracer, target):

@@ -209,6 +209,7 @@ class Exporter:
         self._snap = None  # replaced whole, never changed: a scrape reads one
         self._last_window = {}  # (pid, group) -> (working set, tokens held, utilization)
         self._roles = {}  # pid -> role, once it is not 'other'
+        self._last_agg = None  # the last published Aggregate: the final window's start
 
     # -- the loop's side -------------------------------------------------
 
@@ -216,6 +217,7 @@ class Exporter:
         """Called by the tracing loop with each refresh's Aggregate and the
         one before it (the window).  Cheap: sums and one numpy pass per
         group and layer, no map reads."""
+        self._last_agg = agg
         before = prev.processes if prev is not None else {}
         procs = []
         for p in sorted(agg.processes.values(), key=lambda p: p.pid):
@@ -272,6 +274,11 @@ class Exporter:
             foreign=int(agg.globals.get("foreign", 0)),
             chunks_lost=int(agg.globals.get("chunks_lost", 0)),
             left_out=self.residency.incomplete if self.residency else 0)
+
+    def publish_final(self, agg):
+        """After detach and drain: the whole run's counts, its last window
+        since the last refresh."""
+        self.publish(agg, self._last_agg)
 
     def _role(self, p):
         """The role by the process's comm now: vLLM renames its engine and
