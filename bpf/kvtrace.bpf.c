@@ -61,6 +61,11 @@ BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_writes,
 	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
+/* Generation fill per cache (struct kvtrace_fill_row): row = cache index.
+ * Plain loads and stores, not atomics: one thread writes a cache (vLLM's
+ * model runner), and a run of slots costs one update, not one per slot. */
+BPF_F_TABLE("array", u32, struct kvtrace_fill_row, block_fill,
+	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
 /*
  * Reads, per (process, KV-cache group): row = group index.  One row more
  * than groups: a group beyond KVTRACE_MAX_GROUPS is counted into the last
@@ -127,6 +132,8 @@ struct work {
 	u64 col, row_len; /* entries of the current row read, and to read */
 	u64 step;        /* the group's step number of this op */
 	u64 tokens, nulls, gap, trunc;
+	/* slot stages: runs of the last segment whose fill is still to move */
+	u64 fill_runs;
 };
 BPF_PERCPU_ARRAY(work, struct work, 1);
 
@@ -189,6 +196,44 @@ static __always_inline u64 lt(u64 a, u64 b)
 	d >>= 63;
 	OPAQUE(d);
 	return d;
+}
+
+/* 1 if x != 0, without a branch */
+static __always_inline u64 nz(u64 x)
+{
+	u64 d = x | -x;
+	OPAQUE(d);
+	return d >> 63;
+}
+
+/* a if pick, else b: pick is 0 or 1 */
+static __always_inline u64 pick(u64 pick, u64 a, u64 b)
+{
+	u64 m = -pick;
+	OPAQUE(m);
+	return (a & m) | (b & ~m);
+}
+
+/*
+ * A generation of one block starts (start = 1) with `tokens` held, or its
+ * open one grows to hold `tokens` (start = 0), if on; the generation a
+ * start ends is counted by its fill.  fill: the block's fill[] entry;
+ * seen: KVTRACE_FILL_SEEN if the new generation's tokens are known (a
+ * write at offset 0, a copy of a seen generation), else 0.  tokens <
+ * KVTRACE_FILL_BINS: the callers keep block sizes beyond it off.
+ * No branch: the stages' loops leave the verifier one state per branch.
+ */
+static __always_inline void gen_fill(struct kvtrace_fill_row *r, u16 *fill, u64 on,
+				     u64 start, u64 tokens, u64 seen_bit)
+{
+	u64 old = *fill;
+	u64 old_tokens = old & (KVTRACE_FILL_BINS - 1);
+	u64 ends = on & start & lt(0, old);
+	u64 counted = ends & (old >> 15);
+	r->ended[old_tokens & -counted] += counted;
+	r->ended_unseen += ends ^ counted;
+	u64 grown = pick(lt(old_tokens, tokens), tokens, old_tokens) | (old & KVTRACE_FILL_SEEN);
+	*fill = pick(on, pick(start, tokens | seen_bit, grown), old);
 }
 
 static __always_inline void global_add(u32 idx, u64 n)
@@ -599,6 +644,33 @@ static __always_inline int next_segment_or_finish(struct pt_regs *ctx,
 	return finish(ctx, w);
 }
 
+/* Runs of kept slots in one block, (first slot, last slot), of one slot
+ * stage run: the generations' fill is moved after the slot loop, in a loop
+ * of its own, since the verifier walks the slot loop's branch once per
+ * slot and gives up on a longer body there.  A run stage reads 2048
+ * slots: at most 2048 runs.  A kept slot is below KVTRACE_MAX_BLOCKS *
+ * KVTRACE_FILL_BINS (2^29 at most): 32 bits hold it.  (Per-CPU values
+ * are at most 32 KiB.) */
+#define KVTRACE_FILL_RUNS (KVTRACE_SLOT_SEGMENT_CHUNKS * KVTRACE_CHUNK)
+struct fill_runs {
+	u32 v[3 * KVTRACE_FILL_RUNS];
+};
+BPF_PERCPU_ARRAY(fill_runs, struct fill_runs, 1);
+
+/* Keep a run that ended (written over by the next one unless it counts).
+ * The count lives in w, not in a register: a register the verifier tracks
+ * per path would keep it from merging the slot loop's paths. */
+static __always_inline void keep_run(struct fill_runs *runs, struct work *w, u64 run,
+				     u64 first, u64 last, u64 fill_on)
+{
+	u64 nr = w->fill_runs;
+	u32 *r = &runs->v[3 * (nr & (KVTRACE_FILL_RUNS - 1))];
+	r[0] = first;
+	r[1] = last;
+	r[2] = run;
+	w->fill_runs = nr + (lt(0, run) & fill_on);
+}
+
 /*
  * Stage: count slot numbers into the cache's block_writes row.  Two
  * programs from one body: block sizes that are powers of two (vLLM's usual
@@ -613,21 +685,58 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 		return 0;
 	u32 row_idx = w->row;
 	struct kvtrace_block_row *row = block_writes.lookup(&row_idx);
-	if (!row)
+	struct kvtrace_fill_row *fr = block_fill.lookup(&row_idx);
+	if (!row || !fr)
 		return 0;
 	u64 keep = w->keep, block_size = w->block_size, shift = w->block_shift;
 	u64 valid = 0, padding = 0, oor = 0, lost = 0;
 	/* Consecutive slots of one block (a prefill writes block_size of them
 	 * in a row) share one atomic add: the run's count is added when the
-	 * block changes, and at the end of the segment. */
-	u64 run_block = 0, run = 0;
+	 * block changes, and at the end of the segment.  The run also moves
+	 * the block's generation (gen_fill): its first slot, at offset 0,
+	 * starts one; its last, the highest offset (a request's slots in a
+	 * block are consecutive and ascending; `skipped` counts runs that
+	 * are not).  All slots of a run are kept, or none is. */
+	/* no block: the first slot starts a run, whatever its block */
+	u64 run_block = ~0ULL, run = 0, first = 0, last = 0;
+	/* fills are counted for block sizes below KVTRACE_FILL_BINS */
+	u64 fill_on = keep & lt(block_size, KVTRACE_FILL_BINS);
+	u32 zero = 0;
+	struct fill_runs *runs = fill_runs.lookup(&zero);
+	if (!runs)
+		return 0;
 	OPAQUE(keep);
+	OPAQUE(fill_on);
+
+	/* First the previous segment's runs, in order: their blocks'
+	 * generations.  Here, at the program's start, the verifier walks this
+	 * loop once; after the slot loop it would walk it again for each of
+	 * that loop's many end states. */
+	u64 pending = w->fill_runs, skipped = 0;
+#pragma clang loop unroll(disable)
+	for (u32 j = 0; j < KVTRACE_FILL_RUNS; j++) {
+		if (j >= pending)
+			break;
+		u32 *r = &runs->v[3 * (j & (KVTRACE_FILL_RUNS - 1))];
+		u64 first_slot = r[0], last_slot = r[1], n = r[2];
+		u64 block = pow2 ? first_slot >> (shift & 63) : first_slot / block_size;
+		u64 base = pow2 ? block << (shift & 63) : block * block_size;
+		gen_fill(fr, &fr->fill[block & BLOCK_MASK], 1, nz(first_slot - base) ^ 1,
+			 last_slot - base + 1, KVTRACE_FILL_SEEN);
+		/* a request's slots: consecutive and ascending, so the run
+		 * spans as many slots as it has */
+		skipped += nz(last_slot - first_slot + 1 - n);
+	}
+	fr->skipped += skipped;
+	w->fill_runs = 0;
 
 	w->rec_start = w->done;
 
 #pragma clang loop unroll(disable)
 	for (u32 c = 0; c < KVTRACE_SLOT_SEGMENT_CHUNKS; c++) {
 		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1); /* chunk in the record */
+		if (w->err) /* a run only to move the last fills */
+			break;
 		s64 cnt = next_chunk(w, buf, k);
 		if (cnt <= 0)
 			break;
@@ -646,9 +755,14 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 			if (block != run_block) {
 				__sync_fetch_and_add(
 				    &row->count[run_block & BLOCK_MASK], run);
+				keep_run(runs, w, run, first, last, fill_on);
 				run_block = block;
 				run = 0;
+				first = slot;
 			}
+			/* past the array's end, a chunk holds stale values:
+			 * only kept slots may end a run */
+			last = pick(kept, (u64)slot, last);
 			run += kept;
 		}
 		/* c is known on every path: this is no branch for the verifier */
@@ -656,13 +770,19 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	}
 	__sync_fetch_and_add(&row->count[run_block & BLOCK_MASK], run);
+	keep_run(runs, w, run, first, last, fill_on);
 	lost += emit_chunk(ctx, w, buf, STREAM_VALUES); /* the rest, if any */
 	w->ev.slots += valid;
 	w->ev.padding += padding;
 	w->oor += oor;
 	chunks_lost(w, lost);
-	return next_segment_or_finish(
-	    ctx, w, pow2 ? KVTRACE_STAGE_SLOTS_POW2 : KVTRACE_STAGE_SLOTS);
+	/* the next segment, or a run with none left that moves this one's
+	 * fills (then finishes) */
+	if ((w->done < w->n && !w->err) || w->fill_runs)
+		stages.call(ctx, pow2 ? KVTRACE_STAGE_SLOTS_POW2 : KVTRACE_STAGE_SLOTS);
+	/* the kernel's 33 tail calls are used up: these runs' fills are lost */
+	fr->skipped += w->fill_runs;
+	return finish(ctx, w);
 }
 
 int kvtrace_stage_slots(struct pt_regs *ctx)
@@ -685,20 +805,32 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	u32 s = w->src_row, d = w->dst_row;
 	struct kvtrace_block_row *src_row = block_moves.lookup(&s);
 	struct kvtrace_block_row *dst_row = block_moves.lookup(&d);
-	if (!src_row || !dst_row)
+	/* the cache's generations: a copy's destination and a swap-in's
+	 * device block start one with the source's fill; a swap-out's host
+	 * block keeps the device block's, for its swap-in */
+	u64 ci = w->ev.cache_index, fill_on = lt(ci, KVTRACE_MAX_CACHES);
+	u32 fi = ci & -fill_on;
+	struct kvtrace_fill_row *fr = block_fill.lookup(&fi);
+	if (!src_row || !dst_row || !fr)
 		return 0;
 	u64 src_on = w->src_on, dst_on = w->dst_on, oor = 0, lost = 0;
+	u64 is_copy = w->ev.op == KVTRACE_OP_COPY_BLOCKS;
 	/* the stream's reader needs the direction to find the device block */
-	if (w->ev.op == KVTRACE_OP_SWAP_BLOCKS)
+	if (!is_copy)
 		w->ev.flags |= src_on ? KVTRACE_EV_SWAP_OUT
 				      : dst_on ? KVTRACE_EV_SWAP_IN : 0;
+	u64 is_out = src_on & (is_copy ^ 1), is_in = dst_on & (is_copy ^ 1);
+	u64 starts = is_copy | is_in;
 	OPAQUE(src_on);
 	OPAQUE(dst_on);
+	OPAQUE(is_out);
+	OPAQUE(is_in);
+	OPAQUE(starts);
 
 	w->rec_start = w->done;
 
 #pragma clang loop unroll(disable)
-	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
+	for (u32 c = 0; c < KVTRACE_PAIR_SEGMENT_CHUNKS; c++) {
 		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
 		s64 cnt = next_chunk(w, buf, k);
 		if (cnt <= 0)
@@ -714,6 +846,14 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 			       (live & dst_on & (dst_ok ^ 1));
 			__sync_fetch_and_add(&src_row->count[src & BLOCK_MASK], src_ok);
 			__sync_fetch_and_add(&dst_row->count[dst & BLOCK_MASK], dst_ok);
+			u64 both = live & fill_on & lt(src, KVTRACE_MAX_BLOCKS) &
+				   lt(dst, KVTRACE_MAX_BLOCKS);
+			u16 *fs = &fr->fill[src & BLOCK_MASK], *hs = &fr->host[src & BLOCK_MASK];
+			u16 *fd = &fr->fill[dst & BLOCK_MASK], *hd = &fr->host[dst & BLOCK_MASK];
+			*hd = pick(both & is_out, *fs, *hd);
+			u64 inherit = pick(is_in, *hs, *fs);
+			gen_fill(fr, fd, both & starts, 1, inherit & (KVTRACE_FILL_BINS - 1),
+				 inherit & KVTRACE_FILL_SEEN);
 		}
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
 			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);

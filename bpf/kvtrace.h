@@ -114,6 +114,10 @@ enum kvtrace_arg_kind {
  * one block), which the verifier allows only for shorter runs: 33 * 2048 =
  * 67584 slots per op (docs/design.md). */
 #define KVTRACE_SLOT_SEGMENT_CHUNKS 32
+/* The pairs stage also moves each pair's generation fill (struct
+ * kvtrace_fill_row), a longer body: 32 chunks (1024 pairs) per run keep its
+ * verification as short as the slot stages'; 33 * 1024 = 33792 pairs per op. */
+#define KVTRACE_PAIR_SEGMENT_CHUNKS 32
 #define KVTRACE_MAX_TAIL_CALLS 33
 /* The index stream sends up to this many chunks (512 values) per record:
  * fewer, larger records for user space to take.  Divides SEGMENT_CHUNKS. */
@@ -289,6 +293,35 @@ struct kvtrace_proc {
 /* One row of per-block counters (block_writes, block_moves). */
 struct kvtrace_block_row {
 	__u64 count[KVTRACE_MAX_BLOCKS];
+};
+
+/*
+ * Block generations' fill, per cache (one layer of one process), row =
+ * cache index in block_fill.  A generation starts with a write at block
+ * offset 0, or when the block receives another's contents (copy_blocks'
+ * destination, a host->device swap's device block), and lasts until the
+ * block's next start: the definition of `report`'s occupancy
+ * (docs/occupancy.md).  Its fill is the tokens it holds: 1 + the highest
+ * offset written, or the tokens it inherited, if more.  When the next
+ * start ends it, its fill is counted in ended[].
+ */
+#ifndef KVTRACE_FILL_BINS
+#define KVTRACE_FILL_BINS 2048 /* a power of two, <= 0x8000: block sizes
+				* from this up are not counted */
+#endif
+#define KVTRACE_FILL_SEEN 0x8000 /* fill[]/host[]: the generation's start was seen */
+
+struct kvtrace_fill_row {
+	__u64 ended[KVTRACE_FILL_BINS]; /* generations ended, by fill; bin 0: never counted */
+	__u64 ended_unseen; /* generations ended whose start the tracer did not see
+			     * (begun before it attached, or swapped in from a host
+			     * block whose swap-out it missed): not in ended[] */
+	__u64 skipped;      /* runs of slots in one block whose fill may be off:
+			     * not consecutive and ascending (a request's are), or
+			     * read in an op's last segment when the kernel's tail
+			     * calls ran out before their fill moved */
+	__u16 fill[KVTRACE_MAX_BLOCKS]; /* the open generation: tokens | SEEN; 0: none */
+	__u16 host[KVTRACE_MAX_BLOCKS]; /* swapped-out contents, by host block */
 };
 
 /* One row of block_reads: per block, the (request, step) pairs that read

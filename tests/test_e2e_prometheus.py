@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
+from conftest import KVSIM, ROOT, WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
 from test_e2e_vllm import tiny_model  # noqa: F401  (the fixture of the vLLM test below)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -183,6 +183,7 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
         truth = sim.truth()
         assert truth["rounds_done"] == 1
         assert_counters_match(m, truth, sim.pid)
+        assert_generation_fill(m, truth, sim.pid)
 
         # tokens written per block in the window = kvsim's token_writes
         tokens = truth["token_writes"]
@@ -384,6 +385,7 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
         truth = sim.truth()
         assert_counters_match(m, truth, sim.pid)
         assert_residency_matches(m, truth, {"pid": str(sim.pid), "role": "other"})
+        assert assert_generation_fill(m, truth, sim.pid) > 0
         promtool_check(text)
         tracer.proc.send_signal(signal.SIGINT)
         # well before the linger's end: the signal ended it
@@ -394,6 +396,65 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
         if tracer is not None:
             tracer.kill()
         sim.kill()
+
+
+def generation_fill_want(truth):
+    """From kvsim's own generations (--truth: one per block use, in the
+    order they started): the fill of each generation that ended (a later
+    one of its block started), bucketed as the metric's sixteenths of the
+    block, cumulative, +Inf last; and the sum of the fractions."""
+    g, bs = truth["generations"], truth["block_size"]
+    last = {b: i for i, b in enumerate(g["block"])}
+    ended = [f for i, (b, f) in enumerate(zip(g["block"], g["fill"])) if last[b] != i]
+    buckets = [(k / 16, sum(1 for f in ended if 16 * f <= k * bs)) for k in range(1, 17)]
+    return buckets, len(ended), sum(f / bs for f in ended)
+
+
+def assert_generation_fill(m, truth, pid):
+    """kvtrace_block_generation_fill_ratio equals kvsim's generations; none
+    left out as unseen (the tracer attached before kvsim ran)."""
+    me = {"pid": pid, "role": "other"}
+    buckets, inf = histogram(m, "kvtrace_block_generation_fill_ratio", **me)
+    want, ended, total = generation_fill_want(truth)
+    assert (buckets, inf) == (want, ended)
+    assert value(m, "kvtrace_block_generation_fill_ratio_sum", **me) == pytest.approx(total)
+    assert value(m, "kvtrace_block_generations_unseen_total", **me) == 0
+    return ended
+
+
+@pytest.mark.parametrize("workload", [
+    ("default", "--repeat", 3),  # generations started by writes
+    ("beam", "--repeat", 3, "--block-size", 24),  # and by fork copies; block size not 2^n
+    ("swap", "--repeat", 2, "--block-size", 48),  # and by swap-ins, from the host copy
+], ids=["default", "beam-bs24", "swap-bs48"])
+def test_generation_fill_matches_kvsim(tmp_path, workload):
+    """The fill of every block generation that ended, counted in the kernel
+    (bpf/kvtrace.h struct kvtrace_fill_row), equals kvsim's own books:
+    starts by writes at offset 0, copies and swap-ins (tokens inherited),
+    at two block sizes that are not powers of two.  Scraped during
+    --prometheus-linger, after kvsim exited: the whole run."""
+    port = free_port()
+    truth = tmp_path / "truth.json"
+    tracer = Tracer("-q", "-i", 600, "--prometheus", port, "--prometheus-linger", 120, "--",
+                    KVSIM, "--workload", *map(str, workload), "--truth", truth, "--quiet")
+    try:
+        tracer.wait_attached()
+        read_line(tracer.proc.stderr, "serving the final metrics", 120)
+        m, text = scrape(port)
+        t = json.loads(truth.read_text())
+        (pid,) = {l["pid"] for l, _ in m["kvtrace_slots_written_total"]}
+        ended = assert_generation_fill(m, t, pid)
+        assert ended > 100  # the check has something to compare
+        kinds = set(t["generations"]["kind"])
+        assert {"default": {"write"}, "beam": {"write", "copy"},
+                "swap": {"write", "swap_in"}}[workload[0]] == kinds, kinds
+        assert value(m, "kvtrace_exact") == 1
+        promtool_check(text)
+        tracer.proc.send_signal(signal.SIGINT)
+        rc, out, err = tracer.finish(timeout=60)
+        assert rc == 0, err
+    finally:
+        tracer.kill()
 
 
 def test_no_plugin_tier_no_residency_series(tmp_path):

@@ -135,6 +135,35 @@ def _feed(tap, raw):
         tap.add(ctypes.addressof(buf), len(rec))
 
 
+def test_generation_fill_buckets_by_hand():
+    """Block size 24: ended generations of 1, 12, 13 and 24 tokens (the
+    kernel's ended[] bins), in sixteenths of the block: 1/24 <= 1/16, 12/24
+    <= 8/16, 13/24 <= 9/16 (13 x 16 = 208 <= 9 x 24 = 216), 24/24 <= 16/16.
+    The second layer's counts are not added: every layer writes the same."""
+    import numpy as np
+
+    from tracer.aggregate import Layer, Process
+
+    ended = np.zeros(2048, dtype=np.uint64)
+    ended[[1, 12, 13, 24]] = [2, 1, 1, 3]
+    layer = lambda n, fill: Layer(pid=7, layer=n, cache_id=n, index=n, op="reshape_and_cache",  # noqa: E731
+                                  block_size=24, num_blocks=8, calls=0, slots=0, padding=0,
+                                  out_of_range=0, writes=np.zeros(8, dtype=np.uint64),
+                                  fill_ended=fill, fill_unseen=5 + n)
+    p = Process(pid=7, comm="x", layers=[layer(0, ended), layer(1, ended * 7)])
+    got = prom._generation_fill(p)
+    want = {1: 2, 8: 3, 9: 4, 16: 7}
+    cum, c = [], 0
+    for k in range(1, 17):
+        c = want.get(k, c)
+        cum.append(c)
+    assert [n for _, n in got["buckets"]] == cum + [7]
+    assert got["buckets"][0][0] == "0.0625" and got["buckets"][-2][0] == "1.0"
+    assert got["sum"] == pytest.approx((2 * 1 + 12 + 13 + 3 * 24) / 24)
+    assert got["unseen"] == 5
+    assert prom._generation_fill(Process(pid=8, comm="x")) is None
+
+
 def test_stream_tap_keeps_block_ids_only_and_waits_for_late_op_records():
     """The tap keeps the block events' records and ids; a write's slot
     values are gone after the poll that saw its op record; a chunk whose

@@ -56,6 +56,13 @@ DEFAULT_MAX_BLOCKS = define("KVTRACE_MAX_BLOCKS")
 DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
 DEFAULT_MAX_GROUPS = define("KVTRACE_MAX_GROUPS")
 TABLE_CHUNK = define("KVTRACE_TABLE_CHUNK")
+FILL_BINS = define("KVTRACE_FILL_BINS")  # struct kvtrace_fill_row: ended[] bins
+
+
+def fill_row_bytes(max_blocks: int) -> int:
+    """Bytes of one struct kvtrace_fill_row: ended[FILL_BINS], ended_unseen
+    and skipped (u64), then fill[] and host[] (u16 per block)."""
+    return 8 * (FILL_BINS + 2) + 4 * max_blocks
 READ_OPS = frozenset(("block_table",))
 LIFE = tuple(_strip("KVTRACE_LIFE_", _enum("kvtrace_life")))  # block_life rows, in order
 LIFE_OPS = tuple(f"block_{kind}" for kind in LIFE)  # the ops that count them

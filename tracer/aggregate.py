@@ -42,6 +42,14 @@ class Layer:
     padding: int
     out_of_range: int
     writes: np.ndarray  # uint64 per block: slots written into it
+    # Block generations ended while attached, by tokens held (index = fill;
+    # the last bin: that many or more); None where nothing counts them (a
+    # trace file).  unseen: ended generations whose start the tracer did
+    # not see, not in fill_ended; skipped: runs of slots whose fill may be
+    # off (bpf/kvtrace.h struct kvtrace_fill_row)
+    fill_ended: np.ndarray = None
+    fill_unseen: int = 0
+    fill_skipped: int = 0
 
 
 GROUP_COUNTERS = ("steps", "layer_calls", "requests", "tokens", "reads", "distinct",
@@ -187,7 +195,9 @@ class Aggregate:
                 proc(pid).layers.append(Layer(
                     pid, n, int(c["cache_id"]), int(c["index"]), c["op"],
                     int(c["block_size"]), nb, int(c["calls"]), int(c["slots"]),
-                    int(c["padding"]), int(c["out_of_range"]), writes))
+                    int(c["padding"]), int(c["out_of_range"]), writes,
+                    c.get("fill_ended"), int(c.get("fill_unseen", 0)),
+                    int(c.get("fill_skipped", 0))))
         by_pid = {}
         for g in raw.get("groups", []):
             by_pid.setdefault(g["pid"], []).append(g)
@@ -252,6 +262,10 @@ class Aggregate:
             reasons.append(f"{self.globals['requests_seen'] - kept} requests' totals were "
                            "evicted from the requests map (least recently active first; "
                            "their blocks are counted per block)")
+        skipped = sum(l.fill_skipped for p in self.processes.values() for l in p.layers)
+        if skipped:
+            reasons.append(f"{skipped} runs of slots whose block generations' fill may be off "
+                           "(slots not consecutive, or an op beyond the read limit)")
         if self.globals.get("missed_hits"):
             reasons.append(f"{self.globals['missed_hits']} probe hits the kernel skipped "
                            "(another BPF program was running on that CPU)")

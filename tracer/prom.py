@@ -35,6 +35,9 @@ DEFAULT_ADDR = "127.0.0.1"  # the endpoint reveals traffic shape: local unless a
 READ_BUCKETS = tuple(float(1 << i) for i in range(13))
 # Tokens written into one block in one window: up to a few block sizes.
 WRITE_BUCKETS = tuple(float(1 << i) for i in range(11))
+# A block generation's fill at its end, as a fraction of the block: in
+# sixteenths, one token each at vLLM's usual block size of 16.
+FILL_BUCKETS = tuple(i / 16 for i in range(1, 17))
 
 def parse_endpoint(text):
     """'PORT', 'ADDR:PORT', '[V6ADDR]:PORT' or None (the flag alone) ->
@@ -163,6 +166,27 @@ def _buckets(values, bounds):
     return pairs, float(values.sum())
 
 
+def _generation_fill(p):
+    """The fill of the block generations that ended, from the process's
+    first layer (every layer of a step writes the same slots): cumulative
+    (le, count) over FILL_BUCKETS, the sum of the fractions, and the
+    generations left out (start unseen); None without the counts."""
+    from prometheus_client.utils import floatToGoString
+
+    layer = next((l for l in p.layers if l.fill_ended is not None and l.block_size), None)
+    if layer is None:
+        return None
+    ended = layer.fill_ended.astype(np.int64)
+    tokens = np.arange(len(ended))
+    bs = layer.block_size
+    # tokens / bs <= i / 16  <=>  16 tokens <= i bs: exact in integers
+    counts = [int(ended[16 * tokens <= i * bs].sum()) for i in range(1, 17)]
+    pairs = [(floatToGoString(b), c) for b, c in zip(FILL_BUCKETS, counts)]
+    pairs.append(("+Inf", int(ended.sum())))
+    return dict(buckets=pairs, sum=float((ended * tokens).sum()) / bs,
+                unseen=layer.fill_unseen)
+
+
 def _residency(hists):
     """lifecycle.LiveResidency's histograms of one process, le written as
     Prometheus writes it."""
@@ -266,6 +290,7 @@ class Exporter:
                 residency=_residency(self.residency.histograms(p.pid))
                 if p.life and self.residency else None,
                 groups=groups,
+                generation_fill=_generation_fill(p),
                 written=_buckets(written, WRITE_BUCKETS)))
         self._snap = dict(
             time=time.time(), procs=procs, exact=not agg.inexact_reasons(),
@@ -407,6 +432,13 @@ class Exporter:
             "reuse_gap": fam(HistogramMetricFamily, "kvtrace_block_reuse_gap_seconds",
                              "time between consecutive prefix hits of one block life "
                              "(plugin tier)")}
+        gen_fill = fam(HistogramMetricFamily, "kvtrace_block_generation_fill_ratio",
+                       "block generations that ended (a write at offset 0, a copy or a "
+                       "swap-in started the next), by the share of the block they held "
+                       "at the end; the process's first layer, since attach")
+        gen_unseen = fam(CounterMetricFamily, "kvtrace_block_generations_unseen",
+                         "block generations that ended whose start the tracer did not see "
+                         "(begun before attach): not in the fill histogram")
         wfill = fam(GaugeHistogramMetricFamily, "kvtrace_block_tokens_written",
                     "blocks by tokens written in the last interval (blocks written "
                     "at least once)")
@@ -430,6 +462,10 @@ class Exporter:
             bsize.add_metric(lv, p["block_size"])
             buckets, total = p["written"]
             wfill.add_metric(lv, buckets, total)
+            gf = p.get("generation_fill")
+            if gf:
+                gen_fill.add_metric(lv, gf["buckets"], gf["sum"])
+                gen_unseen.add_metric(lv, gf["unseen"])
             life = p.get("life")
             if life:
                 for kind, n in life["events"].items():
@@ -457,5 +493,6 @@ class Exporter:
                 freq.add_metric(gl, buckets, total)
         yield from (ops, items, padding, nbytes, slots, layer_slots, copied, swapped,
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
-                    ws, tokens_held, util, frag, freq, wfill, events, held_blocks, req_seen,
+                    ws, tokens_held, util, frag, freq, wfill, gen_fill, gen_unseen, events,
+                    held_blocks, req_seen,
                     req_done, preempt, recomp, *residency.values())

@@ -203,6 +203,13 @@ class Tracer:
         self.moves = np.frombuffer(self._moves_map, dtype=np.uint64,
                                    count=max_procs * len(abi.MOVES) * max_blocks
                                    ).reshape(max_procs, len(abi.MOVES), max_blocks)
+        # block generations' fill per cache (struct kvtrace_fill_row): the
+        # u64 head of each row, ended[] by fill then ended_unseen and skipped
+        fill_bytes = abi.fill_row_bytes(max_blocks)
+        self._fill_map = self._mmap(self.bpf["block_fill"], max_caches * fill_bytes)
+        self.fill = np.frombuffer(self._fill_map, dtype=np.uint64,
+                                  count=max_caches * fill_bytes // 8
+                                  ).reshape(max_caches, fill_bytes // 8)[:, :abi.FILL_BINS + 2]
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
         self._life_map = self._mmap(self.bpf["block_life"],
                                     max_procs * len(abi.LIFE) * row_bytes)
@@ -358,8 +365,9 @@ class Tracer:
     def close(self):
         self.detach()
         # numpy views first: an mmap with live views cannot close
-        self.writes = self.moves = self.reads = self.last_read = self.life = None
-        for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map):
+        self.writes = self.moves = self.reads = self.last_read = self.life = self.fill = None
+        for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map,
+                  self._fill_map):
             m.close()
         self.bpf.cleanup()
 
@@ -394,6 +402,9 @@ class Tracer:
         for c in caches:
             if c["index"] < self.max_caches:
                 c["writes"] = self.writes[c["index"]].copy()
+                head = self.fill[c["index"]].copy()
+                c["fill_ended"] = head[:abi.FILL_BINS]
+                c["fill_unseen"], c["fill_skipped"] = int(head[-2]), int(head[-1])
         groups = []
         for k, v in self.bpf["groups"].items():
             g = dict(pid=k.pid, group_id=k.group_id,
