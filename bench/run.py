@@ -238,20 +238,25 @@ def row_site(q, res):
     calls = sum(s["calls"] for s in raw["op_stats"].values())
     # the program's own time per op, by the kernel's accounting: separate
     # short runs per size, with the statistics on only there
+    # ... and with the generations' fill compiled in (--prometheus's program)
     prog = {1: [], big: []}
-    tr = Tracer(max_procs=64)  # one process per run: 2 * reps
+    prog_fill = {1: [], big: []}
     rt = BpfRunTime()
     try:
-        for _ in range(reps):
-            for n in (1, big):
-                t0, c0 = rt.read(tr.site_prog.fd)
-                traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", "1",
-                                 "--slots", str(n)])
-                t1, c1 = rt.read(tr.site_prog.fd)
-                prog[n].append((t1 - t0) / max(c1 - c0, 1))
+        for gen_fill, dst in ((False, prog), (True, prog_fill)):
+            tr = Tracer(max_procs=64, gen_fill=gen_fill)  # one process per run: 2 * reps
+            try:
+                for _ in range(reps):
+                    for n in (1, big):
+                        t0, c0 = rt.read(tr.site_prog.fd)
+                        traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(ops // 10),
+                                         "--reps", "1", "--slots", str(n)])
+                        t1, c1 = rt.read(tr.site_prog.fd)
+                        dst[n].append((t1 - t0) / max(c1 - c0, 1))
+            finally:
+                tr.close()
     finally:
         rt.close()
-        tr.close()
     d = {1: [], big: []}
     for m in uprobe_floor([str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", str(reps),
                            "--slots", sizes]):
@@ -276,6 +281,9 @@ def row_site(q, res):
         "bpf_run_time_ns_per_op_big": stats(prog[big]),
         "bpf_run_time_ns_per_slot": stats([(x - y) / (big - 1)
                                           for x, y in zip(prog[big], prog[1])]),
+        "bpf_run_time_gen_fill_ns_per_op": stats(prog_fill[1]),
+        "bpf_run_time_gen_fill_ns_per_slot": stats([(x - y) / (big - 1) for x, y in
+                                                    zip(prog_fill[big], prog_fill[1])]),
         # (c) less (d), rep by rep: what kvtrace's program and transport add
         "program_ns_per_op": stats([x - y for x, y in zip(c[1], d[1])]),
         "a_ns_per_slot": stats(per_slot(a)), "b_ns_per_slot": stats(per_slot(b)),
@@ -929,6 +937,11 @@ def table_rows(res):
         add("1 (c)-(d): kvtrace's program, 1 slot", s["program_ns_per_op"], "ns/op")
         add("1 BPF run time (bpf_stats), 1 slot", s["bpf_run_time_ns_per_op"], "ns/op")
         add("1 BPF run time (bpf_stats), per slot", s["bpf_run_time_ns_per_slot"], "ns/slot")
+        if "bpf_run_time_gen_fill_ns_per_op" in s:
+            add("1   with --prometheus's gen fill, 1 slot", s["bpf_run_time_gen_fill_ns_per_op"],
+                "ns/op")
+            add("1   with --prometheus's gen fill, per slot",
+                s["bpf_run_time_gen_fill_ns_per_slot"], "ns/slot")
         add("1 site (a) compiled out, per slot", s["a_ns_per_slot"], "ns/slot")
         add("1 site (b) detached, per slot", s["b_ns_per_slot"], "ns/slot")
         add("1 site (c) attached, per slot", s["c_ns_per_slot"], "ns/slot")

@@ -63,9 +63,16 @@ BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
 /* Generation fill per cache (struct kvtrace_fill_row): row = cache index.
  * Plain loads and stores, not atomics: one thread writes a cache (vLLM's
- * model runner), and a run of slots costs one update, not one per slot. */
+ * model runner), and a run of slots costs one update, not one per slot.
+ * Compiled in only for the metric that needs it (--prometheus): it adds
+ * a stage run per write op (docs/design.md). */
+#ifdef KVTRACE_WITH_GEN_FILL
+#define GEN_FILL 1
 BPF_F_TABLE("array", u32, struct kvtrace_fill_row, block_fill,
 	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
+#else
+#define GEN_FILL 0
+#endif
 /*
  * Reads, per (process, KV-cache group): row = group index.  One row more
  * than groups: a group beyond KVTRACE_MAX_GROUPS is counted into the last
@@ -651,6 +658,7 @@ static __always_inline int next_segment_or_finish(struct pt_regs *ctx,
  * slots: at most 2048 runs.  A kept slot is below KVTRACE_MAX_BLOCKS *
  * KVTRACE_FILL_BINS (2^29 at most): 32 bits hold it.  (Per-CPU values
  * are at most 32 KiB.) */
+#if GEN_FILL
 #define KVTRACE_FILL_RUNS (KVTRACE_SLOT_SEGMENT_CHUNKS * KVTRACE_CHUNK)
 struct fill_runs {
 	u32 v[3 * KVTRACE_FILL_RUNS];
@@ -670,6 +678,7 @@ static __always_inline void keep_run(struct fill_runs *runs, struct work *w, u64
 	r[2] = run;
 	w->fill_runs = nr + (lt(0, run) & fill_on);
 }
+#endif
 
 /*
  * Stage: count slot numbers into the cache's block_writes row.  Two
@@ -685,8 +694,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 		return 0;
 	u32 row_idx = w->row;
 	struct kvtrace_block_row *row = block_writes.lookup(&row_idx);
-	struct kvtrace_fill_row *fr = block_fill.lookup(&row_idx);
-	if (!row || !fr)
+	if (!row)
 		return 0;
 	u64 keep = w->keep, block_size = w->block_size, shift = w->block_shift;
 	u64 valid = 0, padding = 0, oor = 0, lost = 0;
@@ -699,13 +707,15 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	 * are not).  All slots of a run are kept, or none is. */
 	/* no block: the first slot starts a run, whatever its block */
 	u64 run_block = ~0ULL, run = 0, first = 0, last = 0;
-	/* fills are counted for block sizes below KVTRACE_FILL_BINS */
-	u64 fill_on = keep & lt(block_size, KVTRACE_FILL_BINS);
+	OPAQUE(keep);
+#if GEN_FILL
+	struct kvtrace_fill_row *fr = block_fill.lookup(&row_idx);
 	u32 zero = 0;
 	struct fill_runs *runs = fill_runs.lookup(&zero);
-	if (!runs)
+	if (!fr || !runs)
 		return 0;
-	OPAQUE(keep);
+	/* fills are counted for block sizes below KVTRACE_FILL_BINS */
+	u64 fill_on = keep & lt(block_size, KVTRACE_FILL_BINS);
 	OPAQUE(fill_on);
 
 	/* First the previous segment's runs, in order: their blocks'
@@ -729,14 +739,17 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	}
 	fr->skipped += skipped;
 	w->fill_runs = 0;
+#endif
 
 	w->rec_start = w->done;
 
 #pragma clang loop unroll(disable)
 	for (u32 c = 0; c < KVTRACE_SLOT_SEGMENT_CHUNKS; c++) {
 		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1); /* chunk in the record */
+#if GEN_FILL
 		if (w->err) /* a run only to move the last fills */
 			break;
+#endif
 		s64 cnt = next_chunk(w, buf, k);
 		if (cnt <= 0)
 			break;
@@ -755,7 +768,9 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 			if (block != run_block) {
 				__sync_fetch_and_add(
 				    &row->count[run_block & BLOCK_MASK], run);
+#if GEN_FILL
 				keep_run(runs, w, run, first, last, fill_on);
+#endif
 				run_block = block;
 				run = 0;
 				first = slot;
@@ -770,12 +785,15 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	}
 	__sync_fetch_and_add(&row->count[run_block & BLOCK_MASK], run);
+#if GEN_FILL
 	keep_run(runs, w, run, first, last, fill_on);
+#endif
 	lost += emit_chunk(ctx, w, buf, STREAM_VALUES); /* the rest, if any */
 	w->ev.slots += valid;
 	w->ev.padding += padding;
 	w->oor += oor;
 	chunks_lost(w, lost);
+#if GEN_FILL
 	/* the next segment, or a run with none left that moves this one's
 	 * fills (then finishes) */
 	if ((w->done < w->n && !w->err) || w->fill_runs)
@@ -783,6 +801,10 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	/* the kernel's 33 tail calls are used up: these runs' fills are lost */
 	fr->skipped += w->fill_runs;
 	return finish(ctx, w);
+#else
+	return next_segment_or_finish(
+	    ctx, w, pow2 ? KVTRACE_STAGE_SLOTS_POW2 : KVTRACE_STAGE_SLOTS);
+#endif
 }
 
 int kvtrace_stage_slots(struct pt_regs *ctx)
@@ -808,24 +830,30 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	/* the cache's generations: a copy's destination and a swap-in's
 	 * device block start one with the source's fill; a swap-out's host
 	 * block keeps the device block's, for its swap-in */
+	if (!src_row || !dst_row)
+		return 0;
+#if GEN_FILL
 	u64 ci = w->ev.cache_index, fill_on = lt(ci, KVTRACE_MAX_CACHES);
 	u32 fi = ci & -fill_on;
 	struct kvtrace_fill_row *fr = block_fill.lookup(&fi);
-	if (!src_row || !dst_row || !fr)
+	if (!fr)
 		return 0;
+#endif
 	u64 src_on = w->src_on, dst_on = w->dst_on, oor = 0, lost = 0;
 	u64 is_copy = w->ev.op == KVTRACE_OP_COPY_BLOCKS;
 	/* the stream's reader needs the direction to find the device block */
 	if (!is_copy)
 		w->ev.flags |= src_on ? KVTRACE_EV_SWAP_OUT
 				      : dst_on ? KVTRACE_EV_SWAP_IN : 0;
-	u64 is_out = src_on & (is_copy ^ 1), is_in = dst_on & (is_copy ^ 1);
-	u64 starts = is_copy | is_in;
 	OPAQUE(src_on);
 	OPAQUE(dst_on);
+#if GEN_FILL
+	u64 is_out = src_on & (is_copy ^ 1), is_in = dst_on & (is_copy ^ 1);
+	u64 starts = is_copy | is_in;
 	OPAQUE(is_out);
 	OPAQUE(is_in);
 	OPAQUE(starts);
+#endif
 
 	w->rec_start = w->done;
 
@@ -846,6 +874,7 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 			       (live & dst_on & (dst_ok ^ 1));
 			__sync_fetch_and_add(&src_row->count[src & BLOCK_MASK], src_ok);
 			__sync_fetch_and_add(&dst_row->count[dst & BLOCK_MASK], dst_ok);
+#if GEN_FILL
 			u64 both = live & fill_on & lt(src, KVTRACE_MAX_BLOCKS) &
 				   lt(dst, KVTRACE_MAX_BLOCKS);
 			u16 *fs = &fr->fill[src & BLOCK_MASK], *hs = &fr->host[src & BLOCK_MASK];
@@ -854,6 +883,7 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 			u64 inherit = pick(is_in, *hs, *fs);
 			gen_fill(fr, fd, both & starts, 1, inherit & (KVTRACE_FILL_BINS - 1),
 				 inherit & KVTRACE_FILL_SEEN);
+#endif
 		}
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
 			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);

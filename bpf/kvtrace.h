@@ -114,10 +114,15 @@ enum kvtrace_arg_kind {
  * one block), which the verifier allows only for shorter runs: 33 * 2048 =
  * 67584 slots per op (docs/design.md). */
 #define KVTRACE_SLOT_SEGMENT_CHUNKS 32
-/* The pairs stage also moves each pair's generation fill (struct
- * kvtrace_fill_row), a longer body: 32 chunks (1024 pairs) per run keep its
- * verification as short as the slot stages'; 33 * 1024 = 33792 pairs per op. */
+/* With the generations' fill (KVTRACE_WITH_GEN_FILL, --prometheus), the
+ * pairs stage also moves each pair's fill (struct kvtrace_fill_row), a
+ * longer body: 32 chunks (1024 pairs) per run keep its verification as
+ * short as the slot stages'; 33 * 1024 = 33792 pairs per op. */
+#ifdef KVTRACE_WITH_GEN_FILL
 #define KVTRACE_PAIR_SEGMENT_CHUNKS 32
+#else
+#define KVTRACE_PAIR_SEGMENT_CHUNKS KVTRACE_SEGMENT_CHUNKS
+#endif
 #define KVTRACE_MAX_TAIL_CALLS 33
 /* The index stream sends up to this many chunks (512 values) per record:
  * fewer, larger records for user space to take.  Divides SEGMENT_CHUNKS. */

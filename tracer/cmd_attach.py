@@ -281,7 +281,8 @@ def run(args) -> int:
                         max_procs=args.max_procs, stacks=bool(args.folded or args.output),
                         perf_pages=args.perf_pages, index_stream=index_stream(args),
                         transport=args.transport,
-                        collector=residency.tap if residency else None)
+                        collector=residency.tap if residency else None,
+                        gen_fill=bool(args.prometheus_at))
         target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
         if server is not None:

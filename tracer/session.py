@@ -141,7 +141,7 @@ class Tracer:
                  max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
                  stacks: bool = False, perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
-                 collector: stream.Collector = None):
+                 collector: stream.Collector = None, gen_fill: bool = False):
         check_privileges()
         discover.check_arch()
         if max_blocks & (max_blocks - 1):
@@ -153,6 +153,10 @@ class Tracer:
                   f"-DKVTRACE_MAX_GROUPS={max_groups}"]
         if stacks:
             cflags.append("-DKVTRACE_WITH_STACKS")
+        # the block generations' fill (--prometheus): a stage run more per write op
+        self.gen_fill = gen_fill
+        if gen_fill:
+            cflags.append("-DKVTRACE_WITH_GEN_FILL")
         if index_stream == "block_ids":  # the block events' ids only (--prometheus)
             cflags.append("-DKVTRACE_WITH_BLOCK_ID_STREAM")
         elif index_stream:  # every op's values (record, attach -o); off costs nothing
@@ -205,11 +209,14 @@ class Tracer:
                                    ).reshape(max_procs, len(abi.MOVES), max_blocks)
         # block generations' fill per cache (struct kvtrace_fill_row): the
         # u64 head of each row, ended[] by fill then ended_unseen and skipped
-        fill_bytes = abi.fill_row_bytes(max_blocks)
-        self._fill_map = self._mmap(self.bpf["block_fill"], max_caches * fill_bytes)
-        self.fill = np.frombuffer(self._fill_map, dtype=np.uint64,
-                                  count=max_caches * fill_bytes // 8
-                                  ).reshape(max_caches, fill_bytes // 8)[:, :abi.FILL_BINS + 2]
+        self._fill_map = self.fill = None
+        if gen_fill:
+            fill_bytes = abi.fill_row_bytes(max_blocks)
+            self._fill_map = self._mmap(self.bpf["block_fill"], max_caches * fill_bytes)
+            self.fill = np.frombuffer(self._fill_map, dtype=np.uint64,
+                                      count=max_caches * fill_bytes // 8
+                                      ).reshape(max_caches, fill_bytes // 8
+                                                )[:, :abi.FILL_BINS + 2]
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
         self._life_map = self._mmap(self.bpf["block_life"],
                                     max_procs * len(abi.LIFE) * row_bytes)
@@ -368,7 +375,8 @@ class Tracer:
         self.writes = self.moves = self.reads = self.last_read = self.life = self.fill = None
         for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map,
                   self._fill_map):
-            m.close()
+            if m is not None:
+                m.close()
         self.bpf.cleanup()
 
     # -- reading -------------------------------------------------------------
@@ -402,6 +410,7 @@ class Tracer:
         for c in caches:
             if c["index"] < self.max_caches:
                 c["writes"] = self.writes[c["index"]].copy()
+            if c["index"] < self.max_caches and self.fill is not None:
                 head = self.fill[c["index"]].copy()
                 c["fill_ended"] = head[:abi.FILL_BINS]
                 c["fill_unseen"], c["fill_skipped"] = int(head[-2]), int(head[-1])
