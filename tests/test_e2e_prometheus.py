@@ -368,12 +368,13 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
     The interval outlasts the run, so the only snapshot with counts in it
     is the one published after the drain.  A signal ends the wait."""
     port = free_port()
+    trace = tmp_path / "run.kvt"
     sim = Kvsim(tmp_path, "prefix", "--blocks", 96, "--repeat", 2, "--step-delay-us", 3000)
     linger = 120
     tracer = None
     try:
         tracer = Tracer("-q", "-p", sim.pid, "-i", 600, "--prometheus", port,
-                        "--prometheus-linger", linger)
+                        "--prometheus-linger", linger, "-o", trace)
         tracer.wait_attached()
         m0, _ = scrape_after(port, 0)  # the loop's first snapshot
         assert value(m0, "kvtrace_slots_written_total", pid=sim.pid) == 0
@@ -396,6 +397,21 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
         if tracer is not None:
             tracer.kill()
         sim.kill()
+    # The final window is the whole run: its gauges are `report`'s figures
+    # for the recording of the same run
+    r = run_kvtrace("report", "--format", "json", trace)
+    assert r.returncode == 0, r.stderr
+    (acc,) = json.loads(r.stdout)["access"]
+    g = {"pid": sim.pid, "role": "other", "group": 0}
+    assert acc["steps"] == value(m, "kvtrace_steps_total", **g) > 0
+    assert value(m, "kvtrace_working_set_blocks", **g) == pytest.approx(
+        acc["distinct"] / acc["steps"])
+    assert value(m, "kvtrace_tokens_held", **g) == pytest.approx(
+        acc["held_tokens"] / acc["steps"])
+    assert value(m, "kvtrace_true_utilization_ratio", **g) == pytest.approx(
+        acc["utilization_overall"])
+    assert value(m, "kvtrace_internal_fragmentation_ratio", **g) == pytest.approx(
+        1 - acc["utilization_overall"])
 
 
 def generation_fill_want(truth):
