@@ -211,8 +211,7 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
         inside[hpos] = False
         entries = values[inside]
     else:
-        at = np.repeat(hpos + 1 - start, length) + np.arange(int(length.sum()))
-        entries = values[at]
+        entries = values[stream.ranges(hpos + 1, length)]
     per_step = np.zeros(len(steps), np.int64)
     per_step[ks] = np.bincount(hop, minlength=len(ks))
     row_lo = np.concatenate([[0], np.cumsum(per_step)])
@@ -408,9 +407,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
 
     def gather(starts, lengths):
         # the entries of several rows, one after another
-        total = int(lengths.sum())
-        return entries[np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) +
-                       np.arange(total)]
+        return entries[stream.ranges(starts, lengths)]
 
     seq_of_step = o["seq"][steps.index].tolist()
     complete = steps.complete.tolist()
@@ -458,7 +455,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
             ck = row_key[cand]
             left = np.searchsorted(ck, hk, "left")
             n = np.searchsorted(ck, hk, "right") - left
-            pick = np.repeat(left - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+            pick = stream.ranges(left, n)
             pr = np.repeat(hit_row, n)  # the row
             pp = cand[pick]  # the open row
             lp = length[pp]

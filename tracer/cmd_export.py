@@ -153,10 +153,10 @@ def by_block(trace: tracefile.Trace, ops: stream.OpStream, weight: str, group: i
         use &= ~is_write
     idx = np.flatnonzero(use)
     n = o["stop"][idx] - o["start"][idx]
-    first = np.repeat(o["start"][idx], n)
-    pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    vals = ops.values[first + pos]
+    at = stream.ranges(o["start"][idx], n)
+    vals = ops.values[at]
     op_of = np.repeat(idx, n)
+    pos = at - o["start"][op_of]  # the value's place in its op
     # write ops: every valid slot; pairs: the destination, or the device
     # block of a swap (the source of a device -> host swap)
     writes = is_write[op_of]

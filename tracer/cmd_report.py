@@ -138,9 +138,7 @@ class Report:
         mask = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ops["complete"] & (bs > 0)
         idx = np.flatnonzero(mask)
         n = ops["stop"][idx] - ops["start"][idx]
-        first = np.repeat(ops["start"][idx], n)
-        within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        slots = self.ops.values[first + within]
+        slots = self.ops.values[stream.ranges(ops["start"][idx], n)]
         t = np.repeat(ops["ts_ns"][idx].astype(np.int64) - self.t0, n)
         b = slots // np.maximum(np.repeat(bs[idx], n), 1)
         valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
@@ -251,9 +249,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
 
     def values_of(mask):
         idx = np.flatnonzero(mask)
-        n = o["stop"][idx] - o["start"][idx]
-        first = np.repeat(o["start"][idx], n)
-        return values[first + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)]
+        return values[stream.ranges(o["start"][idx], o["stop"][idx] - o["start"][idx])]
 
     for c in caches:
         mine = (o["pid"] == c["pid"]) & (o["cache_id"] == c["cache_id"])

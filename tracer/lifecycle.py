@@ -52,14 +52,6 @@ class Events:
         return len(self.block)
 
 
-def _ranges(starts, lengths) -> np.ndarray:
-    """The indices starts[i] .. starts[i] + lengths[i] - 1, all i in order
-    (numpy, no loop)."""
-    n = np.asarray(lengths, dtype=np.int64)
-    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    return np.repeat(np.asarray(starts, dtype=np.int64), n) + within
-
-
 def events(ops: stream.OpStream) -> Events:
     """The block events of a decoded stream (numpy, no loop per block).
     Null ids (0, padding) are left out, as the kernel leaves them out of its
@@ -70,7 +62,7 @@ def events(ops: stream.OpStream) -> Events:
     incomplete = int(np.count_nonzero(is_life & ~o["complete"]))
     # the ids come first; with KVTRACE_EV_HASHES as many hashes follow
     n = o["items"][idx].astype(np.int64)
-    at = _ranges(o["start"][idx], n)
+    at = stream.ranges(o["start"][idx], n)
     blocks = ops.values[at].astype(np.int64)
     has_hash = np.repeat((o["flags"][idx] & abi.EV_HASHES) != 0, n)
     hashes = np.where(has_hash, ops.values[np.where(has_hash, at + np.repeat(n, n), at)],
@@ -375,7 +367,7 @@ class StreamTap(stream.Collector):
 
         def chunks(mask):
             idx = np.flatnonzero(mask)
-            return hdr[idx].tobytes(), vals[_ranges(at[idx], count[idx])].tobytes()
+            return hdr[idx].tobytes(), vals[stream.ranges(at[idx], count[idx])].tobytes()
 
         mine = np.isin(hdr["seq"], life["seq"])
         if len(life):
@@ -484,7 +476,7 @@ def _repacked(ops: stream.OpStream) -> stream.OpStream:
     must not keep the values of the events already added)."""
     o = ops.ops.copy()
     n = (o["stop"] - o["start"]).astype(np.int64)
-    values = ops.values[_ranges(o["start"], n)]
+    values = ops.values[stream.ranges(o["start"], n)]
     o["start"] = np.cumsum(n) - n
     o["stop"] = np.cumsum(n)
     return stream.OpStream(o, values)

@@ -170,10 +170,8 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
         idx = np.flatnonzero(mask)
         start, stop = ops["start"][idx], ops["stop"][idx]
         n = stop - start
-        op_of = np.repeat(idx, n)
-        first = np.repeat(np.cumsum(n) - n, n)
-        within = np.arange(int(n.sum())) - first
-        return op_of, within, cache_ops.values[np.repeat(start, n) + within]
+        pos = stream.ranges(start, n)
+        return np.repeat(idx, n), pos - np.repeat(start, n), cache_ops.values[pos]
 
     # writes: valid slots only
     w_op, w_in, slots = expand(is_write)
@@ -295,9 +293,7 @@ def _fingerprint(cache_ops: stream.OpStream, block_size: int) -> bytes:
     caches with the same fingerprint have the same generations."""
     ops = cache_ops.ops
     n = (ops["stop"] - ops["start"]).astype(np.int64)
-    first = np.cumsum(n) - n
-    values = cache_ops.values[np.repeat(ops["start"], n) + np.arange(int(n.sum()))
-                              - np.repeat(first, n)]
+    values = cache_ops.values[stream.ranges(ops["start"], n)]
     h = hashlib.blake2b(digest_size=16)
     for part in (np.int64(block_size), ops["op"], ops["complete"], ops["flags"], n, values):
         h.update(np.ascontiguousarray(part).tobytes())

@@ -218,9 +218,18 @@ def _place(parts, hdrs, count, order, starts_s, total) -> np.ndarray:
         if len(d) and bool(np.all(d[1:] == d[:-1] + n[:-1])):
             values[d[0]:d[0] + len(part)] = part
         elif len(d):
-            values[np.repeat(d - (np.cumsum(n) - n), n) + np.arange(len(part))] = part
+            values[ranges(d, n)] = part
         c0 = c1
     return values
+
+
+def ranges(starts, lengths) -> np.ndarray:
+    """The indices starts[i] .. starts[i] + lengths[i] - 1, for every i in
+    order, as one int64 array: the values of several ops (their start and
+    count) or rows, gathered without a loop."""
+    n = np.asarray(lengths, dtype=np.int64)
+    first = np.cumsum(n) - n  # where each range begins in the output
+    return np.repeat(np.asarray(starts, dtype=np.int64) - first, n) + np.arange(int(n.sum()))
 
 
 def step_numbers(ops: np.ndarray) -> np.ndarray:
