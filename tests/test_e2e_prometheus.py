@@ -473,6 +473,40 @@ def test_generation_fill_matches_kvsim(tmp_path, workload):
         tracer.kill()
 
 
+def test_generations_begun_before_attach_are_unseen(tmp_path):
+    """Attached to a kvsim that has been running: the generations that were
+    open at attach and end later have no known start, so their fill is not
+    known; they are counted as unseen, not put in the histogram, and the
+    generations that began after attach still are."""
+    port = free_port()
+    sim = Kvsim(tmp_path, "default", "--repeat", 100000, "--step-delay-us", 2000, pause=False)
+    tracer = None
+    try:
+        time.sleep(1.0)  # blocks in use, with generations begun
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 0.3, "--prometheus", port)
+        tracer.wait_attached()
+        def mine(m, name):  # 0 until kvsim's first write op is seen
+            return sum(v for l, v in m.get(name, []) if l["pid"] == str(sim.pid))
+
+        deadline = time.monotonic() + 60
+        while True:
+            m, text = scrape_after(port, time.time())
+            unseen = mine(m, "kvtrace_block_generations_unseen_total")
+            ended = mine(m, "kvtrace_block_generation_fill_ratio_count")
+            if unseen > 0 and ended > 0:
+                break
+            assert time.monotonic() < deadline, (unseen, ended)
+            time.sleep(0.3)
+        promtool_check(text)
+        assert sim.stop() == 0
+        rc, out, err = tracer.finish(timeout=60)
+        assert rc == 0, err
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        sim.kill()
+
+
 def test_no_plugin_tier_no_residency_series(tmp_path):
     """A target without the plugin tier's probes (kvbench: one write probe):
     the residency families are served empty, nothing else breaks, and the
