@@ -31,8 +31,8 @@ examples:
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   sudo kvtrace-bpf attach -q -p 1234 --prometheus 9472   # /metrics on 127.0.0.1:9472
-  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 30 -- CMD
-                                                   # the final figures served 30 s more
+  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 5 -- \
+      tests/target/kvsim --workload prefix        # final figures served 5 s more
   sudo kvtrace-bpf attach -p 1234 --cpu 1          # the tracer on CPU 1 only
   flamegraph.pl --countname=slots kv.folded > kv.svg
 """
