@@ -706,9 +706,10 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	 * block are consecutive and ascending; `skipped` counts runs that
 	 * are not).  All slots of a run are kept, or none is. */
 	/* no block: the first slot starts a run, whatever its block */
-	u64 run_block = ~0ULL, run = 0, first = 0, last = 0;
+	u64 run_block = ~0ULL, run = 0;
 	OPAQUE(keep);
 #if GEN_FILL
+	u64 first = 0, last = 0;
 	struct kvtrace_fill_row *fr = block_fill.lookup(&row_idx);
 	u32 zero = 0;
 	struct fill_runs *runs = fill_runs.lookup(&zero);
@@ -773,11 +774,15 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 #endif
 				run_block = block;
 				run = 0;
+#if GEN_FILL
 				first = slot;
+#endif
 			}
+#if GEN_FILL
 			/* past the array's end, a chunk holds stale values:
 			 * only kept slots may end a run */
 			last = pick(kept, (u64)slot, last);
+#endif
 			run += kept;
 		}
 		/* c is known on every path: this is no branch for the verifier */
@@ -827,12 +832,12 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	u32 s = w->src_row, d = w->dst_row;
 	struct kvtrace_block_row *src_row = block_moves.lookup(&s);
 	struct kvtrace_block_row *dst_row = block_moves.lookup(&d);
-	/* the cache's generations: a copy's destination and a swap-in's
-	 * device block start one with the source's fill; a swap-out's host
-	 * block keeps the device block's, for its swap-in */
 	if (!src_row || !dst_row)
 		return 0;
 #if GEN_FILL
+	/* the cache's generations: a copy's destination and a swap-in's
+	 * device block start one with the source's fill; a swap-out's host
+	 * block keeps the device block's, for its swap-in */
 	u64 ci = w->ev.cache_index, fill_on = lt(ci, KVTRACE_MAX_CACHES);
 	u32 fi = ci & -fill_on;
 	struct kvtrace_fill_row *fr = block_fill.lookup(&fi);

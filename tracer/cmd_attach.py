@@ -52,11 +52,15 @@ FOLLOW_QUIET_AFTER = 10.0  # seconds without a change
 MAX_COUNTERS = 1 << 28
 
 
-def positive_float(text):
+def _number(text) -> float:
     try:
-        v = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def positive_float(text):
+    v = _number(text)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
     return v
@@ -95,10 +99,7 @@ def _ranges(cpus):
 
 
 def non_negative_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    v = _number(text)
     if not 0 <= v < math.inf:
         raise argparse.ArgumentTypeError(f"must be >= 0 and finite: {text!r}")
     return v

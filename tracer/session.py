@@ -410,10 +410,10 @@ class Tracer:
         for c in caches:
             if c["index"] < self.max_caches:
                 c["writes"] = self.writes[c["index"]].copy()
-            if c["index"] < self.max_caches and self.fill is not None:
-                head = self.fill[c["index"]].copy()
-                c["fill_ended"] = head[:abi.FILL_BINS]
-                c["fill_unseen"], c["fill_skipped"] = int(head[-2]), int(head[-1])
+                if self.fill is not None:
+                    head = self.fill[c["index"]].copy()
+                    c["fill_ended"] = head[:abi.FILL_BINS]
+                    c["fill_unseen"], c["fill_skipped"] = int(head[-2]), int(head[-1])
         groups = []
         for k, v in self.bpf["groups"].items():
             g = dict(pid=k.pid, group_id=k.group_id,
