@@ -558,8 +558,10 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 		truncated /= 2; /* values -> pairs */
 	if (op == KVTRACE_OP_BLOCK_TABLE)
 		truncated = w->trunc; /* rows not (wholly) read */
-	if (op >= KVTRACE_OP_REQUEST)
+	if (op >= KVTRACE_OP_REQUEST && op <= KVTRACE_OP_REQ_FINISH)
 		truncated = 0; /* no array */
+	if (op == KVTRACE_OP_STEP_REQS && truncated > ev->items)
+		truncated = ev->items; /* rows without their tokens */
 	if (truncated)
 		ev->flags |= KVTRACE_EV_TRUNCATED;
 	if (w->err)
@@ -970,7 +972,7 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 }
 
 /* Stage: stream a block event's content hashes (int64 each), after its
- * ids; nothing is counted from them in the kernel. */
+ * ids, or step_reqs' rows; nothing is counted from them in the kernel. */
 int kvtrace_stage_hashes(struct pt_regs *ctx)
 {
 	struct work *w;
@@ -1340,6 +1342,16 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		}
 		start_record(w);
 		return finish(ctx, w);
+	} else if (op == KVTRACE_OP_STEP_REQS) {
+		/* (rows, num_reqs): rows streamed as they are, nothing counted
+		 * (report joins them to the step's block-table rows) */
+		u64 n = (s64)a[1] > 0 ? a[1] : 0;
+		w->ev.items = n;
+#if STREAM_VALUES
+		w->arr = a[0];
+		w->n = 2 * n;
+#endif
+		stage = KVTRACE_STAGE_HASHES;
 	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {
 		/* (src_ptrs, dst_ptrs, sizes, count): no block numbers here */
 		u64 n = (s64)a[3] > 0 ? a[3] : 0;

@@ -29,7 +29,8 @@ enum kvtrace_op {
 	KVTRACE_OP_REQUEST = 13,
 	KVTRACE_OP_REQ_PREEMPT = 14,
 	KVTRACE_OP_REQ_FINISH = 15,
-	KVTRACE_NR_OPS = 16,
+	KVTRACE_OP_STEP_REQS = 16, /* the requests of a step's block-table rows */
+	KVTRACE_NR_OPS = 17,
 };
 
 /* Per-block movement counters: the rows of block_moves for one process are
@@ -392,7 +393,10 @@ enum kvtrace_rec {
  * the pool, and their index stream is the block ids, followed (flag
  * KVTRACE_EV_HASHES) by their content hashes when the probe passes them;
  * request, req_preempt
- * and req_finish have items = their token count and no stream.
+ * and req_finish have items = their token count and no stream; step_reqs
+ * has items = the step's requests, and its index stream is the probe's
+ * rows array as it is: the requests' hashes, then their new tokens (2 *
+ * items values, only when the program streams values).
  */
 struct kvtrace_event {
 	__u32 type; /* KVTRACE_REC_OP */

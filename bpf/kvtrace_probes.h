@@ -51,6 +51,7 @@
 #define KVTRACE_REQUEST(...) do { } while (0)
 #define KVTRACE_REQ_PREEMPT(...) do { } while (0)
 #define KVTRACE_REQ_FINISH(...) do { } while (0)
+#define KVTRACE_STEP_REQS(...) do { } while (0)
 
 #else /* probes compiled in */
 
@@ -84,6 +85,7 @@ _KVTRACE_SEMAPHORE(block_evict);
 _KVTRACE_SEMAPHORE(request);
 _KVTRACE_SEMAPHORE(req_preempt);
 _KVTRACE_SEMAPHORE(req_finish);
+_KVTRACE_SEMAPHORE(step_reqs);
 
 /* Non-zero while at least one tracer has the probe attached. */
 #define KVTRACE_ENABLED(name) __builtin_expect(vllm_##name##_semaphore != 0, 0)
@@ -275,6 +277,24 @@ _KVTRACE_SEMAPHORE(req_finish);
 	STAP_PROBE2(vllm, req_preempt, (uint64_t)(req), (int64_t)(ntok))
 #define KVTRACE_REQ_FINISH(req, ntok)                                         \
 	STAP_PROBE2(vllm, req_finish, (uint64_t)(req), (int64_t)(ntok))
+
+/*
+ * step_reqs: whose rows the step's block tables are, and what each wrote.
+ * Fired once per scheduler step, just before that step's block_table probes
+ * (one per KV-cache group), whose rows are the same requests in the same
+ * order.  With it, each row's reads and writes belong to a request:
+ * request i writes the tokens [seq_lens[i] - new_tokens_i, seq_lens[i]) of
+ * its row (the blocks that hold them) and reads its row as block_table says.
+ *   rows      const uint64_t *  HOST pointer to 2 * num_reqs values: the
+ *                               rows' requests (req above; a request that
+ *                               runs several sequences has a row for
+ *                               each), then the tokens each row computes
+ *                               at the step (vLLM's num_scheduled_tokens)
+ *   num_reqs  int64_t           the step's rows
+ * Streamed only when recording; nothing is counted from it in the kernel.
+ */
+#define KVTRACE_STEP_REQS(rows, nreqs)                                        \
+	STAP_PROBE2(vllm, step_reqs, (const uint64_t *)(rows), (int64_t)(nreqs))
 
 #endif /* KVTRACE_DISABLE_PROBES */
 #endif /* KVTRACE_PROBES_H */

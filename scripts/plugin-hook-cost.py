@@ -57,6 +57,45 @@ def best(stmt, g):
     return min(timeit.repeat(stmt, globals=g, number=N, repeat=REPEAT)) / N * 1e9
 
 
+def per_row_ns(rows=64, blocks=16):
+    """The Python side of a traced step: fire_block_tables for one step of
+    `rows` decoding requests of `blocks` blocks (the scheduler's objects
+    stubbed), with block_table alone, then step_reqs as well; ns per row.
+    The probes are the real C functions; with no tracer their USDT sites
+    are nops, so the trap and the BPF program are not included."""
+    import types
+
+    import numpy
+
+    ids = {f"req-{i}-0123abcd": [list(range(1 + i * blocks, 1 + (i + 1) * blocks))]
+           for i in range(rows)}
+    manager = types.SimpleNamespace(
+        get_block_ids=ids.__getitem__,
+        block_pool=types.SimpleNamespace(num_gpu_blocks=rows * blocks + 1),
+        coordinator=types.SimpleNamespace(single_type_managers=[
+            types.SimpleNamespace(kv_cache_group_id=0, block_size=16)]))
+    sched = types.SimpleNamespace(kv_cache_manager=manager)
+    out = types.SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=list(ids),
+                                                    num_computed_tokens=[200] * rows),
+        num_scheduled_tokens=dict.fromkeys(ids, 1))
+    mirror = hooks._TableMirror(numpy)
+    on, off = (memoryview(bytearray(v)).cast("H") for v in (b"\x01\x00", b"\x00\x00"))
+    saved, n = hooks.SEM, max(N // 500, 200)
+    try:
+        got = {}
+        for name, sr in (("block_table", off), ("step_reqs", on)):
+            hooks.SEM = {**saved, "block_table": on, "step_reqs": sr}
+            got[name] = min(timeit.repeat("f(sched, out, mirror)", number=n, repeat=REPEAT,
+                                          globals={"f": hooks.fire_block_tables, "sched": sched,
+                                                   "out": out, "mirror": mirror})) / n * 1e9
+    finally:
+        hooks.SEM = saved
+    return {"block_table_ns_per_row": round(got["block_table"] / rows, 1),
+            "step_reqs_ns_per_row": round((got["step_reqs"] - got["block_table"]) / rows, 1)}
+
+
 def main():
     as_json = "--json" in sys.argv[1:]
     on = [n for n, v in hooks.SEM.items() if v[0]]
@@ -74,11 +113,15 @@ def main():
         if not as_json:
             print(f"{name:45s} {plain:9.1f} {wrapped:11.1f} {wrapped - plain:8.1f}")
     sem = best("s[0]", {"s": hooks.SEM["block_alloc"]})
+    rows = per_row_ns()
     if as_json:  # for make bench (bench/run.py, row 10)
         import json
-        print(json.dumps({"hook_ns": costs, "semaphore_read_ns": round(sem, 1)}))
+        print(json.dumps({"hook_ns": costs, "semaphore_read_ns": round(sem, 1), **rows}))
     else:
         print(f"semaphore read alone: {sem:.1f} ns (loop included: {best('pass', {}):.1f} ns)")
+        print(f"probes on, per row of a 64-row step: block_table "
+              f"{rows['block_table_ns_per_row']:.0f} ns, step_reqs "
+              f"{rows['step_reqs_ns_per_row']:.0f} ns more")
 
 
 if __name__ == "__main__":

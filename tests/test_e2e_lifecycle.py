@@ -21,7 +21,7 @@ from tracer import abi, tracefile
 KINDS = ("alloc", "hit", "cache", "free", "evict")
 BLOCK_OPS = tuple(f"block_{k}" for k in KINDS)
 REQUEST_OPS = ("request", "req_preempt", "req_finish")
-LIFE_OPS = BLOCK_OPS + REQUEST_OPS
+LIFE_OPS = BLOCK_OPS + REQUEST_OPS + ("step_reqs",)
 REQ_FIELDS = ("req", "prompt_tokens", "output_tokens", "preemptions", "recomputed", "blocks")
 # the workloads whose scheduler does something different each: a plain pool,
 # forks (samples share their prompt), swap preemption, the prefix cache, the
@@ -92,6 +92,15 @@ def test_lifecycle_truth_agrees_with_itself(tmp_path, workload, extra):
         assert sum(r["blocks"][k] for r in reqs) == life["totals"][k], k
     assert sum(r["preemptions"] for r in reqs) == t["preemptions"] == \
         life["calls"]["req_preempt"]
+    # the block table's rows, split by request (step_reqs), add up to what
+    # the write op wrote (a layer's slots) and what attention read
+    assert sum(r["tokens_written"] for r in reqs) == t["slots_written"] // t["num_layers"] > 0
+    assert sum(r["block_reads"] for r in reqs) == t["reads"]["reads"] > 0
+    assert sum(r["step_rows"] for r in reqs) == t["reads"]["requests"]
+    assert life["calls"]["step_reqs"] == t["reads"]["steps"]  # one a step, before its table
+    if workload == "default":  # no sharing, no recomputation: the identity
+        for r in reqs:
+            assert r["tokens_written"] == r["prompt_tokens"] + r["output_tokens"] - 1, r
     # calls: at most one per request and kind and scheduler action, each
     # with at least one block
     for k in KINDS:
@@ -203,6 +212,23 @@ def test_attach_lifecycle_matches_truth(tmp_path, workload, extra):
     assert_workload_has_events(truth, workload)
     assert_lifecycle_matches_truth(doc, truth)
     assert_stream_is_the_ops_log(trace, log, truth)
+    assert_request_access_matches_truth(trace, truth)
+
+
+def assert_request_access_matches_truth(trace, truth):
+    """report's per-request writes and reads (step_reqs naming the block
+    table's rows) are kvsim's, counted where it builds each row."""
+    r = run_kvtrace("report", trace, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    lc = json.loads(r.stdout)["lifecycle"]
+    assert lc["summary"]["access_steps"] == {"steps": truth["reads"]["steps"], "unmatched": 0}
+    want = {w["id"]: w for w in truth["lifecycle"]["requests"]}
+    assert sorted(t["id"] for t in lc["requests"]) == sorted(want)
+    for t in lc["requests"]:
+        a, w = t["access"], want[t["id"]]
+        assert (a["steps"], a["tokens_written"], a["block_reads"]) == \
+            (w["step_rows"], w["tokens_written"], w["block_reads"]), t["id"]
+        assert sum(b["tokens_written"] for b in a["blocks"]) == a["tokens_written"], t["id"]
 
 
 @pytest.mark.usefixtures("no_leftovers")

@@ -12,7 +12,8 @@ Expected values never come from the tracer (nor from the plugin):
 - vLLM's own counters: prefix-cache hits (tokens) and preemptions;
 - the other tier: the worker's stock uprobe on cpu_attention_with_kv_cache
   reads the same block tables the plugin's block_table probe passes from the
-  scheduler, step for step (docs/tiers.md).
+  scheduler, step for step (docs/tiers.md); and its uprobe on the write op
+  writes the slots that step_reqs splits by request.
 """
 
 import collections
@@ -103,6 +104,31 @@ def check_reads_equal(plugin, worker):
     assert wg["layer_calls"] == wg["steps"] * 2  # the tiny model's two layers
 
 
+def check_request_access(lc, plugin, worker):
+    """What step_reqs attributes to each request adds up to what the
+    worker's stock uprobe saw: block by block, its layer 0's slot writes;
+    and to the group's reads.  Returns {id: access}."""
+    (pg,) = plugin["groups"]
+    assert lc["summary"]["access_steps"] == {"steps": pg["steps"], "unmatched": 0}
+    written, reads, out = collections.Counter(), 0, {}
+    for t in lc["requests"]:
+        a = t["access"]
+        assert a is not None, t["id"]
+        for b in a["blocks"]:
+            written[b["block"]] += b["tokens_written"]
+            # a block is read at every step that writes it
+            assert b["tokens_written"] == 0 or b["first_read_s"] <= b["first_write_s"], b
+        assert a["tokens_written"] == sum(b["tokens_written"] for b in a["blocks"])
+        assert a["block_reads"] == sum(b["reads"] for b in a["blocks"])
+        reads += a["block_reads"]
+        out[t["id"]] = a
+    layer0 = worker["layers"][0]
+    assert +written == dict(map(tuple, layer0["writes"]))
+    assert sum(written.values()) == layer0["slots"] > 0
+    assert reads == pg["reads"]
+    return out
+
+
 def per_request(plugin):
     reqs = plugin["lifecycle"]["requests"]
     by_id = {r["id"]: r for r in reqs}
@@ -157,6 +183,21 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa
     assert r.returncode == 0, r.stderr
     lc = json.loads(r.stdout)["lifecycle"]
     assert lc["summary"]["blocks"] == {k: totals[k] for k in lc["summary"]["blocks"]}
+    # per request, what it wrote and read (step_reqs): the worker's writes
+    # and the group's reads, split by request; and vLLM's identities
+    access = check_request_access(lc, plugin, worker)
+    for short, req in zip(generated["request_ids"], generated["requests"]):
+        rid = by_short[short]
+        a, hit = access[rid], mine[rid]["blocks"]["hit"]
+        prompt, total = req["prompt_len"], req["prompt_len"] + len(req["generated"]) - 1
+        # the blocks it computed are those it held past its prefix hits;
+        # the last token generated is never written
+        assert [b["block"] for b in a["blocks"] if b["tokens_written"]] == held[rid][hit:]
+        assert a["tokens_written"] == total - hit * bs
+        # one step for the prompt, one per token after the first: each
+        # reads ceil(seq_len / block_size) blocks
+        assert a["steps"] == len(req["generated"])
+        assert a["block_reads"] == sum(math.ceil(n / bs) for n in range(prompt, total + 1))
     assert lc["summary"]["incomplete_events"] == 0
     assert {t["id"] for t in lc["requests"]} == set(held)
     mrc = lc["miss_ratio_curve"]
@@ -192,3 +233,17 @@ def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):  # noqa: F8
     lost = sum(rec["num_computed_tokens"] for rec in records
                if rec["status"] != "FINISHED_LENGTH_CAPPED")
     assert sum(r["recomputed"] for r in mine.values()) == lost > 0
+
+    # per request, what it wrote and read, recomputation included: a
+    # preempted request writes its lost tokens again
+    r = run_kvtrace("report", trace, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    access = check_request_access(json.loads(r.stdout)["lifecycle"], plugin, worker)
+    for short, req in zip(generated["request_ids"], generated["requests"]):
+        rid = next(k for k in mine if k.rsplit("-", 1)[0] == short)
+        lost = sum(rec["num_computed_tokens"] for rec in records
+                   if rec["req"] == rid and rec["status"] != "FINISHED_LENGTH_CAPPED")
+        # less what a prefix hit gave back (its own blocks, still cached)
+        hit = mine[rid]["blocks"]["hit"] * generated["block_size"]
+        want = req["prompt_len"] + len(req["generated"]) - 1 + lost - hit
+        assert access[rid]["tokens_written"] == want, (rid, lost, hit)

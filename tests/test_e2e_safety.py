@@ -59,6 +59,10 @@ def truth_counts(truth):
         out.update({f"{op} calls": life["calls"][op], f"{op} slots": 0, f"{op} padding": 0,
                     f"{op} bytes": 0,
                     f"{op} items": sum(r[field] for r in life["requests"])})
+    # step_reqs: one call a step, its items the step's rows
+    out.update({"step_reqs calls": life["calls"]["step_reqs"], "step_reqs slots": 0,
+                "step_reqs padding": 0, "step_reqs bytes": 0,
+                "step_reqs items": rd["requests"]})
     return out
 
 

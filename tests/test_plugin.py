@@ -234,6 +234,41 @@ def test_block_tables_equal_what_the_worker_attention_read(runs):
     assert_tables_equal_reads(runs["fired"], runs["reads"])
 
 
+def test_step_reqs_names_each_rows_request_and_its_new_tokens(runs):
+    """step_reqs fires just before each step's block_table, one entry per
+    row: the row holds only blocks its request was given (allocated or
+    hit), and a request's new tokens over its steps are what it computed
+    (prompt + generated - 1, less its prefix hits), chunked prefill
+    included."""
+    fired, gen = runs["fired"], runs["on"]
+    given, hits = defaultdict(set), defaultdict(int)
+    written = defaultdict(int)
+    steps = 0
+    for k, f in enumerate(fired):
+        if f["probe"] in ("block_alloc", "block_hit"):
+            given[f["req"]].update(f["ids"])
+            if f["probe"] == "block_hit":
+                hits[f["req"]] += len(f["ids"])
+        if f["probe"] != "block_table":
+            continue
+        sr = fired[k - 1]
+        assert sr["probe"] == "step_reqs" and len(sr["reqs"]) == len(f["rows"]), sr
+        steps += 1
+        bs = f["block_size"]
+        for req, new, seq, row in zip(sr["reqs"], sr["tokens"], f["seq_lens"], f["rows"]):
+            assert 0 < new <= seq
+            assert set(row[:-(-seq // bs)]) <= given[req]
+            written[req] += new
+    assert steps == sum(f["probe"] == "step_reqs" for f in fired) > 0
+    reqs = [f["req"] for f in fired if f["probe"] == "request"]
+    assert sorted(written) == sorted(reqs)
+    chunked = False
+    for req, g in zip(reqs, gen["requests"]):
+        assert written[req] == g["prompt_len"] + len(g["generated"]) - 1 - hits[req] * BLOCK_SIZE
+        chunked |= g["prompt_len"] > 64
+    assert chunked  # some prompt took more than one step
+
+
 def test_preemption_and_eviction(tmp_path):
     """A KV cache of 20 blocks for 4 requests of 10 blocks each, prefix
     caching on: vLLM preempts, and evicts cached blocks to reuse them.

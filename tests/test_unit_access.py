@@ -145,3 +145,40 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
     got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
     assert got == {"requests": 2, "blocks": 1, "per_block": {1: 1},
                    "steps_without_writes": 1}
+
+
+def test_request_access_worked_by_hand():
+    """step_reqs names each table row; each row writes [seq - new, seq).
+    Block size 4; requests A and B; the third table has no step_reqs of its
+    own (its record lost) and the fourth's names too few rows: neither is
+    given to anyone."""
+    bs, A, B = 4, 0xA1, 0xB2
+    SR = stream.STEP_REQS_OP_ID
+    records = [
+        (SR, 0, [A, B, 6, 5], True),                   # step 1: A 6 new, B 5 new
+        (stream.TABLE_OP_ID, GROUP, [6, 3, 4, 5, 7, 8], True),
+        (SR, 0, [B, A, 1, 1], True),                   # step 2: rows swapped
+        (stream.TABLE_OP_ID, GROUP, [6, 7, 8, 7, 3, 4], True),
+        (stream.TABLE_OP_ID, GROUP, [8, 3, 4], True),  # step 3: unnamed
+        (SR, 0, [A, 1], True),                         # step 4: 1 name, 2 rows
+        (stream.TABLE_OP_ID, GROUP, [9, 3, 4, 0, 7, 8], True),
+    ]
+    ops = op_stream(records)
+    for i, (op, _, vals, _) in enumerate(records):
+        if op == SR:
+            ops.ops[i]["items"] = len(vals) // 2
+    rows = [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
+    got, stats = access.request_access(ops, rows, t0_ns=0)
+    assert stats == {"steps": 2, "unmatched": 2}
+    t1, t2 = 2e-6, 4e-6  # the tables' times (ts 1000 * (i + 1) ns)
+
+    def blk(b, w, fw, lw, n, fr, lr):
+        return {"group": GROUP, "block": b, "tokens_written": w, "first_write_s": fw,
+                "last_write_s": lw, "reads": n, "first_read_s": fr, "last_read_s": lr}
+
+    # A: step 1 writes tokens 0-5 (block 3: 4, block 4: 2), step 2 token 6
+    # (block 4); steps 3 and 4 are nobody's; step 4's A counts as a step
+    assert got[A] == {"steps": 3, "tokens_written": 8, "block_reads": 4,
+                      "blocks": [blk(3, 4, t1, t1, 2, t1, t2), blk(4, 3, t1, t2, 2, t1, t2)]}
+    assert got[B] == {"steps": 2, "tokens_written": 6, "block_reads": 4,
+                      "blocks": [blk(7, 4, t1, t1, 2, t1, t2), blk(8, 2, t1, t2, 2, t1, t2)]}

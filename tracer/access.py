@@ -539,3 +539,134 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
             per_block[blk] = per_block.get(blk, 0) + c
     return {"requests": new_rows, "blocks": out_blocks, "per_block": per_block,
             "steps_without_writes": missing}
+
+
+# -- per request: the plugin tier's step_reqs names each block-table row --------
+
+@dataclass
+class StepRequests:
+    """Every complete step_reqs op, flattened: op k's requests are
+    req[lo[k]:lo[k + 1]], in the order of the rows of the step's tables."""
+
+    pos: np.ndarray  # the ops' positions in the OpStream
+    pid: np.ndarray
+    lo: np.ndarray  # len(pos) + 1
+    req: np.ndarray  # uint64 request hash
+    tokens: np.ndarray  # int64: tokens it computes (writes) at the step
+
+
+def step_requests(ops: stream.OpStream) -> StepRequests:
+    o = ops.ops
+    pos = np.flatnonzero((o["op"] == stream.STEP_REQS_OP_ID) & o["complete"])
+    n = o["items"][pos].astype(np.int64)
+    start = o["start"][pos].astype(np.int64)
+    vals = ops.values
+    return StepRequests(pos, o["pid"][pos].astype(np.int64), np.concatenate([[0], np.cumsum(n)]),
+                        vals[stream.ranges(start, n)].view(np.uint64),
+                        vals[stream.ranges(start + n, n)].astype(np.int64))
+
+
+def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tuple:
+    """Per request (its hash), what it wrote and read, from the plugin tier:
+    each table row is the request step_reqs named at its place, and writes
+    the tokens [seq_len - new_tokens, seq_len) of its row.  Returns
+    ({req: {"steps", "tokens_written", "block_reads", "blocks": [...]}},
+    {"steps": tables matched, "unmatched": tables of a process with
+    step_reqs that no complete step_reqs op names}).
+
+    A table matches the process's latest step_reqs op before it when that op
+    has as many requests as the table rows and no table of the same group
+    lies between them (a lost record leaves the table unmatched, never
+    given to the step before)."""
+    sr = step_requests(ops)
+    out, stats = {}, {"steps": 0, "unmatched": 0}
+    if not len(sr.pos):
+        return out, stats
+    # per request: steps scheduled and tokens written, from step_reqs alone
+    ureq, inv = np.unique(sr.req, return_inverse=True)
+    steps = np.bincount(inv, minlength=len(ureq))
+    toks = np.bincount(inv, weights=sr.tokens, minlength=len(ureq))
+    for r, s, t in zip(ureq.tolist(), steps.tolist(), toks.tolist()):
+        out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0, "blocks": []}
+
+    parts = []  # per group: (req, group_id, block, ts, tokens written, read?)
+    for rows in all_rows:
+        st = rows.steps
+        mine = np.flatnonzero(sr.pid == st.pid)
+        if not len(mine) or not len(st):
+            continue
+        at = np.searchsorted(sr.pos[mine], st.index) - 1
+        ok = at >= 0
+        j = mine[np.maximum(at, 0)]
+        prev_table = np.concatenate([[-1], st.index[:-1]])
+        nrows = np.diff(rows.row_lo)
+        ok &= st.complete & (sr.pos[j] > prev_table) & (sr.lo[j + 1] - sr.lo[j] == nrows)
+        stats["steps"] += int(ok.sum())
+        stats["unmatched"] += int((~ok).sum())
+        k = np.flatnonzero(ok)
+        if not len(k):
+            continue
+        row = stream.ranges(rows.row_lo[k], nrows[k])
+        el = stream.ranges(sr.lo[j[k]], nrows[k])
+        req, new = sr.req[el], sr.tokens[el]
+        ts = np.repeat(st.ts_ns[k], nrows[k])
+        seq, start, length = rows.seq[row], rows.start[row], rows.length[row]
+        bs = st.block_size
+        # reads: the row's entries (null entries are no read)
+        at_r = stream.ranges(start, length)
+        blk_r = rows.entries[at_r]
+        keep = blk_r > 0
+        parts.append((np.repeat(req, length)[keep], blk_r[keep], np.repeat(ts, length)[keep],
+                      np.zeros(int(keep.sum()), np.int64), st.group_id))
+        # writes: the blocks that hold [seq - new, seq), within the row
+        first = np.clip(seq - new, 0, None)
+        b0 = first // bs
+        b1 = np.minimum((seq - 1) // bs, length - 1)
+        nw = np.where((new > 0) & (seq > 0), np.clip(b1 - b0 + 1, 0, None), 0)
+        place = stream.ranges(b0, nw)  # block's place in its row
+        rr = np.repeat(np.arange(len(row)), nw)
+        blk_w = rows.entries[start[rr] + place]
+        wrote = np.minimum(seq[rr], (place + 1) * bs) - np.maximum(first[rr], place * bs)
+        keep = blk_w > 0
+        parts.append((req[rr][keep], blk_w[keep], ts[rr][keep], wrote[keep], st.group_id))
+
+    if not parts:
+        return out, stats
+    req = np.concatenate([p[0] for p in parts])
+    gid = np.concatenate([np.full(len(p[0]), p[4], np.int64) for p in parts])
+    blk = np.concatenate([p[1] for p in parts])
+    ts = np.concatenate([p[2] for p in parts])
+    wrote = np.concatenate([p[3] for p in parts])
+    if not len(req):
+        return out, stats
+    # one segment per (request, group, block)
+    order = np.lexsort((blk, gid, req))
+    req, gid, blk, ts, wrote = req[order], gid[order], blk[order], ts[order], wrote[order]
+    new_seg = np.r_[True, (req[1:] != req[:-1]) | (gid[1:] != gid[:-1]) | (blk[1:] != blk[:-1])]
+    seg = np.flatnonzero(new_seg)
+    is_w = wrote > 0
+    big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    tw = np.add.reduceat(wrote, seg)
+    nreads = np.add.reduceat((~is_w).astype(np.int64), seg)
+    fw = np.minimum.reduceat(np.where(is_w, ts, big), seg)
+    lw = np.maximum.reduceat(np.where(is_w, ts, small), seg)
+    fr = np.minimum.reduceat(np.where(is_w, big, ts), seg)
+    lr = np.maximum.reduceat(np.where(is_w, small, ts), seg)
+
+    def sec(t):
+        return None if t in (big, small) else round((t - t0_ns) / 1e9, 6)
+
+    # each request's blocks in the order it first touched them
+    first = np.minimum(fw, fr)
+    by = np.lexsort((blk[seg], gid[seg], first, req[seg]))
+    for i in by.tolist():
+        r = int(req[seg[i]])
+        fig = out.setdefault(r, {"steps": 0, "tokens_written": 0, "block_reads": 0,
+                                 "blocks": []})
+        fig["block_reads"] += int(nreads[i])
+        fig["blocks"].append({"group": int(gid[seg[i]]), "block": int(blk[seg[i]]),
+                              "tokens_written": int(tw[i]),
+                              "first_write_s": sec(int(fw[i])), "last_write_s": sec(int(lw[i])),
+                              "reads": int(nreads[i]),
+                              "first_read_s": sec(int(fr[i])), "last_read_s": sec(int(lr[i]))})
+    return out, stats

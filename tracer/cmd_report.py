@@ -467,13 +467,18 @@ def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
         return None
     res = lifecycle.residency(ev)
     names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
-    return {"summary": lifecycle.summary(ev),
+    requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
+                                   requests=lifecycle.request_events(rep.ops))
+    # what each request wrote and read: step_reqs names the table rows
+    per_req, attributed = access.request_access(rep.ops, rep.rows, rep.t0)
+    for r in requests:
+        r["access"] = per_req.get(int(r["req"], 16))
+    return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
             "residency_buckets_s": list(lifecycle.RESIDENCY_BUCKETS),
             **{name: {"count": int(len(v)), "sum_s": float(v.sum()),
                       "buckets": lifecycle.histogram(v)} for name, v in res.items()},
             "miss_ratio_curve": lifecycle.miss_ratio_curve(ev),
-            "requests": lifecycle.timelines(ev, rep.t0, names, limit=timelines,
-                                            requests=lifecycle.request_events(rep.ops))}
+            "requests": requests}
 
 
 LIFE_SHOWN_REQUESTS = 12
@@ -508,9 +513,20 @@ def lifecycle_view(figs: dict, width: int) -> list:
                  title=f"requests (the first {min(LIFE_SHOWN_REQUESTS, s['requests'])} of "
                        f"{s['requests']:,}; --format json has all, event by event)",
                  title_justify="left")
+    shown = figs["requests"][:LIFE_SHOWN_REQUESTS]
     for col in ("request", "first (s)", "last (s)", *abi.LIFE, "preempted"):
         reqs.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
-    for r in figs["requests"][:LIFE_SHOWN_REQUESTS]:
+    acc = None
+    if any(r.get("access") for r in shown):
+        a = s["access_steps"]
+        acc = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+                    title="what each request wrote and read: tokens written, the blocks "
+                          "they went to, block reads in all and a step (step_reqs named "
+                          f"the rows of {a['steps']:,} steps" +
+                          (f"; {a['unmatched']:,} unnamed" if a["unmatched"] else "") + ")")
+        for col in ("request", "steps", "tokens", "blocks", "reads", "a step"):
+            acc.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
+    for r in shown:
         per = dict.fromkeys(abi.LIFE, 0)
         preempted = 0
         for _, kind, _, what in r["events"]:
@@ -520,6 +536,13 @@ def lifecycle_view(figs: dict, width: int) -> list:
                 preempted += 1
         reqs.add_row(r["id"] or r["req"], f"{r['events'][0][0]:.3f}", f"{r['events'][-1][0]:.3f}",
                      *(f"{per[k]:,}" for k in abi.LIFE), f"{preempted:,}")
+        a = r.get("access")
+        if acc is not None:
+            acc.add_row(r["id"] or r["req"], *(("-",) * 5 if not a else (
+                f"{a['steps']:,}", f"{a['tokens_written']:,}",
+                f"{sum(1 for b in a['blocks'] if b['tokens_written']):,}",
+                f"{a['block_reads']:,}",
+                f"{a['block_reads'] / a['steps']:.1f}" if a["steps"] else "-")))
     parts = [head, hist]
     mrc = figs.get("miss_ratio_curve")
     if mrc:
@@ -533,6 +556,8 @@ def lifecycle_view(figs: dict, width: int) -> list:
             m.add_row(f"{size:,}", f"{100 * ratio:.1f}%")
         parts.append(m)
     parts.append(reqs)
+    if acc is not None:
+        parts.append(acc)
     return [Panel(Group(*parts), title="block lifecycle (plugin tier)",
                   title_align="left", width=width)]
 

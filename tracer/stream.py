@@ -35,6 +35,7 @@ WRITE_OP_IDS = frozenset(abi.OPS[o] for o in abi.WRITE_OPS)
 PAIR_OP_IDS = frozenset((abi.OPS["copy_blocks"], abi.OPS["swap_blocks"]))
 TABLE_OP_ID = abi.OPS["block_table"]
 LIFE_OP_IDS = frozenset(abi.OPS[o] for o in abi.LIFE_OPS)  # the plugin's block ids
+STEP_REQS_OP_ID = abi.OPS["step_reqs"]  # streams requests, then their new tokens
 _BAD_FLAGS = abi.EV_TRUNCATED | abi.EV_READ_ERROR | abi.EV_CHUNKS_LOST
 
 # the decoded op table: the op record's fields, then where its values are
@@ -129,7 +130,7 @@ def expected_values(ops: np.ndarray) -> np.ndarray:
     op = ops["op"]
     items = ops["items"].astype(np.int64)
     per = np.where(np.isin(op, list(WRITE_OP_IDS | LIFE_OP_IDS)), 1,
-                   np.where(np.isin(op, list(PAIR_OP_IDS)), 2, 0))
+                   np.where(np.isin(op, list(PAIR_OP_IDS | {STEP_REQS_OP_ID})), 2, 0))
     want = items * per
     # block events with content hashes stream the ids, then as many hashes
     want = np.where((ops["flags"] & abi.EV_HASHES) != 0, 2 * want, want)

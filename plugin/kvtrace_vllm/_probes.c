@@ -229,6 +229,25 @@ static PyObject *probe_block_table(PyObject *self, PyObject *const *args,
 	Py_RETURN_NONE;
 }
 
+/* ---- step_reqs(rows_uint64): the step's requests, then their new tokens - */
+
+static PyObject *probe_step_reqs(PyObject *self, PyObject *arg)
+{
+	Py_buffer v;
+	(void)self;
+	if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0)
+		return NULL;
+	if (v.itemsize != 8 || v.len % 16 != 0) {
+		PyErr_SetString(PyExc_TypeError,
+				"step_reqs: 2 * num_reqs uint64 are needed");
+		PyBuffer_Release(&v);
+		return NULL;
+	}
+	KVTRACE_STEP_REQS(v.buf, (int64_t)(v.len / 16));
+	PyBuffer_Release(&v);
+	Py_RETURN_NONE;
+}
+
 /* ---- req_hash(str) -> int: FNV-1a 64 of the UTF-8 bytes ------------------ */
 
 static PyObject *req_hash(PyObject *self, PyObject *arg)
@@ -262,7 +281,7 @@ struct sem {
 static const struct sem plugin_sems[] = {
 	SEM(block_table), SEM(block_alloc), SEM(block_hit),  SEM(block_cache),
 	SEM(block_free),  SEM(block_evict), SEM(request),    SEM(req_preempt),
-	SEM(req_finish),
+	SEM(req_finish),  SEM(step_reqs),
 };
 #define NSEMS (sizeof(plugin_sems) / sizeof(plugin_sems[0]))
 
@@ -333,6 +352,9 @@ static PyMethodDef methods[] = {
 	FAST(req_finish, "req_finish(req, output_tokens)"),
 	FAST(block_table, "block_table(table2d_int32, seq_lens_int32, block_size, "
 			  "group_id, num_blocks): layer_id 0"),
+	{"step_reqs", probe_step_reqs, METH_O,
+	 "step_reqs(rows_uint64): the step's request hashes, then their new "
+	 "tokens"},
 	{"req_hash", req_hash, METH_O, "req_hash(str) -> FNV-1a 64 of its UTF-8"},
 	{"semaphores", semaphores, METH_NOARGS,
 	 "{name: (address, memoryview of 2 bytes)} of each probe's semaphore"},

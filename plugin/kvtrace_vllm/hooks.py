@@ -80,6 +80,9 @@ class _Recorder:
                 self._write(name, req=args[0], id=args[1], prompt_tokens=args[2])
             elif name in ("req_preempt", "req_finish"):
                 self._write(name, req=args[0], tokens=args[1])
+            elif name == "step_reqs":
+                n = len(args[0]) // 2
+                self._write(name, reqs=args[0][:n].tolist(), tokens=args[0][n:].tolist())
             elif name == "block_table":
                 table, seq_lens, bsize, group, nblocks = args
                 n = table.shape[0]
@@ -357,6 +360,7 @@ class _TableMirror:
         self.tables = {}
         self.seq = np.zeros(64, np.int32)
         self.arange = np.arange(64)
+        self.step = np.zeros(128, np.uint64)
 
     def table(self, group, rows, width):
         t = self.tables.get(group)
@@ -373,6 +377,12 @@ class _TableMirror:
             self.arange = self.np.arange(max(width, 2 * self.arange.shape[0]))
         return self.arange[:width]
 
+    def step_rows(self, n):
+        """A contiguous uint64 vector of 2 * n (step_reqs' rows)."""
+        if self.step.shape[0] < 2 * n:
+            self.step = self.np.zeros(max(2 * n, 2 * self.step.shape[0]), self.np.uint64)
+        return self.step[:2 * n]
+
     def seq_lens(self, n):
         if self.seq.shape[0] < n:
             self.seq = self.np.zeros(max(n, 2 * self.seq.shape[0]), self.np.int32)
@@ -380,9 +390,11 @@ class _TableMirror:
 
 
 def fire_block_tables(scheduler, out, mirror):
-    """block_table once per KV-cache group for the step out describes: one
-    row per scheduled request (its block ids in that group, 0-padded), and
-    seq_len = tokens computed before the step + tokens scheduled in it."""
+    """step_reqs, then block_table once per KV-cache group, for the step out
+    describes: one row per scheduled request (its block ids in that group,
+    0-padded), and seq_len = tokens computed before the step + tokens
+    scheduled in it.  step_reqs names each row's request and its scheduled
+    tokens (what it writes), in the same order."""
     reqs = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
     cached = out.scheduled_cached_reqs
     reqs.extend(zip(cached.req_ids, cached.num_computed_tokens))
@@ -391,6 +403,14 @@ def fire_block_tables(scheduler, out, mirror):
         return
     np = mirror.np
     nsched = out.num_scheduled_tokens
+    if SEM["step_reqs"][0]:
+        rows = mirror.step_rows(n)
+        rids = [rid for rid, _ in reqs]
+        rows[:n] = list(map(req_hash, rids))  # map over C callables: no Python frame a row
+        rows[n:] = list(map(nsched.__getitem__, rids))
+        P.step_reqs(rows)
+    if not SEM["block_table"][0]:
+        return
     seq = mirror.seq_lens(n)
     seq[:n] = np.fromiter((c + nsched[rid] for rid, c in reqs), np.int32, n)
     manager = scheduler.kv_cache_manager
@@ -415,12 +435,12 @@ def fire_block_tables(scheduler, out, mirror):
 
 
 def _schedule(orig):
-    s = SEM["block_table"]
+    s, r = SEM["block_table"], SEM["step_reqs"]
     state = {}
 
     def schedule(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
-        if s[0]:
+        if s[0] or r[0]:
             try:
                 mirror = state.get(id(self))
                 if mirror is None:

@@ -238,6 +238,9 @@ struct req_truth {
 	int64_t prompt_tokens, output_tokens;
 	uint64_t preemptions, recomputed;
 	uint64_t blocks[KV_NUM_LIFE]; /* block ids per event kind */
+	/* its rows of the steps' block tables (a row per sequence), the
+	 * tokens they wrote and the (row, block) reads, null entries aside */
+	uint64_t step_rows, tokens_written, block_reads;
 };
 
 enum { RES_LIFETIME, RES_IDLE, RES_REUSE_GAP };
@@ -258,7 +261,7 @@ struct truth {
 	 * times the event happened to it; probe calls per op; per request */
 	uint64_t *life[KV_NUM_LIFE];
 	uint64_t life_calls[KV_NUM_LIFE];
-	uint64_t request_calls, preempt_calls, finish_calls;
+	uint64_t request_calls, preempt_calls, finish_calls, step_reqs_calls;
 	struct req_truth *reqs;
 	int64_t nreqs, reqs_cap;
 	/* block residency (write_lifecycle()): per GPU block, by CLOCK_MONOTONIC
@@ -379,6 +382,8 @@ struct seq {
 	int64_t gen_len; /* finishes when gen == gen_len */
 	int sample;
 	bool finished;
+	uint64_t new_step;  /* 1 + the step of new_tokens */
+	int64_t new_tokens; /* tokens it wrote at that step (step_reqs) */
 	/*
 	 * [layer] the checksum attention must get over positions [0, len):
 	 * the sum of the expected values of the tokens this sequence holds
@@ -448,6 +453,9 @@ struct sim {
 	int32_t *table;
 	int32_t *seq_lens;
 	struct seq **row_seq;
+	/* step_reqs' rows: each row's request hash, then its new tokens */
+	uint64_t *step_rows;
+	int64_t *row_new;
 
 	/*
 	 * The prefix cache: [j] the GPU block holding full prefix block j, or
@@ -551,6 +559,7 @@ static void reset_run(struct sim *s)
 		for (int k = 0; k < r->nsamples; k++) {
 			struct seq *q = &r->seqs[k];
 			q->nblocks = q->len = q->gen = q->dropped = 0;
+			q->new_step = 0;
 			q->sample = k;
 			q->finished = false;
 			memset(q->attn_sum, 0, (size_t)s->L * sizeof(uint64_t));
@@ -616,6 +625,8 @@ static void sim_init(struct sim *s, const struct config *cfg)
 			   sizeof(*s->table));
 	s->seq_lens = xcalloc((size_t)s->max_rows, sizeof(*s->seq_lens));
 	s->row_seq = xcalloc((size_t)s->max_rows, sizeof(*s->row_seq));
+	s->step_rows = xcalloc((size_t)(2 * s->max_rows), sizeof(*s->step_rows));
+	s->row_new = xcalloc((size_t)s->max_rows, sizeof(*s->row_new));
 
 	int64_t maxb = s->nblocks > cfg->cpu_blocks ? s->nblocks : cfg->cpu_blocks;
 	s->pairs = xcalloc((size_t)(2 * maxb), sizeof(*s->pairs));
@@ -986,6 +997,11 @@ static void emit_token(struct sim *s, struct request *r, struct seq *q)
 	s->tok_pos[i] = pos;
 	s->tok_sample[i] = sample_at(r, q, pos);
 	s->tok_seq[i] = q;
+	if (q->new_step != s->step_no + 1) {
+		q->new_step = s->step_no + 1;
+		q->new_tokens = 0;
+	}
+	q->new_tokens++;
 	prefix_cache_put(s, r, pos, (int32_t)block);
 	s->t.token_writes[block]++;
 	if (pos % s->bs == 0)
@@ -1485,9 +1501,15 @@ static void build_block_table(struct sim *s)
 			memcpy(row, q->table, (size_t)q->nblocks * sizeof(*row));
 			memset(row + q->nblocks, 0,
 			       (size_t)(s->row_stride - q->nblocks) * sizeof(*row));
+			struct req_truth *rt = &s->t.reqs[r->tr];
+			int64_t new = q->new_step == step ? q->new_tokens : 0;
 			s->seq_lens[s->nrows] = (int32_t)q->len;
+			s->step_rows[s->nrows] = rt->req;
+			s->row_new[s->nrows] = new;
 			s->row_seq[s->nrows++] = q;
 			tokens += (uint64_t)q->len;
+			rt->step_rows++;
+			rt->tokens_written += (uint64_t)new;
 			for (int64_t j = 0; j < q->nblocks; j++) {
 				int32_t b = row[j];
 				if (b == 0) {
@@ -1495,6 +1517,7 @@ static void build_block_table(struct sim *s)
 					continue;
 				}
 				reads++;
+				rt->block_reads++;
 				rd->per_block[b]++;
 				rd->last_step[b] = step;
 				/*
@@ -1521,6 +1544,11 @@ static void build_block_table(struct sim *s)
 		rd->sharing[rd->step_count[b]]++;
 		rd->step_count[b] = 0;
 	}
+	/* whose the rows are, before any layer reads them */
+	for (int64_t i = 0; i < s->nrows; i++)
+		s->step_rows[s->nrows + i] = (uint64_t)s->row_new[i];
+	kv_step_reqs(s->step_rows, s->nrows);
+	s->t.step_reqs_calls++;
 	rd->steps++;
 	rd->requests += (uint64_t)s->nrows;
 	rd->tokens += tokens;
@@ -1887,8 +1915,9 @@ static void write_lifecycle(FILE *f, const struct sim *s)
 			t->life_calls[k]);
 	fprintf(f,
 		"\"request\": %" PRIu64 ", \"req_preempt\": %" PRIu64
-		", \"req_finish\": %" PRIu64 "},\n",
-		t->request_calls, t->preempt_calls, t->finish_calls);
+		", \"req_finish\": %" PRIu64 ", \"step_reqs\": %" PRIu64 "},\n",
+		t->request_calls, t->preempt_calls, t->finish_calls,
+		t->step_reqs_calls);
 	fprintf(f, "    \"blocks\": {");
 	for (int k = 0; k < KV_NUM_LIFE; k++) {
 		fprintf(f, "%s\"%s\": ", k ? ", " : "", kinds[k]);
@@ -1917,9 +1946,12 @@ static void write_lifecycle(FILE *f, const struct sim *s)
 			"%s\n      {\"id\": \"%s\", \"req\": \"%016" PRIx64
 			"\", \"prompt_tokens\": %" PRId64
 			", \"output_tokens\": %" PRId64 ", \"preemptions\": %" PRIu64
-			", \"recomputed\": %" PRIu64 ", \"blocks\": {",
+			", \"recomputed\": %" PRIu64 ", \"step_rows\": %" PRIu64
+			", \"tokens_written\": %" PRIu64
+			", \"block_reads\": %" PRIu64 ", \"blocks\": {",
 			i ? "," : "", rt->id, rt->req, rt->prompt_tokens,
-			rt->output_tokens, rt->preemptions, rt->recomputed);
+			rt->output_tokens, rt->preemptions, rt->recomputed,
+			rt->step_rows, rt->tokens_written, rt->block_reads);
 		for (int k = 0; k < KV_NUM_LIFE; k++)
 			fprintf(f, "%s\"%s\": %" PRIu64, k ? ", " : "", kinds[k],
 				rt->blocks[k]);

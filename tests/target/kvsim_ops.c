@@ -363,6 +363,16 @@ void kv_req_preempt(uint64_t req, int64_t computed_tokens)
 	}
 }
 
+void kv_step_reqs(const uint64_t *rows, int64_t num_reqs)
+{
+	(void)rows;
+	(void)num_reqs;
+	if (KVTRACE_ENABLED(step_reqs)) {
+		log_op("step_reqs", 0, (const int64_t *)rows, 2 * num_reqs);
+		KVTRACE_STEP_REQS(rows, num_reqs);
+	}
+}
+
 void kv_req_finish(uint64_t req, int64_t output_tokens)
 {
 	(void)output_tokens;

@@ -147,4 +147,12 @@ void kv_request(uint64_t req, const char *id, int64_t id_len,
 void kv_req_preempt(uint64_t req, int64_t computed_tokens);
 void kv_req_finish(uint64_t req, int64_t output_tokens);
 
+/*
+ * step_reqs: whose the rows of this step's block table are, fired before
+ * any layer reads it: rows holds num_reqs request hashes (one per row, a
+ * request with several sequences has several rows), then each row's new
+ * tokens.  --ops-log: "step_reqs 0" and the 2 * num_reqs values.
+ */
+void kv_step_reqs(const uint64_t *rows, int64_t num_reqs);
+
 #endif /* KVSIM_OPS_H */
