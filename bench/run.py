@@ -51,6 +51,8 @@ GOALS = {  # figure key -> (goal text, test on the median)
     "reads.attached_ns_per_entry": ("<= 3 ns", lambda v: v <= 3),
     "vllm.full_ratio": (">= 0.99", lambda v: v >= 0.99),
     "vllm.calls_only_ratio": (">= 0.99", lambda v: v >= 0.99),
+    # the control: not a goal of the tracer, the machine's resolution
+    "vllm.untraced_again_ratio": ("1: what noise alone gives", None),
     "capacity.exact_at_10M": ("exact at >= 10M slots/s", None),
     "attach.live_s": ("<= 1 s", lambda v: v <= 1),
     "offline.report": (">= 10M slot writes/s", lambda v: v >= 10e6),
@@ -557,7 +559,11 @@ def row_vllm(q, res):
                           "--repeat", "4"], cwd=ROOT, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
-    modes = {"untraced": None, "full": [], "calls_only": ["--calls-only"]}
+    # untraced_again: a second untraced batch in each cycle, the A/A control.
+    # Its ratio to the first is 1 but for noise: its interval is the
+    # narrowest that this machine resolves at this many cycles
+    modes = {"untraced": None, "full": [], "calls_only": ["--calls-only"],
+             "untraced_again": None}
     rates = {m: [] for m in modes}
     counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
     tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
@@ -614,6 +620,7 @@ def row_vllm(q, res):
         "calls_only_tokens_per_s": stats(rates["calls_only"]),
         "full_ratio": ratio_stats(rates["full"], base),
         "calls_only_ratio": ratio_stats(rates["calls_only"], base),
+        "untraced_again_ratio": ratio_stats(rates["untraced_again"], base),
         "full_tracer_cpu_s_per_s": stats(tracer_cpu["full"]),
         "calls_only_tracer_cpu_s_per_s": stats(tracer_cpu["calls_only"]),
         "untraced_run_queue_wait_s_per_s": stats(waited["untraced"]),
@@ -975,7 +982,10 @@ def table_rows(res):
         add("3 vLLM untraced", s["untraced_tokens_per_s"], "tok/s")
         add("3 vLLM traced (full)", s["full_tokens_per_s"], "tok/s")
         add("3 vLLM traced (calls-only)", s["calls_only_tokens_per_s"], "tok/s")
-        for name, key in (("full", "full_ratio"), ("calls-only", "calls_only_ratio")):
+        for name, key in (("full", "full_ratio"), ("calls-only", "calls_only_ratio"),
+                          ("untraced (A/A control)", "untraced_again_ratio")):
+            if key not in s:  # results from before the control
+                continue
             add(f"3 vLLM {name}/untraced", s[key], "x", f"vllm.{key}")
             ci = (s[key] or {}).get("ci95")
             if ci:
@@ -1038,6 +1048,11 @@ def table_rows(res):
         add("10 plugin hook: semaphore read", {"min": s["semaphore_read_ns"],
                                                "median": s["semaphore_read_ns"],
                                                "max": s["semaphore_read_ns"]}, "ns")
+        for key, label in (("block_table_ns_per_row", "block_table"),
+                           ("step_reqs_ns_per_row", "step_reqs, more")):
+            if key in s:  # probes on, Python side, per row of a 64-row step
+                add(f"10 plugin traced step: {label}", {"min": s[key], "median": s[key],
+                                                        "max": s[key]}, "ns/row")
         if "untraced_ratio" in s:
             add("10 vLLM tokens/s, plugin / none, untraced", s["untraced_ratio"], "x",
                 "plugin.untraced_ratio")
