@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import KVSIM, Kvsim, Tracer, kvsim_ops_log, run_kvtrace
+from test_e2e_record import report_json
 from tracer import abi, tracefile
 
 KINDS = ("alloc", "hit", "cache", "free", "evict")
@@ -218,9 +219,7 @@ def test_attach_lifecycle_matches_truth(tmp_path, workload, extra):
 def assert_request_access_matches_truth(trace, truth):
     """report's per-request writes and reads (step_reqs naming the block
     table's rows) are kvsim's, counted where it builds each row."""
-    r = run_kvtrace("report", trace, "--format", "json")
-    assert r.returncode == 0, r.stderr
-    lc = json.loads(r.stdout)["lifecycle"]
+    lc = report_json(trace)["lifecycle"]
     assert lc["summary"]["access_steps"] == {"steps": truth["reads"]["steps"], "unmatched": 0}
     want = {w["id"]: w for w in truth["lifecycle"]["requests"]}
     assert sorted(t["id"] for t in lc["requests"]) == sorted(want)

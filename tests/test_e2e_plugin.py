@@ -26,7 +26,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, Tracer, run_kvtrace
+from conftest import ROOT, Tracer
+from test_e2e_record import report_json
 from test_e2e_vllm import tiny_model  # noqa: F401 (the module fixture)
 
 pytestmark = pytest.mark.vllm
@@ -129,6 +130,11 @@ def check_request_access(lc, plugin, worker):
     return out
 
 
+def by_short_id(ids):
+    """{LLM.generate's id: vLLM's}: the engine adds a suffix to each id."""
+    return {rid.rsplit("-", 1)[0]: rid for rid in ids}
+
+
 def per_request(plugin):
     reqs = plugin["lifecycle"]["requests"]
     by_id = {r["id"]: r for r in reqs}
@@ -152,8 +158,7 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa
     mine = per_request(plugin)
     assert sorted(mine) == sorted(held)
     bs = generated["block_size"]
-    # LLM.generate's ids are vLLM's without the suffix the engine adds
-    by_short = {rid.rsplit("-", 1)[0]: rid for rid in held}
+    by_short = by_short_id(held)
     for short, req in zip(generated["request_ids"], generated["requests"]):
         r = mine[by_short[short]]
         want = math.ceil((req["prompt_len"] + len(req["generated"]) - 1) / bs)
@@ -179,9 +184,7 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa
     assert doc["ops"]["request"]["calls"] == doc["ops"]["req_finish"]["calls"] == len(held)
 
     # the recording: report's lifecycle from the stream agrees with the counts
-    r = run_kvtrace("report", trace, "--format", "json")
-    assert r.returncode == 0, r.stderr
-    lc = json.loads(r.stdout)["lifecycle"]
+    lc = report_json(trace)["lifecycle"]
     assert lc["summary"]["blocks"] == {k: totals[k] for k in lc["summary"]["blocks"]}
     # per request, what it wrote and read (step_reqs): the worker's writes
     # and the group's reads, split by request; and vLLM's identities
@@ -236,11 +239,10 @@ def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):  # noqa: F8
 
     # per request, what it wrote and read, recomputation included: a
     # preempted request writes its lost tokens again
-    r = run_kvtrace("report", trace, "--format", "json")
-    assert r.returncode == 0, r.stderr
-    access = check_request_access(json.loads(r.stdout)["lifecycle"], plugin, worker)
+    access = check_request_access(report_json(trace)["lifecycle"], plugin, worker)
+    by_short = by_short_id(mine)
     for short, req in zip(generated["request_ids"], generated["requests"]):
-        rid = next(k for k in mine if k.rsplit("-", 1)[0] == short)
+        rid = by_short[short]
         lost = sum(rec["num_computed_tokens"] for rec in records
                    if rec["req"] == rid and rec["status"] != "FINISHED_LENGTH_CAPPED")
         # less what a prefix hit gave back (its own blocks, still cached)
