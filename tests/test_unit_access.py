@@ -182,3 +182,74 @@ def test_request_access_worked_by_hand():
                       "blocks": [blk(3, 4, t1, t1, 2, t1, t2), blk(4, 3, t1, t2, 2, t1, t2)]}
     assert got[B] == {"steps": 2, "tokens_written": 6, "block_reads": 4,
                       "blocks": [blk(7, 4, t1, t1, 2, t1, t2), blk(8, 2, t1, t2, 2, t1, t2)]}
+
+
+def test_request_access_against_a_plain_reading():
+    """Random steps, read back row by row and token by token here: rows
+    that grow, null entries, and places that change block (a preempted
+    request given new blocks) must all come out as a plain reading of
+    step_reqs and the tables gives them."""
+    rng = np.random.default_rng(11)
+    bs, SR = 4, stream.STEP_REQS_OP_ID
+    reqs = [0x1000 + i for i in range(9)]
+    held = {r: [] for r in reqs}  # each request's blocks, place by place
+    records = []
+    for step in range(80):
+        names = sorted(rng.choice(reqs, int(rng.integers(1, 6)), replace=False).tolist())
+        rows, new = [], []
+        for r in names:
+            if rng.random() < 0.1:  # preempted: new blocks from scratch
+                held[r] = []
+            held[r] += rng.integers(1, 40, int(rng.integers(0, 3))).tolist()
+            b = list(held[r])
+            if b and rng.random() < 0.2:
+                b[int(rng.integers(0, len(b)))] = 0  # a block a window dropped
+            seq = len(b) * bs - int(rng.integers(0, bs)) if b else 0
+            rows.append((max(seq, 0), b))
+            new.append(int(rng.integers(0, 2 * bs)))
+        records.append((SR, 0, names + new, True))
+        records.append((stream.TABLE_OP_ID, GROUP,
+                        [v for seq, b in rows for v in [seq] + b], True))
+    ops = op_stream(records)
+    for i, (op, _, vals, _) in enumerate(records):
+        if op == SR:
+            ops.ops[i]["items"] = len(vals) // 2
+    tables = [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
+    got, stats = access.request_access(ops, tables, t0_ns=0)
+    assert stats == {"steps": 80, "unmatched": 0}
+
+    want = {}
+    for i in range(0, len(records), 2):
+        vals = records[i][2]
+        n = len(vals) // 2
+        ts = 1000 * (i + 2) / 1e9  # the table's time
+        table = live_sets(records[i + 1][2], bs)
+        for r, new, (seq, entries) in zip(vals[:n], vals[n:], table):
+            w = want.setdefault(r, {"steps": 0, "tokens_written": 0, "blocks": {}})
+            w["steps"] += 1
+            w["tokens_written"] += new
+
+            def touch(b, kind, t=ts, w=w):
+                f = w["blocks"].setdefault(b, {"w": 0, "fw": None, "lw": None,
+                                                "r": 0, "fr": None, "lr": None})
+                f[kind] += 1
+                first, last = "f" + kind, "l" + kind
+                f[first] = t if f[first] is None else min(f[first], t)
+                f[last] = t if f[last] is None else max(f[last], t)
+            for b in entries:
+                if b > 0:
+                    touch(b, "r")
+            for token in range(max(seq - new, 0), seq):
+                if new > 0 and token // bs < len(entries) and entries[token // bs] > 0:
+                    touch(entries[token // bs], "w")
+    assert set(got) == set(want)
+    for r, w in want.items():
+        blocks = sorted(w["blocks"].items(),
+                        key=lambda kv: (min(t for t in (kv[1]["fw"], kv[1]["fr"]) if t), kv[0]))
+        assert got[r] == {
+            "steps": w["steps"], "tokens_written": w["tokens_written"],
+            "block_reads": sum(f["r"] for _, f in blocks),
+            "blocks": [{"group": GROUP, "block": b, "tokens_written": f["w"],
+                        "first_write_s": f["fw"], "last_write_s": f["lw"], "reads": f["r"],
+                        "first_read_s": f["fr"], "last_read_s": f["lr"]}
+                       for b, f in blocks]}, r

@@ -589,7 +589,10 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
     for r, s, t in zip(ureq.tolist(), steps.tolist(), toks.tolist()):
         out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0, "blocks": []}
 
-    parts = []  # per group: (req, group_id, block, ts, tokens written, read?)
+    # partial figures, merged per (request, group, block) at the end:
+    # (request index, group, block, reads, first read, last read, tokens
+    # written, first write, last write)
+    parts = []
     for rows in all_rows:
         st = rows.steps
         mine = np.flatnonzero(sr.pid == st.pid)
@@ -608,16 +611,12 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
             continue
         row = stream.ranges(rows.row_lo[k], nrows[k])
         el = stream.ranges(sr.lo[j[k]], nrows[k])
-        req, new = sr.req[el], sr.tokens[el]
+        ri, new = inv[el], sr.tokens[el]
         ts = np.repeat(st.ts_ns[k], nrows[k])
         seq, start, length = rows.seq[row], rows.start[row], rows.length[row]
         bs = st.block_size
-        # reads: the row's entries (null entries are no read)
-        at_r = stream.ranges(start, length)
-        blk_r = rows.entries[at_r]
-        keep = blk_r > 0
-        parts.append((np.repeat(req, length)[keep], blk_r[keep], np.repeat(ts, length)[keep],
-                      np.zeros(int(keep.sum()), np.int64), st.group_id))
+        parts += [p + (st.group_id,) for p in
+                  _reads_by_place(ri, start, length, ts, rows.entries, len(ureq))]
         # writes: the blocks that hold [seq - new, seq), within the row
         first = np.clip(seq - new, 0, None)
         b0 = first // bs
@@ -628,45 +627,99 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
         blk_w = rows.entries[start[rr] + place]
         wrote = np.minimum(seq[rr], (place + 1) * bs) - np.maximum(first[rr], place * bs)
         keep = blk_w > 0
-        parts.append((req[rr][keep], blk_w[keep], ts[rr][keep], wrote[keep], st.group_id))
+        n, t = int(keep.sum()), ts[rr][keep]
+        parts.append((ri[rr][keep], blk_w[keep], np.zeros(n, np.int64), np.full(n, _NEVER),
+                      np.full(n, _EVER), wrote[keep], t, t, st.group_id))
 
+    parts = [p for p in parts if len(p[0])]
     if not parts:
         return out, stats
-    req = np.concatenate([p[0] for p in parts])
-    gid = np.concatenate([np.full(len(p[0]), p[4], np.int64) for p in parts])
-    blk = np.concatenate([p[1] for p in parts])
-    ts = np.concatenate([p[2] for p in parts])
-    wrote = np.concatenate([p[3] for p in parts])
-    if not len(req):
-        return out, stats
+    cols = [np.concatenate([p[c] for p in parts]) for c in range(8)]
+    gid = np.concatenate([np.full(len(p[0]), p[8], np.int64) for p in parts])
+    ri, blk = cols[0], cols[1]
     # one segment per (request, group, block)
-    order = np.lexsort((blk, gid, req))
-    req, gid, blk, ts, wrote = req[order], gid[order], blk[order], ts[order], wrote[order]
-    new_seg = np.r_[True, (req[1:] != req[:-1]) | (gid[1:] != gid[:-1]) | (blk[1:] != blk[:-1])]
-    seg = np.flatnonzero(new_seg)
-    is_w = wrote > 0
-    big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
-    tw = np.add.reduceat(wrote, seg)
-    nreads = np.add.reduceat((~is_w).astype(np.int64), seg)
-    fw = np.minimum.reduceat(np.where(is_w, ts, big), seg)
-    lw = np.maximum.reduceat(np.where(is_w, ts, small), seg)
-    fr = np.minimum.reduceat(np.where(is_w, big, ts), seg)
-    lr = np.maximum.reduceat(np.where(is_w, small, ts), seg)
+    order = np.lexsort((blk, gid, ri))
+    ri, gid, blk = ri[order], gid[order], blk[order]
+    seg = np.flatnonzero(np.r_[True, (ri[1:] != ri[:-1]) | (gid[1:] != gid[:-1])
+                                | (blk[1:] != blk[:-1])])
+    nreads = np.add.reduceat(cols[2][order], seg)
+    fr = np.minimum.reduceat(cols[3][order], seg)
+    lr = np.maximum.reduceat(cols[4][order], seg)
+    tw = np.add.reduceat(cols[5][order], seg)
+    fw = np.minimum.reduceat(cols[6][order], seg)
+    lw = np.maximum.reduceat(cols[7][order], seg)
+    ri, gid, blk = ri[seg], gid[seg], blk[seg]
 
-    def sec(t):
-        return None if t in (big, small) else round((t - t0_ns) / 1e9, 6)
+    def secs(t):  # seconds since t0, None where there is none; a step's
+        # time is shared by many blocks, so round each distinct one once
+        uniq, at = np.unique(t, return_inverse=True)
+        s = [None if v in (_NEVER, _EVER) else round((v - t0_ns) / 1e9, 6)
+             for v in uniq.tolist()]
+        return [s[i] for i in at.tolist()]
 
     # each request's blocks in the order it first touched them
-    first = np.minimum(fw, fr)
-    by = np.lexsort((blk[seg], gid[seg], first, req[seg]))
-    for i in by.tolist():
-        r = int(req[seg[i]])
-        fig = out.setdefault(r, {"steps": 0, "tokens_written": 0, "block_reads": 0,
-                                 "blocks": []})
-        fig["block_reads"] += int(nreads[i])
-        fig["blocks"].append({"group": int(gid[seg[i]]), "block": int(blk[seg[i]]),
-                              "tokens_written": int(tw[i]),
-                              "first_write_s": sec(int(fw[i])), "last_write_s": sec(int(lw[i])),
-                              "reads": int(nreads[i]),
-                              "first_read_s": sec(int(fr[i])), "last_read_s": sec(int(lr[i]))})
+    by = np.lexsort((blk, gid, np.minimum(fw, fr), ri))
+    reads_of = np.bincount(ri, weights=nreads, minlength=len(ureq)).astype(np.int64).tolist()
+    blocks = [[] for _ in range(len(ureq))]
+    for i, g, b, w, a, z, n, c, d in zip(
+            ri[by].tolist(), gid[by].tolist(), blk[by].tolist(), tw[by].tolist(),
+            secs(fw[by]), secs(lw[by]), nreads[by].tolist(), secs(fr[by]), secs(lr[by])):
+        blocks[i].append({"group": g, "block": b, "tokens_written": w,
+                          "first_write_s": a, "last_write_s": z, "reads": n,
+                          "first_read_s": c, "last_read_s": d})
+    for i, r in enumerate(ureq.tolist()):
+        if blocks[i]:
+            fig = out[r]
+            fig["block_reads"] = reads_of[i]
+            fig["blocks"] = blocks[i]
     return out, stats
+
+
+_NEVER, _EVER = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # no first / last time
+
+
+def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
+    """The reads of a group's matched rows (request index ri, entries
+    start:start + length, time ts), as partial figures: one per (request,
+    place in its row) while the place holds one block, which is nearly
+    always (a row only grows), and one per read at a place that held
+    several blocks (a preempted request given new blocks).  Summing per
+    place first keeps the final sort to the places, not the reads: a
+    request reads each of its blocks at every step."""
+    width = np.zeros(nreq, np.int64)  # each request's widest row
+    np.maximum.at(width, ri, length)
+    nbins = int(width.sum())  # one per (request, place); bin nbins: null entries
+    total = int(length.sum())
+    if total and np.array_equal(start[1:], start[:-1] + length[:-1]):
+        blk = entries[start[0]:start[0] + total]  # every row of the group, in order
+    else:
+        blk = entries[stream.ranges(start, length)]
+    # key: the request's first bin + the entry's place in its row
+    key = np.repeat((np.cumsum(width) - width)[ri] - (np.cumsum(length) - length), length)
+    key += np.arange(total)
+    null = blk <= 0  # a null entry is no read: it goes to the spare bin
+    key[null] = nbins
+    held = np.zeros(nbins + 1, blk.dtype)
+    held[key] = blk
+    odd = blk != held[key]
+    odd &= ~null
+    out = []
+    t = np.repeat(ts, length)
+    if np.any(odd):  # the places that held several blocks: each read its own part
+        several = np.zeros(nbins + 1, bool)
+        several[key[odd]] = True
+        odd = several[key]
+        odd &= ~null
+        n = int(odd.sum())
+        out.append((np.repeat(ri, length)[odd], blk[odd], np.ones(n, np.int64), t[odd], t[odd],
+                    np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
+        key[odd] = nbins
+    reads = np.bincount(key, minlength=nbins + 1)[:nbins]
+    fr, lr = np.full(nbins + 1, _NEVER), np.full(nbins + 1, _EVER)
+    np.minimum.at(fr, key, t)
+    np.maximum.at(lr, key, t)
+    used = np.flatnonzero(reads)
+    n = len(used)
+    out.append((np.repeat(np.arange(nreq), width)[used], held[used], reads[used], fr[used],
+                lr[used], np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
+    return out
