@@ -378,12 +378,16 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
     # a row takes part if it has a non-null entry; its key is its last
     # entry, folded into [0, nb] (nb: anything not a plausible block) for
     # the dense count of open rows by last entry
-    nonnull = np.zeros(len(start), np.int64)
+    has_entry = np.zeros(len(start), bool)
     if len(entries):  # reduceat over the rows with entries: empty ones have none
         nz = length > 0
-        nonnull[nz] = np.add.reduceat(entries != 0, start[nz], dtype=np.int64)
-    valid = (entries >= 0) & (entries < MAX_BLOCKS)
-    nb = int(entries[valid].max()) + 1 if np.any(valid) else 1
+        has_entry[nz] = np.logical_or.reduceat(entries != 0, start[nz])
+    lo, hi = (int(entries.min()), int(entries.max())) if len(entries) else (0, 0)
+    if 0 <= lo and hi < MAX_BLOCKS:  # every entry a plausible block: no mask
+        valid, nb = True, hi + 1
+    else:
+        valid = (entries >= 0) & (entries < MAX_BLOCKS)
+        nb = int(entries[valid].max()) + 1 if np.any(valid) else 1
     last_entry = entries[np.maximum(start + length - 1, 0)] if len(entries) else \
         np.zeros(len(start), np.int64)
     row_key = np.where((last_entry >= 0) & (last_entry < nb), last_entry, nb)
@@ -395,7 +399,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
     run_mark = np.zeros(nb + 1, np.int64)
     written_mark = np.zeros(nb + 1, np.int64)
 
-    plausible = bool(np.all(valid)) and nb == int(entries.max(initial=0)) + 1
+    plausible = bool(np.all(valid)) and nb == max(hi, 0) + 1
 
     def keys(v):
         return v if plausible else np.where((v >= 0) & (v < nb), v, nb)
@@ -436,7 +440,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
                  if not o["flags"][m] & abi.EV_SWAP_OUT]  # a copy's, a swap-in's destination
         prev_seq = cur_seq
 
-        part = r0 + np.flatnonzero(nonnull[r0:r1] > 0)  # the rows that take part
+        part = r0 + np.flatnonzero(has_entry[r0:r1])  # the rows that take part
         if not len(part):
             continue
         e_lo = int(start[r0])
@@ -451,7 +455,8 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
             hk = ek[hit]
             hit_mark[hk] = stamp
             cand = open_rows[hit_mark[row_key[open_rows]] == stamp]
-            cand = cand[np.lexsort((cand, row_key[cand]))]
+            ck = row_key[cand]  # cand is in row order: a stable sort keeps it
+            cand = cand[np.argsort(ck.astype(np.uint16) if nb < 1 << 16 else ck, kind="stable")]
             ck = row_key[cand]
             left = np.searchsorted(ck, hk, "left")
             n = np.searchsorted(ck, hk, "right") - left
@@ -459,7 +464,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
             pr = np.repeat(hit_row, n)  # the row
             pp = cand[pick]  # the open row
             lp = length[pp]
-            ok = (last_entry[pp] == np.repeat(e[hit], n)) & (nonnull[pr] > 0) & \
+            ok = (last_entry[pp] == np.repeat(e[hit], n)) & has_entry[pr] & \
                 (lp <= length[pr]) & (rseq[pp] >= 1) & (rseq[pr] > rseq[pp])
             pr, pp, lp = pr[ok], pp[ok], lp[ok]
             # most pairs fail at the open row's last place, checked first

@@ -133,23 +133,48 @@ def _sort3(major, middle, minor):
     return np.lexsort((minor, middle, major))
 
 
-def _latest_start(s_block, s_key, q_block, q_key, query_first):
+def _latest_start(s_block, s_key, q_block, q_key, query_first, q_sorted=False):
     """For each query, the index of the latest start of the same block at or
     before its key (starts sorted by (block, key)); -1 if none.  At an equal
-    key a start comes first, unless query_first."""
-    ns, nq = len(s_block), len(q_block)
-    block = np.concatenate([s_block, q_block])
-    key = np.concatenate([s_key, q_key])
-    is_q = np.concatenate([np.zeros(ns, np.int8), np.ones(nq, np.int8)])
-    prio = (1 - is_q) if query_first else is_q
-    order = _sort3(block, key, prio)
-    latest = np.cumsum(is_q[order] == 0) - 1
-    out = np.empty(nq, np.int64)
-    q_at = order >= ns
-    out[order[q_at] - ns] = latest[q_at]
-    ok = out >= 0
-    ok[ok] = s_block[out[ok]] == q_block[ok]
+    key a start comes first, unless query_first.  q_sorted: the queries are
+    sorted by (block, key) too, and then the starts are placed among them
+    (a search per start, not per query: there are far fewer starts)."""
+    if not len(s_block) or not len(q_block):
+        return np.full(len(q_block), -1, np.int64)
+    k_bits = max(int(s_key.max()), int(q_key.max())).bit_length()
+    if max(int(s_block.max()), int(q_block.max())).bit_length() + k_bits < 63 and \
+            s_block.min() >= 0 and q_block.min() >= 0 and s_key.min() >= 0 and q_key.min() >= 0:
+        # one packed key per start and query: a binary search finds the latest
+        s_packed = (s_block.astype(np.int64, copy=False) << k_bits) | s_key
+        q_packed = (q_block.astype(np.int64, copy=False) << k_bits) | q_key
+        if q_sorted:
+            at = np.searchsorted(q_packed, s_packed, side="right" if query_first else "left")
+            latest = np.full(len(q_packed) + 1, -1, np.int64)
+            np.maximum.at(latest, at, np.arange(len(s_packed)))  # the last of several
+            out = np.maximum.accumulate(latest)[:-1]
+        else:
+            out = np.searchsorted(s_packed, q_packed, side="left" if query_first else "right") - 1
+    else:  # starts and queries merged in one sort (any integers)
+        ns, nq = len(s_block), len(q_block)
+        is_q = np.concatenate([np.zeros(ns, np.int8), np.ones(nq, np.int8)])
+        order = np.lexsort(((1 - is_q) if query_first else is_q,
+                            np.concatenate([s_key, q_key]), np.concatenate([s_block, q_block])))
+        latest = np.cumsum(is_q[order] == 0) - 1
+        out = np.empty(nq, np.int64)
+        q_at = order >= ns
+        out[order[q_at] - ns] = latest[q_at]
+    ok = (out >= 0) & (s_block[np.maximum(out, 0)] == q_block)
     return np.where(ok, out, -1)
+
+
+def _by_block(block, key):
+    """The order that sorts writes, already in key order, by (block, key):
+    a stable sort by block alone, a radix sort when blocks fit 16 bits."""
+    if not len(block):
+        return np.zeros(0, np.int64)
+    if 0 <= block.min() and block.max() < 1 << 16:
+        return np.argsort(block.astype(np.uint16), kind="stable")
+    return np.lexsort((key, block))
 
 
 def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
@@ -199,7 +224,12 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
                              np.flatnonzero(m_starts)])
     # ...and, for blocks written before any start, the first such write
     sorted_starts = _sorted_starts(s_block, s_key)
-    w_gen = _latest_start(*sorted_starts[:2], w_block, w_key, False)
+    # the writes by (block, key): searched in that order, and since a
+    # block's generations are in key order, also the writes by (generation, key)
+    worder = _by_block(w_block, w_key)
+    w_gen = np.empty(len(w_block), np.int64)
+    w_gen[worder] = _latest_start(*sorted_starts[:2], w_block[worder], w_key[worder], False,
+                                   q_sorted=True)
     orphans = bool(np.any(w_gen < 0))
     if orphans:
         orphan = np.flatnonzero(w_gen < 0)
@@ -216,10 +246,10 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     s_kind, s_op, s_move = s_kind[order], s_op[order], s_move[order]
     G = len(s_block)
     if orphans:
-        w_gen = _latest_start(s_block, s_key, w_block, w_key, False)
+        w_gen[worder] = _latest_start(s_block, s_key, w_block[worder], w_key[worder], False,
+                                   q_sorted=True)
 
     # per generation, from its writes (sorted by generation, then order)
-    worder = _sort3(w_gen, w_key, np.zeros(len(w_gen), np.int64))
     g_sorted, key_sorted = w_gen[worder], w_key[worder]
     writes = np.bincount(w_gen, minlength=G)
     g_first = np.cumsum(writes) - writes
