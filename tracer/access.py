@@ -571,7 +571,8 @@ def step_requests(ops: stream.OpStream) -> StepRequests:
                         vals[stream.ranges(start + n, n)].astype(np.int64))
 
 
-def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tuple:
+def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
+                   only=None) -> tuple:
     """Per request (its hash), what it wrote and read, from the plugin tier:
     each table row is the request step_reqs named at its place, and writes
     the tokens [seq_len - new_tokens, seq_len) of its row.  Returns
@@ -582,7 +583,8 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
     A table matches the process's latest step_reqs op before it when that op
     has as many requests as the table rows and no table of the same group
     lies between them (a lost record leaves the table unmatched, never
-    given to the step before)."""
+    given to the step before).  only: the request hashes wanted (a view
+    that shows a few); None: all."""
     sr = step_requests(ops)
     out, stats = {}, {"steps": 0, "unmatched": 0}
     if not len(sr.pos):
@@ -591,8 +593,11 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
     ureq, inv = np.unique(sr.req, return_inverse=True)
     steps = np.bincount(inv, minlength=len(ureq))
     toks = np.bincount(inv, weights=sr.tokens, minlength=len(ureq))
-    for r, s, t in zip(ureq.tolist(), steps.tolist(), toks.tolist()):
-        out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0, "blocks": []}
+    wanted = np.ones(len(ureq), bool) if only is None else \
+        np.isin(ureq, np.fromiter(only, np.uint64))
+    for r, s, t, w in zip(ureq.tolist(), steps.tolist(), toks.tolist(), wanted.tolist()):
+        if w:
+            out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0, "blocks": []}
 
     # partial figures, merged per (request, group, block) at the end:
     # (request index, group, block, reads, first read, last read, tokens
@@ -616,8 +621,11 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
             continue
         row = stream.ranges(rows.row_lo[k], nrows[k])
         el = stream.ranges(sr.lo[j[k]], nrows[k])
-        ri, new = inv[el], sr.tokens[el]
         ts = np.repeat(st.ts_ns[k], nrows[k])
+        if only is not None:
+            keep = wanted[inv[el]]
+            row, el, ts = row[keep], el[keep], ts[keep]
+        ri, new = inv[el], sr.tokens[el]
         seq, start, length = rows.seq[row], rows.start[row], rows.length[row]
         bs = st.block_size
         parts += [p + (st.group_id,) for p in
@@ -673,7 +681,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0) -> tupl
                           "first_write_s": a, "last_write_s": z, "reads": n,
                           "first_read_s": c, "last_read_s": d})
     for i, r in enumerate(ureq.tolist()):
-        if blocks[i]:
+        if blocks[i] and r in out:
             fig = out[r]
             fig["block_reads"] = reads_of[i]
             fig["blocks"] = blocks[i]

@@ -470,7 +470,9 @@ def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
     requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
                                    requests=lifecycle.request_events(rep.ops))
     # what each request wrote and read: step_reqs names the table rows
-    per_req, attributed = access.request_access(rep.ops, rep.rows, rep.t0)
+    per_req, attributed = access.request_access(
+        rep.ops, rep.rows, rep.t0,
+        only=None if timelines is None else [int(r["req"], 16) for r in requests])
     for r in requests:
         r["access"] = per_req.get(int(r["req"], 16))
     return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
