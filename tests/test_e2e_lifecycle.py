@@ -15,7 +15,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import KVSIM, Kvsim, Tracer, kvsim_ops_log, run_kvtrace
+from conftest import KVSIM, Kvsim, Tracer, dense, kvsim_ops_log, run_kvtrace
 from test_e2e_record import report_json
 from tracer import abi, tracefile
 
@@ -45,12 +45,10 @@ def untraced_truth(tmp_path, workload, *extra):
     return json.loads(path.read_text())
 
 
-def dense(pairs, n):
-    out = np.zeros(n, np.int64)
-    for b, c in pairs:
-        assert 0 < b < n, b  # never the null block
-        out[b] = c
-    return out
+def dense_blocks(pairs, n):
+    """conftest's dense() as an array, for lifecycle blocks: never the null block."""
+    assert all(b > 0 for b, _ in pairs), pairs
+    return np.array(dense(pairs, n), np.int64)
 
 
 # -- kvsim's lifecycle truth against itself (no tracer) ----------------------
@@ -67,7 +65,7 @@ def test_lifecycle_truth_agrees_with_itself(tmp_path, workload, extra):
     life = t["lifecycle"]
     n = t["num_blocks"]
     assert (life["group_id"], life["num_blocks"]) == (0, n)
-    per = {k: dense(life["blocks"][k], n) for k in KINDS}
+    per = {k: dense_blocks(life["blocks"][k], n) for k in KINDS}
     assert {k: int(v.sum()) for k, v in per.items()} == life["totals"]
     # every run ends with every request finished: each block a request took
     # (from the pool or the cache) it released, once
@@ -190,7 +188,7 @@ def assert_stream_is_the_ops_log(trace, log, truth):
     for k, op in zip(KINDS, BLOCK_OPS):
         ids = [b for name, _, v in fired if name == op for b in v]
         assert np.bincount(np.array(ids, np.int64), minlength=n).tolist() == \
-            dense(truth["lifecycle"]["blocks"][k], n).tolist(), op
+            dense_blocks(truth["lifecycle"]["blocks"][k], n).tolist(), op
     reqs = {int(r["req"], 16): r for r in truth["lifecycle"]["requests"]}
     assert [c for name, c, _ in fired if name == "request"] == list(reqs)
     for c, r in reqs.items():
