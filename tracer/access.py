@@ -708,7 +708,8 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
     else:
         blk = entries[stream.ranges(start, length)]
     # key: the request's first bin + the entry's place in its row
-    key = np.repeat((np.cumsum(width) - width)[ri] - (np.cumsum(length) - length), length)
+    row_at = np.cumsum(length) - length  # each row's first read
+    key = np.repeat((np.cumsum(width) - width)[ri] - row_at, length)
     key += np.arange(total)
     null = blk <= 0  # a null entry is no read: it goes to the spare bin
     key[null] = nbins
@@ -723,10 +724,12 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
         several[key[odd]] = True
         odd = several[key]
         odd &= ~null
-        n = int(odd.sum())
-        out.append((np.repeat(ri, length)[odd], blk[odd], np.ones(n, np.int64), t[odd], t[odd],
+        at = np.flatnonzero(odd)
+        n = len(at)
+        row = np.searchsorted(row_at, at, side="right") - 1
+        out.append((ri[row], blk[at], np.ones(n, np.int64), ts[row], ts[row],
                     np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
-        key[odd] = nbins
+        key[at] = nbins
     reads = np.bincount(key, minlength=nbins + 1)[:nbins]
     fr, lr = np.full(nbins + 1, _NEVER), np.full(nbins + 1, _EVER)
     np.minimum.at(fr, key, t)
