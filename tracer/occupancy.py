@@ -247,7 +247,7 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     G = len(s_block)
     if orphans:
         w_gen[worder] = _latest_start(s_block, s_key, w_block[worder], w_key[worder], False,
-                                   q_sorted=True)
+                                      q_sorted=True)
 
     # per generation, from its writes (sorted by generation, then order)
     g_sorted, key_sorted = w_gen[worder], w_key[worder]
