@@ -147,6 +147,16 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
                    "steps_without_writes": 1}
 
 
+def step_reqs_and_tables(records, bs):
+    """op_stream(records) with each step_reqs op's items (its rows: half its
+    values), and the parsed tables of its one group."""
+    ops = op_stream(records)
+    for i, (op, _, vals, _) in enumerate(records):
+        if op == stream.STEP_REQS_OP_ID:
+            ops.ops[i]["items"] = len(vals) // 2
+    return ops, [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
+
+
 def test_request_access_worked_by_hand():
     """step_reqs names each table row; each row writes [seq - new, seq).
     Block size 4; requests A and B; the third table has no step_reqs of its
@@ -163,11 +173,7 @@ def test_request_access_worked_by_hand():
         (SR, 0, [A, 1], True),                         # step 4: 1 name, 2 rows
         (stream.TABLE_OP_ID, GROUP, [9, 3, 4, 0, 7, 8], True),
     ]
-    ops = op_stream(records)
-    for i, (op, _, vals, _) in enumerate(records):
-        if op == SR:
-            ops.ops[i]["items"] = len(vals) // 2
-    rows = [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
+    ops, rows = step_reqs_and_tables(records, bs)
     got, stats = access.request_access(ops, rows, t0_ns=0)
     assert stats == {"steps": 2, "unmatched": 2}
     t1, t2 = 2e-6, 4e-6  # the tables' times (ts 1000 * (i + 1) ns)
@@ -210,11 +216,7 @@ def test_request_access_against_a_plain_reading():
         records.append((SR, 0, names + new, True))
         records.append((stream.TABLE_OP_ID, GROUP,
                         [v for seq, b in rows for v in [seq] + b], True))
-    ops = op_stream(records)
-    for i, (op, _, vals, _) in enumerate(records):
-        if op == SR:
-            ops.ops[i]["items"] = len(vals) // 2
-    tables = [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
+    ops, tables = step_reqs_and_tables(records, bs)
     got, stats = access.request_access(ops, tables, t0_ns=0)
     assert stats == {"steps": 80, "unmatched": 0}
 
