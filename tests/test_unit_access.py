@@ -1,6 +1,7 @@
 """tracer/access.py's pure functions, on hand-made reads (no tracer)."""
 
 import numpy as np
+import pytest
 
 from tracer import abi, access, stream
 
@@ -147,10 +148,13 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
                    "steps_without_writes": 1}
 
 
-def step_reqs_and_tables(records, bs):
+def step_reqs_and_tables(records, bs, ts_ns=None):
     """op_stream(records) with each step_reqs op's items (its rows: half its
-    values), and the parsed tables of its one group."""
+    values), and the parsed tables of its one group; ts_ns: the ops' times
+    (op_stream's own by default)."""
     ops = op_stream(records)
+    if ts_ns is not None:
+        ops.ops["ts_ns"] = ts_ns
     for i, (op, _, vals, _) in enumerate(records):
         if op == stream.STEP_REQS_OP_ID:
             ops.ops[i]["items"] = len(vals) // 2
@@ -190,11 +194,14 @@ def test_request_access_worked_by_hand():
                       "blocks": [blk(7, 4, t1, t1, 2, t1, t2), blk(8, 2, t1, t2, 2, t1, t2)]}
 
 
-def test_request_access_against_a_plain_reading():
+@pytest.mark.parametrize("times", ["in order", "out of order"])
+def test_request_access_against_a_plain_reading(times):
     """Random steps, read back row by row and token by token here: rows
     that grow, null entries, and places that change block (a preempted
     request given new blocks) must all come out as a plain reading of
-    step_reqs and the tables gives them."""
+    step_reqs and the tables gives them.  Out of order: the ops' clock
+    readings need not rise with their sequence (two CPUs), so first and
+    last times are the earliest and latest, not the first and last seen."""
     rng = np.random.default_rng(11)
     bs, SR = 4, stream.STEP_REQS_OP_ID
     reqs = [0x1000 + i for i in range(9)]
@@ -216,7 +223,10 @@ def test_request_access_against_a_plain_reading():
         records.append((SR, 0, names + new, True))
         records.append((stream.TABLE_OP_ID, GROUP,
                         [v for seq, b in rows for v in [seq] + b], True))
-    ops, tables = step_reqs_and_tables(records, bs)
+    ts_ns = 1000 * np.arange(1, len(records) + 1)
+    if times == "out of order":
+        ts_ns += 1000 * rng.integers(-3, 4, len(ts_ns))  # whole us: the report rounds to 1 us
+    ops, tables = step_reqs_and_tables(records, bs, ts_ns)
     got, stats = access.request_access(ops, tables, t0_ns=0)
     assert stats == {"steps": 80, "unmatched": 0}
 
@@ -224,7 +234,7 @@ def test_request_access_against_a_plain_reading():
     for i in range(0, len(records), 2):
         vals = records[i][2]
         n = len(vals) // 2
-        ts = 1000 * (i + 2) / 1e9  # the table's time
+        ts = int(ts_ns[i + 1]) / 1e9  # the table's time
         table = live_sets(records[i + 1][2], bs)
         for r, new, (seq, entries) in zip(vals[:n], vals[n:], table):
             w = want.setdefault(r, {"steps": 0, "tokens_written": 0, "blocks": {}})

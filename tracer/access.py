@@ -707,35 +707,48 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
         blk = entries[start[0]:start[0] + total]  # every row of the group, in order
     else:
         blk = entries[stream.ranges(start, length)]
+    # The arrays below have one element per read (114M for a 1.1 GB trace),
+    # so they are int32 where that holds them: their size is the report's
+    # peak memory, and on these VMs each GiB first touched costs seconds.
+    itype = np.int32 if max(nbins, total, len(ts)) < 2**31 - 1 else np.int64
     # key: the request's first bin + the entry's place in its row
     row_at = np.cumsum(length) - length  # each row's first read
-    key = np.repeat((np.cumsum(width) - width)[ri] - row_at, length)
-    key += np.arange(total)
+    key = np.repeat(((np.cumsum(width) - width)[ri] - row_at).astype(itype), length)
+    key += np.arange(total, dtype=itype)
     null = blk <= 0  # a null entry is no read: it goes to the spare bin
     key[null] = nbins
     held = np.zeros(nbins + 1, blk.dtype)
     held[key] = blk
     odd = blk != held[key]
     odd &= ~null
+    del null
     out = []
-    t = np.repeat(ts, length)
     if np.any(odd):  # the places that held several blocks: each read its own part
         several = np.zeros(nbins + 1, bool)
         several[key[odd]] = True
         odd = several[key]
-        odd &= ~null
+        odd &= blk > 0
         at = np.flatnonzero(odd)
         n = len(at)
         row = np.searchsorted(row_at, at, side="right") - 1
         out.append((ri[row], blk[at], np.ones(n, np.int64), ts[row], ts[row],
                     np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
         key[at] = nbins
+    del odd
     reads = np.bincount(key, minlength=nbins + 1)[:nbins]
-    fr, lr = np.full(nbins + 1, _NEVER), np.full(nbins + 1, _EVER)
-    np.minimum.at(fr, key, t)
-    np.maximum.at(lr, key, t)
+    # first and last read: the earliest and latest row of each bin, by the
+    # rows' rank in time (a row's time is its step's), not a time per read
+    by_time = np.argsort(ts, kind="stable")
+    rank = np.empty(len(ts), itype)
+    rank[by_time] = np.arange(len(ts), dtype=itype)
+    rank_of_read = np.repeat(rank, length)
+    first, last = np.full(nbins + 1, len(ts), itype), np.full(nbins + 1, -1, itype)
+    np.minimum.at(first, key, rank_of_read)
+    np.maximum.at(last, key, rank_of_read)
+    del rank_of_read, key
     used = np.flatnonzero(reads)
     n = len(used)
-    out.append((np.repeat(np.arange(nreq), width)[used], held[used], reads[used], fr[used],
-                lr[used], np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
+    out.append((np.repeat(np.arange(nreq), width)[used], held[used], reads[used],
+                ts[by_time[first[used]]], ts[by_time[last[used]]],
+                np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
     return out
