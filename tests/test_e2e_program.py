@@ -93,6 +93,46 @@ def test_a_compiling_tracer_keeps_no_llvm_mapped(tmp_path):
     assert lines and any("kvsim" in line for line in lines), lines[:5]
 
 
+def test_the_entry_holds_what_the_verifier_walked(compiled):
+    """Each program's verified_insns in the entry (the loader's order) is
+    what the kernel's verifier says it processed when the program is loaded
+    again with its statistics log: read from bpf_prog_info at the offset
+    program.py names, checked here against the verifier's own words."""
+    import base64
+    import ctypes
+    import struct
+
+    from tracer import program
+
+    [path] = entries(compiled[1])
+    entry = json.loads(path.read_text())
+    lib = program.libbcc_bpf()
+    fds = [lib.bcc_create_map(m["type"], m["name"][:15].encode(), m["key_size"],
+                              m["value_size"], m["max_entries"], m["flags"])
+           for m in entry["maps"]]
+    try:
+        assert min(fds) >= 0
+        said = {}
+        for prog in entry["progs"]:
+            insns = bytearray(base64.b64decode(prog["insns"]))
+            for at, m in prog["map_refs"]:
+                struct.pack_into("<i", insns, at * 8 + 4, fds[m])
+            log = ctypes.create_string_buffer(1 << 16)
+            fd = lib.bcc_prog_load(program.BPF_PROG_TYPE_KPROBE, prog["name"][:15].encode(),
+                                   (ctypes.c_char * len(insns)).from_buffer(insns),
+                                   len(insns), entry["license"].encode(),
+                                   entry["kern_version"], 4, log, len(log))  # 4: stats
+            assert fd >= 0, prog["name"]
+            os.close(fd)
+            said[prog["name"]] = int(re.search(rb"processed (\d+) insns", log.value).group(1))
+        assert {p["name"]: p["verified_insns"] for p in entry["progs"]} == said
+        assert min(said.values()) > 0
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
 @pytest.mark.parametrize("spoil", ["garbage", "refused"])
 def test_a_spoiled_entry_is_compiled_again(tmp_path, compiled, spoil):
     """Garbage is not read; an entry the kernel refuses (its first program's

@@ -82,11 +82,39 @@ def test_read_entry_takes_a_well_formed_entry(tmp_path):
     lambda e: dict(e, progs=[dict(e["progs"][0], map_refs=[[5, 0]])]),    # no insn 5
     lambda e: dict(e, maps=[dict(e["maps"][0], leaf="no such type")]),
     lambda e: dict(e, maps=None),
+    lambda e: dict(e, progs=[dict(e["progs"][0], verified_insns="many")]),
 ], ids=["garbage", "truncated", "key", "format", "base64", "size", "map", "insn", "type",
-        "maps"])
+        "maps", "cost"])
 def test_read_entry_refuses_a_spoiled_entry(tmp_path, spoil):
     e = entry()
     assert program.read_entry(write(tmp_path, spoil(e)), e["key"]) is None
+
+
+def test_programs_load_costliest_to_verify_first(monkeypatch):
+    """The loader starts the programs in the order of the verifier's cost
+    that the compile measured, highest first (an entry without it last), so
+    that the longest verification does not start when the others are done."""
+    class FakeLib:
+        loads = []
+
+        def bcc_create_map(self, *args):
+            return 3
+
+        def bcc_prog_load(self, _type, name, *args):
+            self.loads.append(name.decode())
+            return 10 + len(self.loads)
+
+    e = entry()
+    exit_insn = e["progs"][0]["insns"]
+    costs = {"a": 5, "b": 900_000, "c": None, "d": 40, "e": 41}
+    e["progs"] = [dict(name=n, insns=exit_insn, map_refs=[],
+                       **({} if c is None else {"verified_insns": c}))
+                  for n, c in costs.items()]
+    monkeypatch.setattr(program, "libbcc_bpf", FakeLib)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one loader: a strict order
+    loaded = program.LoadedProgram(e)
+    assert FakeLib.loads == ["b", "e", "d", "a", "c"]
+    assert sorted(loaded._progs) == sorted(costs)
 
 
 def test_read_entry_of_a_missing_file_is_none(tmp_path):

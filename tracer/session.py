@@ -24,11 +24,6 @@ from .uprobe_pmu import Uprobe
 # The capabilities tracing involves (linux/capability.h), by CapEff bit
 CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
 
-# struct bpf_prog_info's size and the field we read (uapi/linux/bpf.h;
-# offsets checked against it with offsetof)
-_PROG_INFO_SIZE = 232
-_PROG_INFO_RECURSION_MISSES = 208
-
 
 def effective_capabilities() -> set:
     """The names of the CAPABILITIES this process has in effect (CapEff)."""
@@ -389,10 +384,10 @@ class Tracer:
         is skipped and counted in the program's recursion_misses (5.12+).
         Each one is an op the counts lack, so it is reported, not hidden."""
         try:
-            info = program.obj_info(self.site_prog.fd, _PROG_INFO_SIZE)
+            info = program.obj_info(self.site_prog.fd, program.PROG_INFO_SIZE)
         except OSError:
             return 0
-        return struct.unpack_from("<Q", info, _PROG_INFO_RECURSION_MISSES)[0]
+        return struct.unpack_from("<Q", info, program.PROG_INFO_RECURSION_MISSES)[0]
 
     def read_globals(self) -> dict:
         table = self.bpf["globals"]
