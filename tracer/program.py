@@ -39,7 +39,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from . import abi, cache
+from . import abi, cache, symbolize
 from .errors import EnvironmentProblem
 
 FORMAT = 2  # bump when the cache entry's layout changes (2: verified_insns)
@@ -351,28 +351,16 @@ class LoadedProgram:
     def ring_buffer_consume(self):
         libbcc_bpf().bpf_consume_ringbuf(self._ringbuf)
 
-    _symcaches = {}  # pid -> bcc symbol cache: it reads /proc/PID/maps once
+    _symbolizer = None  # one for the process: bcc's, in a child (tracer/symbolize.py)
 
     @classmethod
     def sym(cls, addr: int, pid: int, show_module: bool = False) -> bytes:
         """A user address as `function [module]`, demangled, or `[unknown]`:
         what bcc's BPF.sym gives, through the same symbolizer in libbcc_bpf
-        (bcc's Python module would load LLVM)."""
-        lib = libbcc_bpf()
-        cache = cls._symcaches.get(pid)
-        if cache is None:
-            cache = cls._symcaches[pid] = lib.bcc_symcache_new(pid, None)
-        sym, name, module = _Symbol(), None, None
-        if lib.bcc_symcache_resolve(cache, addr, ctypes.byref(sym)) == 0:
-            name = sym.demangle_name  # a copy: freed next
-            lib.bcc_symbol_free_demangle_name(ctypes.byref(sym))
-            module = ctypes.cast(sym.module, ctypes.c_char_p).value
-        elif sym.module and sym.offset:  # in a known file, but no symbol
-            module = ctypes.cast(sym.module, ctypes.c_char_p).value
-        label = name or b"[unknown]"
-        if show_module and module is not None:
-            label += b" [%s]" % os.path.basename(module)
-        return label
+        (bcc's Python module would load LLVM), run in a child process."""
+        if LoadedProgram._symbolizer is None:
+            LoadedProgram._symbolizer = symbolize.Symbolizer()
+        return LoadedProgram._symbolizer.sym(addr, pid, show_module)
 
     def cleanup(self):
         lib = libbcc_bpf()
@@ -387,10 +375,11 @@ class LoadedProgram:
             try:
                 os.close(fd)
             except OSError as e:
-                # Already closed by someone else: seen once at exit, after -o
-                # symbolized the stacks of a process that had exited (a close
-                # in libbcc's symbolizer is suspected, not found).  Exiting
-                # cleanly matters more here than the traceback.
+                # Already closed by someone else: seen at exit after -o,
+                # when bcc's symbolizer still ran in this process and closed
+                # a number it never opened (tracer/symbolize.py says why it
+                # now runs in a child).  Exiting cleanly matters more here
+                # than the traceback.
                 if e.errno != errno.EBADF:
                     raise
         self._fds, self._progs = [], {}
