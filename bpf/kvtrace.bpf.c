@@ -141,6 +141,11 @@ struct work {
 	u64 tokens, nulls, gap, trunc;
 	/* slot stages: runs of the last segment whose fill is still to move */
 	u64 fill_runs;
+	/* table stage: stream values waiting in the chunk buffer.  Here, not
+	 * on the stage's stack: a value loaded from a map has no range for the
+	 * verifier, so the chunk callback's states do not differ by it (on the
+	 * stack it made them, and the verifier gave up at 1M instructions). */
+	u64 pos;
 };
 BPF_PERCPU_ARRAY(work, struct work, 1);
 
@@ -194,6 +199,23 @@ BPF_HASH(stack_weights, struct kvtrace_stack_key, u64, 65536);
 /* Hide a value's origin from clang so that it cannot turn mask arithmetic
  * back into compare-and-branch (BPF has no conditional-set instruction). */
 #define OPAQUE(x) asm volatile("" : "+r"(x))
+
+/* Where a callback's address goes: the marker the loader links (kvtrace.h). */
+#define KVTRACE_CALLBACK(id) ((void *)(((u64)KVTRACE_CB_MARK << 32) | (id)))
+/*
+ * A callback's state: bpf_loop()'s callback_ctx, the callback's second
+ * argument (r2).  A callback is declared with the index alone, because bcc
+ * rewrites every later argument of a function into a read of its ctx; so
+ * r2 is taken as it is on entry, first thing.  The loader checks that
+ * nothing before writes r2, and the verifier refuses any use of it that is
+ * not the pointer bpf_loop() passed.
+ */
+#define KVTRACE_CALLBACK_STATE()                                               \
+	({                                                                     \
+		void *state_;                                                  \
+		asm volatile("%0 = r2" : "=r"(state_));                        \
+		state_;                                                        \
+	})
 
 /* 1 if a < b, for a, b < 2^63, without a branch */
 static __always_inline u64 lt(u64 a, u64 b)
@@ -1043,6 +1065,133 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
 #define PACK_FRESH (1ULL << 16)
 #define PACK_REAL (1ULL << 32)
 
+/*
+ * The table stage's state while its chunks are read: on the stage's stack,
+ * handed to kvtrace_cb_table by bpf_loop().  The pointers are the stage's
+ * own (map values, ctx); the verifier follows them into the callback.
+ */
+struct table_loop {
+	struct pt_regs *ctx;
+	struct work *w;
+	struct chunk *buf;
+	struct table_chunk *tb;
+	struct kvtrace_read_row *row;
+	u64 step, bs, gap, col, row_len, row_addr, next_row, n, rows, tokens;
+	u64 counted, distinct, real, entries, lost, gaps;
+};
+
+/*
+ * One chunk of the table stage: bpf_loop()'s callback, index c.  The
+ * verifier walks a bounded loop iteration by iteration, but a callback
+ * once per state it starts from: the chunk loop was 718k of the 1.78M
+ * instructions the verifier walked at every attach (docs/bench.md, row 5).
+ * Returns 1 to stop the loop.
+ *
+ * Starting the next row is branch-free (its seq_len is read on every
+ * chunk and used only when the row before is done): a branch here would
+ * make the verifier walk the inner loop once per path.
+ */
+long kvtrace_cb_table(u64 c)
+{
+	struct table_loop *s = KVTRACE_CALLBACK_STATE();
+	struct work *w = s->w;
+	struct chunk *buf = s->buf;
+	struct table_chunk *tb = s->tb;
+	struct kvtrace_read_row *row = s->row;
+	u64 col = s->col, row_len = s->row_len, next_row = s->next_row;
+	u64 step = s->step, bs = s->bs, gap = s->gap;
+	OPAQUE(step);
+
+	u64 adv = lt(col, row_len) ^ 1; /* this row is done */
+	if (adv & (lt(next_row, s->n) ^ 1))
+		return 1; /* and it was the last */
+	s32 seq = 0;
+	bpf_probe_read_user(&seq, sizeof(seq), (void *)(w->seqs + 4 * next_row));
+	u64 sl = (u64)(s64)seq & -lt(0, (u64)(s64)seq) & -lt(seq, 1ULL << 31);
+	/* one division per row (a shift for powers of two would be a branch,
+	 * and the verifier would walk the inner loop twice) */
+	u64 len = (sl + bs - 1) / bs;
+	u64 m = -adv;
+	row_len = (row_len & ~m) | (len & m);
+	gap = (gap & ~m) | ((len * bs - sl) & m); /* the last block's room */
+	u64 row_addr = (s->row_addr & ~m) | ((w->arr + 4 * w->stride * next_row) & m);
+	col &= ~m;
+	next_row += adv;
+	s->rows += adv;
+	s->tokens += sl & m;
+#if STREAM_VALUES
+	u64 pos = w->pos;
+	buf->v[pos & (2 * RECORD_VALUES - 1)] = sl;
+	pos += adv;
+#endif
+	s->row_len = row_len;
+	s->gap = gap;
+	s->row_addr = row_addr;
+	s->next_row = next_row;
+	u64 left = row_len - col;
+	/* cnt = min(left, KVTRACE_TABLE_CHUNK), branch-free */
+	u64 cnt = left - ((left - KVTRACE_TABLE_CHUNK) & -lt(KVTRACE_TABLE_CHUNK, left));
+	OPAQUE(cnt);
+	u32 size = (cnt & (2 * KVTRACE_TABLE_CHUNK - 1)) * sizeof(u32);
+	if (bpf_probe_read_user(tb->v, size, (void *)(row_addr + 4 * col))) {
+		s->col = col;
+#if STREAM_VALUES
+		w->pos = pos;
+#endif
+		w->err = 1;
+		return 1;
+	}
+	col += cnt;
+	s->col = col;
+	s->entries += cnt;
+	/* the row's last entry, if it is in this chunk, is counted after the
+	 * loop, alone: its block's fill is what is left */
+	u64 end = (lt(col, row_len) ^ 1) & lt(0, cnt);
+	u64 body = cnt - end;
+	u64 acc = 0;
+#pragma clang loop unroll(disable)
+	for (u32 i = 0; i < KVTRACE_TABLE_CHUNK; i++) {
+		u64 b = tb->v[i];
+		u64 r = lt(i, body) & lt(0, b); /* block 0: the null block */
+		u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
+		struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
+		e->reads += ok;
+		u64 old = e->last_step;
+		e->last_step = old ^ ((old ^ step) & -ok);
+		acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) + r * PACK_REAL;
+#if STREAM_VALUES
+		buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
+#endif
+	}
+	{
+		u64 b = tb->v[(cnt - 1) & (2 * KVTRACE_TABLE_CHUNK - 1)];
+		u64 r = end & lt(0, b);
+		u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
+		struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
+		e->reads += ok;
+		u64 old = e->last_step;
+		u64 fresh = ok & lt(0, old ^ step);
+		e->last_step = old ^ ((old ^ step) & -ok);
+		acc += ok * PACK_OK + PACK_FRESH * fresh + r * PACK_REAL;
+		s->gaps += gap & -fresh;
+	}
+	s->counted += acc & 0xffff;
+	s->distinct += (acc >> 16) & 0xffff;
+	s->real += acc >> 32;
+#if STREAM_VALUES
+	pos += cnt;
+	/* Every other chunk, send what is waiting (at most 2 * 129 values,
+	 * within a record). */
+	if (c % STREAM_EVERY == STREAM_EVERY - 1) {
+		w->done += pos;
+		s->lost += emit_chunk(s->ctx, w, buf, STREAM_VALUES);
+		pos = 0;
+	}
+	w->pos = pos;
+#endif
+	return 0;
+}
+
 int kvtrace_stage_table(struct pt_regs *ctx)
 {
 	struct work *w;
@@ -1055,110 +1204,26 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 	struct kvtrace_read_row *row = block_reads.lookup(&row_idx);
 	if (!tb || !row)
 		return 0;
-	u64 step = w->step, bs = w->block_size;
-	u64 counted = 0, distinct = 0, real = 0, entries = 0, lost = 0, gaps = 0;
-	u64 gap = w->gap;
-	OPAQUE(step);
-
+	struct table_loop s = {
+		.ctx = ctx, .w = w, .buf = buf, .tb = tb, .row = row,
+		.step = w->step, .bs = w->block_size, .gap = w->gap,
+		.col = w->col, .row_len = w->row_len, .row_addr = w->row_addr,
+		.next_row = w->next_row, .n = w->n,
+	};
 	w->rec_start = w->done;
-	u64 col = w->col, row_len = w->row_len, row_addr = w->row_addr;
-	u64 next_row = w->next_row, n = w->n, pos = 0;
-	u64 rows = 0, tokens = 0;
-
-	/*
-	 * One chunk per iteration.  Starting the next row is branch-free too
-	 * (its seq_len is read on every iteration and used only when the row
-	 * before is done): a branch here would make the verifier walk the
-	 * inner loop once per path.
-	 */
-#pragma clang loop unroll(disable)
-	for (u32 c = 0; c < KVTRACE_TABLE_SEGMENT_CHUNKS; c++) {
-		u64 adv = lt(col, row_len) ^ 1; /* this row is done */
-		if (adv & (lt(next_row, n) ^ 1))
-			break; /* and it was the last */
-		s32 seq = 0;
-		bpf_probe_read_user(&seq, sizeof(seq), (void *)(w->seqs + 4 * next_row));
-		u64 sl = (u64)(s64)seq & -lt(0, (u64)(s64)seq) & -lt(seq, 1ULL << 31);
-		/* one division per row (a shift for powers of two would be a
-		 * branch, and the verifier would walk the inner loop twice) */
-		u64 len = (sl + bs - 1) / bs;
-		u64 m = -adv;
-		row_len = (row_len & ~m) | (len & m);
-		gap = (gap & ~m) | ((len * bs - sl) & m); /* the last block's room */
-		row_addr = (row_addr & ~m) | ((w->arr + 4 * w->stride * next_row) & m);
-		col &= ~m;
-		next_row += adv;
-		rows += adv;
-		tokens += sl & m;
-#if STREAM_VALUES
-		buf->v[pos & (2 * RECORD_VALUES - 1)] = sl;
-		pos += adv;
-#endif
-		u64 left = row_len - col;
-		/* cnt = min(left, KVTRACE_TABLE_CHUNK), branch-free */
-		u64 cnt = left - ((left - KVTRACE_TABLE_CHUNK) & -lt(KVTRACE_TABLE_CHUNK, left));
-		OPAQUE(cnt);
-		u32 size = (cnt & (2 * KVTRACE_TABLE_CHUNK - 1)) * sizeof(u32);
-		if (bpf_probe_read_user(tb->v, size, (void *)(row_addr + 4 * col))) {
-			w->err = 1;
-			break;
-		}
-		col += cnt;
-		entries += cnt;
-		/* the row's last entry, if it is in this chunk, is counted
-		 * after the loop, alone: its block's fill is what is left */
-		u64 end = (lt(col, row_len) ^ 1) & lt(0, cnt);
-		u64 body = cnt - end;
-		u64 acc = 0;
-#pragma clang loop unroll(disable)
-		for (u32 i = 0; i < KVTRACE_TABLE_CHUNK; i++) {
-			u64 b = tb->v[i];
-			u64 r = lt(i, body) & lt(0, b); /* block 0: the null block */
-			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
-			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
-			e->reads += ok;
-			u64 old = e->last_step;
-			e->last_step = old ^ ((old ^ step) & -ok);
-			acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) + r * PACK_REAL;
-#if STREAM_VALUES
-			buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
-#endif
-		}
-		{
-			u64 b = tb->v[(cnt - 1) & (2 * KVTRACE_TABLE_CHUNK - 1)];
-			u64 r = end & lt(0, b);
-			u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
-			struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
-			e->reads += ok;
-			u64 old = e->last_step;
-			u64 fresh = ok & lt(0, old ^ step);
-			e->last_step = old ^ ((old ^ step) & -ok);
-			acc += ok * PACK_OK + PACK_FRESH * fresh + r * PACK_REAL;
-			gaps += gap & -fresh;
-		}
-		counted += acc & 0xffff;
-		distinct += (acc >> 16) & 0xffff;
-		real += acc >> 32;
-#if STREAM_VALUES
-		pos += cnt;
-		/* Every other chunk, send what is waiting (at most 2 * 129
-		 * values, within a record).  c is known on every path, so this
-		 * is no branch for the verifier, as a test of pos would be. */
-		if (c % STREAM_EVERY == STREAM_EVERY - 1) {
-			w->done += pos;
-			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
-			pos = 0;
-		}
-#endif
-	}
-	w->col = col;
-	w->row_len = row_len;
-	w->row_addr = row_addr;
-	w->next_row = next_row;
-	w->gap = gap;
-	w->ev.rows += rows;
-	w->tokens += tokens;
-	w->done += pos;
+	w->pos = 0;
+	/* one chunk per iteration */
+	bpf_loop(KVTRACE_TABLE_SEGMENT_CHUNKS, KVTRACE_CALLBACK(KVTRACE_CB_TABLE), &s, 0);
+	u64 bs = s.bs, counted = s.counted, distinct = s.distinct, gaps = s.gaps;
+	u64 entries = s.entries, real = s.real, lost = s.lost;
+	w->col = s.col;
+	w->row_len = s.row_len;
+	w->row_addr = s.row_addr;
+	w->next_row = s.next_row;
+	w->gap = s.gap;
+	w->ev.rows += s.rows;
+	w->tokens += s.tokens;
+	w->done += w->pos;
 	lost += emit_chunk(ctx, w, buf, STREAM_VALUES); /* the rest, if any */
 	if (!w->keep) /* counted into the sink row: none of it is kept */
 		counted = distinct = gaps = 0;

@@ -142,6 +142,19 @@ enum kvtrace_stage {
 };
 
 /*
+ * bpf_loop() callbacks (program kvtrace_cb_<name>).  bcc compiles each into
+ * a function of its own and does not relocate a reference to one, so a
+ * stage names its callback by a 64-bit marker, KVTRACE_CB_MARK in the high
+ * half and the id below in the low, where the address goes; the loader
+ * (tracer/program.py) appends the callback to the stage's instructions and
+ * turns the marker into a BPF_PSEUDO_FUNC load of it.
+ */
+enum kvtrace_callback {
+	KVTRACE_CB_TABLE = 1, /* one chunk of a block table */
+};
+#define KVTRACE_CB_MARK 1802920820 /* 0x6b766374, "kvct" */
+
+/*
  * Block tables (reads) are read KVTRACE_TABLE_CHUNK int32 entries per
  * bpf_probe_read_user, KVTRACE_TABLE_SEGMENT_CHUNKS chunks per program run,
  * with the same 33 tail calls: a step reads at least

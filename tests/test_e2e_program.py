@@ -110,6 +110,7 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
     fds = [lib.bcc_create_map(m["type"], m["name"][:15].encode(), m["key_size"],
                               m["value_size"], m["max_entries"], m["flags"])
            for m in entry["maps"]]
+    fds.append(program._load_btf(program._FUNC_BTF))
     try:
         assert min(fds) >= 0
         said = {}
@@ -118,15 +119,25 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
             for at, m in prog["map_refs"]:
                 struct.pack_into("<i", insns, at * 8 + 4, fds[m])
             log = ctypes.create_string_buffer(1 << 16)
-            fd = lib.bcc_prog_load(program.BPF_PROG_TYPE_KPROBE, prog["name"][:15].encode(),
-                                   (ctypes.c_char * len(insns)).from_buffer(insns),
-                                   len(insns), entry["license"].encode(),
-                                   entry["kern_version"], 4, log, len(log))  # 4: stats
+            buf = (ctypes.c_char * len(insns)).from_buffer(insns)
+            if prog.get("subprogs"):  # 4: the statistics
+                fd = program._load_with_subprogs(prog["name"][:15].encode(), buf, len(insns),
+                                                 entry["license"].encode(),
+                                                 entry["kern_version"], fds[-1],
+                                                 prog["subprogs"], log, 4)
+            else:
+                fd = lib.bcc_prog_load(program.BPF_PROG_TYPE_KPROBE, prog["name"][:15].encode(),
+                                       buf, len(insns), entry["license"].encode(),
+                                       entry["kern_version"], 4, log, len(log))
             assert fd >= 0, prog["name"]
             os.close(fd)
             said[prog["name"]] = int(re.search(rb"processed (\d+) insns", log.value).group(1))
         assert {p["name"]: p["verified_insns"] for p in entry["progs"]} == said
         assert min(said.values()) > 0
+        # the table stage's chunks are a bpf_loop() callback, linked by the
+        # compile: one instruction range of its own past the stage's end
+        [table] = [p for p in entry["progs"] if p["name"] == "kvtrace_stage_table"]
+        assert len(table["subprogs"]) == 1
     finally:
         for fd in fds:
             if fd >= 0:

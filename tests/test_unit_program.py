@@ -7,6 +7,7 @@ import ctypes
 import json
 import os
 import shutil
+import struct
 
 import pytest
 
@@ -83,8 +84,11 @@ def test_read_entry_takes_a_well_formed_entry(tmp_path):
     lambda e: dict(e, maps=[dict(e["maps"][0], leaf="no such type")]),
     lambda e: dict(e, maps=None),
     lambda e: dict(e, progs=[dict(e["progs"][0], verified_insns="many")]),
+    lambda e: dict(e, progs=[dict(e["progs"][0], subprogs=[0])]),      # the program itself
+    lambda e: dict(e, progs=[dict(e["progs"][0], subprogs=[7])]),      # past its end
+    lambda e: dict(e, progs=[dict(e["progs"][0], subprogs="1")]),
 ], ids=["garbage", "truncated", "key", "format", "base64", "size", "map", "insn", "type",
-        "maps", "cost"])
+        "maps", "cost", "subprog0", "subprog-end", "subprog-type"])
 def test_read_entry_refuses_a_spoiled_entry(tmp_path, spoil):
     e = entry()
     assert program.read_entry(write(tmp_path, spoil(e)), e["key"]) is None
@@ -115,6 +119,56 @@ def test_programs_load_costliest_to_verify_first(monkeypatch):
     loaded = program.LoadedProgram(e)
     assert FakeLib.loads == ["b", "e", "d", "a", "c"]
     assert sorted(loaded._progs) == sorted(costs)
+
+
+def insn(code, dst=0, src=0, off=0, imm=0):
+    return struct.pack("<BBhi", code, src << 4 | dst, off, imm)
+
+
+def marker(cb_id, dst=2):
+    """What clang makes of KVTRACE_CALLBACK(cb_id) loaded into dst."""
+    return insn(0x18, dst, imm=cb_id) + insn(0, imm=abi.CALLBACK_MARK)
+
+
+EXIT, MOV_R0_0 = insn(0x95), insn(0xB7, 0)
+CALL_LOOP = insn(0x85, imm=181)  # bpf_loop
+
+
+def test_link_callbacks_appends_each_once_and_points_the_marker_at_it():
+    """Two uses of callback 1 and one of callback 2: each is appended once,
+    in the order first named, and every marker becomes a BPF_PSEUDO_FUNC
+    load whose imm counts from the instruction after the load (as the
+    kernel reads it: target = load + 1 + imm)."""
+    cb1 = insn(0xBF, 7, 2) + MOV_R0_0 + EXIT           # 3 instructions
+    cb2 = insn(0xBF, 6, 2) + EXIT                      # 2
+    prog = (marker(1) + CALL_LOOP + marker(2) + CALL_LOOP + MOV_R0_0 + marker(1)
+            + CALL_LOOP + EXIT)                        # 11 instructions
+    linked, subprogs = program.link_callbacks(prog, {1: cb1, 2: cb2, 3: EXIT})
+    assert subprogs == [11, 14]
+    assert linked[11 * 8:14 * 8] == cb1 and linked[14 * 8:] == cb2
+    for at, target in ((0, 11), (3, 14), (7, 11)):
+        code, regs, _, imm = struct.unpack_from("<BBhi", linked, at * 8)
+        assert (code, regs >> 4, regs & 0xF) == (0x18, program.BPF_PSEUDO_FUNC, 2)
+        assert at + 1 + imm == target
+        assert linked[at * 8 + 8:at * 8 + 16] == bytes(8)
+    # nothing else changed
+    for at in (2, 5, 6, 9, 10):
+        assert linked[at * 8:at * 8 + 8] == prog[at * 8:at * 8 + 8]
+
+
+def test_link_callbacks_leaves_other_constants_and_refuses_unknown_ids():
+    other = insn(0x18, 1, imm=1) + insn(0, imm=abi.CALLBACK_MARK + 1)  # not the marker
+    mapref = insn(0x18, 1, src=program.BPF_PSEUDO_MAP_FD, imm=5) + insn(0, imm=abi.CALLBACK_MARK)
+    prog = other + mapref + EXIT
+    assert program.link_callbacks(prog, {1: EXIT}) == (prog, [])
+    with pytest.raises(ValueError, match="callback 9"):
+        program.link_callbacks(marker(9) + EXIT, {1: EXIT})
+
+
+def test_a_callback_must_take_r2_first():
+    program.check_callback("cb", insn(0xBF, 7, 2) + EXIT)
+    with pytest.raises(ValueError, match="r2"):
+        program.check_callback("cb", insn(0xB7, 2) + insn(0xBF, 7, 2) + EXIT)
 
 
 def test_read_entry_of_a_missing_file_is_none(tmp_path):

@@ -47,6 +47,8 @@ WRITE_OPS = frozenset(
      "cpu_attn_reshape_and_cache"))
 MOVES = _strip("KVTRACE_MOVE_", _enum("kvtrace_move"))
 STAGES = _strip("KVTRACE_STAGE_", _enum("kvtrace_stage"))  # program kvtrace_stage_<name>
+CALLBACKS = _strip("KVTRACE_CB_", _enum("kvtrace_callback"))  # function kvtrace_cb_<name>
+CALLBACK_MARK = define("KVTRACE_CB_MARK")  # the high half of a callback's marker
 GLOBALS = _strip("KVTRACE_G_", _enum("kvtrace_global"))
 ARG_KINDS = _strip("KVTRACE_ARG_", _enum("kvtrace_arg_kind"))
 MAX_ARGS = define("KVTRACE_MAX_ARGS")

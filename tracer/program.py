@@ -10,9 +10,12 @@ program text, kernel and bcc, in a short-lived child process
 
 - every map's spec as the kernel took it (type, key and value size, entries,
   flags) and bcc's JSON description of its key and value types;
-- every function's instructions, with each reference to a map (an ld_imm64
+- every program's instructions, with each reference to a map (an ld_imm64
   whose src_reg is BPF_PSEUDO_MAP_FD and whose imm is the child's map fd)
-  turned into the map's index.
+  turned into the map's index, and the bpf_loop() callbacks it names
+  appended to it (bcc leaves a reference to another function unrelocated:
+  link_callbacks does it, and the loader gives the kernel the BTF function
+  info that a program with callbacks needs).
 
 A tracer then creates the maps, writes its own fds into those instructions and
 loads the programs through libbcc_bpf, bcc's loader library, which links no
@@ -42,9 +45,13 @@ from concurrent.futures import ThreadPoolExecutor
 from . import abi, cache, symbolize
 from .errors import EnvironmentProblem
 
-FORMAT = 2  # bump when the cache entry's layout changes (2: verified_insns)
+FORMAT = 3  # bump when the cache entry's layout changes (2: verified_insns, 3: subprogs)
 BPF_PROG_TYPE_KPROBE = 2
 BPF_PSEUDO_MAP_FD = 1
+BPF_PSEUDO_FUNC = 4
+BPF_PROG_LOAD, BPF_BTF_LOAD = 5, 18
+_SYS_bpf = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine)
+_MOV64_X = 0xbf  # BPF_ALU64 | BPF_MOV | BPF_X: dst = src
 _LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
 # struct bpf_map_info's head (uapi/linux/bpf.h): type, id, key_size,
 # value_size, max_entries, map_flags
@@ -185,6 +192,153 @@ def map_info(fd: int) -> tuple:
     return mtype, key_size, value_size, entries, flags
 
 
+# -- programs with bpf_loop() callbacks ------------------------------------------
+#
+# The kernel takes a callback (an ld_imm64 of kind BPF_PSEUDO_FUNC) only in a
+# program that comes with BTF function info: one record per function, the
+# program's own at instruction 0 and one where each callback starts.  bcc's
+# loader path has none to give, so these programs are loaded here with the
+# bpf() syscall and the least BTF that says so: an int, a prototype returning
+# it, and two functions of that prototype.  Static linkage: the verifier
+# checks no argument types against it.
+
+def _btf(types: list, strings: bytes) -> bytes:
+    body = b"".join(types)
+    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(body), len(body), len(strings))
+    return header + body + strings
+
+
+def _btf_type(name_off: int, kind: int, vlen: int, size_or_type: int) -> bytes:
+    return struct.pack("<III", name_off, kind << 24 | vlen, size_or_type)
+
+
+_BTF_KIND_INT, _BTF_KIND_FUNC, _BTF_KIND_FUNC_PROTO = 1, 12, 13
+_BTF_FUNC_MAIN, _BTF_FUNC_CALLBACK = 3, 4  # type ids below
+_FUNC_BTF = _btf([
+    _btf_type(1, _BTF_KIND_INT, 0, 4) + struct.pack("<I", 1 << 24 | 32),  # [1] int, signed
+    _btf_type(0, _BTF_KIND_FUNC_PROTO, 0, 1),                            # [2] int (void)
+    _btf_type(5, _BTF_KIND_FUNC, 0, 2),                                  # [3] main
+    _btf_type(10, _BTF_KIND_FUNC, 0, 2),                                 # [4] callback
+], b"\0int\0main\0callback\0")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def bpf_syscall(cmd: int, attr) -> int:
+    """bpf(cmd, &attr, sizeof attr): what the kernel answers, -1 with errno
+    set on failure.  attr: a ctypes buffer or structure."""
+    if _SYS_bpf is None:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+    return _libc.syscall(_SYS_bpf, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
+
+
+def _load_btf(blob: bytes) -> int:
+    data = ctypes.create_string_buffer(blob, len(blob))
+    attr = ctypes.create_string_buffer(32)  # union bpf_attr, BPF_BTF_LOAD's part
+    struct.pack_into("<QQI", attr, 0, ctypes.addressof(data), 0, len(blob))
+    fd = bpf_syscall(BPF_BTF_LOAD, attr)
+    if fd < 0:
+        raise _oserror("loading the programs' BTF")
+    return fd
+
+
+def _load_with_subprogs(name: bytes, insns, size: int, license_: bytes, kern_version: int,
+                        btf_fd: int, subprogs: list, log=None, log_level: int = 0) -> int:
+    """BPF_PROG_LOAD of a kprobe program whose callbacks start at `subprogs`:
+    the fd, or -1 with errno set.  log: a buffer for the verifier's log, at
+    log_level (1: every instruction, 4: the statistics)."""
+    records = [(0, _BTF_FUNC_MAIN)] + [(at, _BTF_FUNC_CALLBACK) for at in subprogs]
+    func_info = ctypes.create_string_buffer(b"".join(struct.pack("<II", *r) for r in records))
+    lic = ctypes.create_string_buffer(license_)
+    attr = ctypes.create_string_buffer(144)  # union bpf_attr, BPF_PROG_LOAD's part
+    struct.pack_into("<IIQQIIQII16sIIIIQI", attr, 0,
+                     BPF_PROG_TYPE_KPROBE, size // 8, ctypes.addressof(insns),
+                     ctypes.addressof(lic), log_level if log else 0, len(log) if log else 0,
+                     ctypes.addressof(log) if log else 0, kern_version, 0, name,
+                     0, 0,  # prog_ifindex, expected_attach_type
+                     btf_fd, 8, ctypes.addressof(func_info), len(records))
+    return bpf_syscall(BPF_PROG_LOAD, attr)
+
+
+def _verifier_says(load) -> str:
+    """The verifier's last words on a program it refused: `load(log)` loads
+    it again with a log (the kernel keeps the log's end when it is long)."""
+    log = ctypes.create_string_buffer(1 << 20)
+    load(log)
+    lines = [line for line in log.value.decode(errors="replace").splitlines()
+             if line.strip() and not line.startswith("processed ")]
+    return lines[-1].strip() if lines else ""
+
+
+def trial_callback_load() -> int:
+    """Load a kprobe program that passes a callback to bpf_loop(), as the
+    table stage does, through the same linker and loader, and close it: 0,
+    or the errno the kernel answered (`doctor`)."""
+    def insn(code, regs=0, imm=0):
+        return struct.pack("<BBhi", code, regs, 0, imm)
+
+    mov_k, exit_ = 0xB7, 0x95
+    marker = insn(_LD_IMM64, 2, 1) + insn(0, 0, abi.CALLBACK_MARK)  # r2 = callback 1
+    main = (insn(mov_k, 1, 1) + marker + insn(mov_k, 3) + insn(mov_k, 4)
+            + insn(0x85, 0, 181) + insn(mov_k) + insn(exit_))  # bpf_loop(1, cb, 0, 0)
+    insns, subprogs = link_callbacks(main, {1: insn(mov_k) + insn(exit_)})
+    buf = ctypes.create_string_buffer(insns, len(insns))
+    try:
+        btf_fd = _load_btf(_FUNC_BTF)
+    except OSError as e:
+        return e.errno
+    try:
+        fd = _load_with_subprogs(b"kvtrace_doctor", buf, len(insns), b"GPL", 0, btf_fd,
+                                 subprogs)
+        if fd < 0:
+            return ctypes.get_errno()
+        os.close(fd)
+        return 0
+    finally:
+        os.close(btf_fd)
+
+
+def link_callbacks(insns: bytes, callbacks: dict) -> tuple:
+    """(instructions, subprogs): a program's instructions with each
+    callback it names by marker (KVTRACE_CALLBACK() in bpf/kvtrace.bpf.c)
+    appended once, and the marker turned into a BPF_PSEUDO_FUNC load of it
+    (imm: the callback's first instruction, counted from the one after the
+    load, as for a call).  callbacks: id -> the callback's instructions."""
+    out = bytearray(insns)
+    starts = {}
+    at = 0
+    while at < len(insns) // 8:
+        code, regs, _off, imm = struct.unpack_from("<BBhi", insns, at * 8)
+        if code == _LD_IMM64:
+            high = struct.unpack_from("<I", insns, at * 8 + 12)[0]
+            if regs >> 4 == 0 and high == abi.CALLBACK_MARK:
+                if imm not in callbacks:
+                    raise ValueError(f"instruction {at} names callback {imm}, which is "
+                                     "not compiled")
+                if imm not in starts:
+                    starts[imm] = len(out) // 8
+                    out += callbacks[imm]
+                struct.pack_into("<BBhi", out, at * 8, _LD_IMM64,
+                                 BPF_PSEUDO_FUNC << 4 | regs & 0x0F, 0, starts[imm] - at - 1)
+                struct.pack_into("<BBhi", out, at * 8 + 8, 0, 0, 0, 0)
+            at += 2
+        else:
+            at += 1
+    return bytes(out), sorted(starts.values())
+
+
+def check_callback(name: str, insns: bytes):
+    """A callback takes its state from r2 as it is on entry
+    (KVTRACE_CALLBACK_STATE): its first instruction must be that move, or
+    the compiler put something before it that may have written r2."""
+    code, regs, _off, _imm = struct.unpack_from("<BBhi", insns, 0)
+    if code != _MOV64_X or regs >> 4 != 2:
+        raise ValueError(f"{name} does not start by taking r2 (its first instruction "
+                         f"is {insns[:8].hex()})")
+
+
 class Map:
     """One BPF map: typed lookups, updates and iteration (bcc's Table API,
     as much of it as the tracer uses)."""
@@ -270,13 +424,32 @@ class LoadedProgram:
                                               decode_type(spec["leaf"]))
             license_ = entry["license"].encode()
 
+            btf_fd = None
+            if any(prog.get("subprogs") for prog in entry["progs"]):
+                btf_fd = _load_btf(_FUNC_BTF)
+                self._fds.append(btf_fd)
+
             def load_one(prog):
                 insns = bytearray(base64.b64decode(prog["insns"]))
                 for at, map_index in prog["map_refs"]:
                     struct.pack_into("<i", insns, at * 8 + 4, fds[map_index])
                 buf = (ctypes.c_char * len(insns)).from_buffer(insns)
-                fd = lib.bcc_prog_load(BPF_PROG_TYPE_KPROBE, prog["name"][:15].encode(), buf,
-                                       len(insns), license_, entry["kern_version"], 0, None, 0)
+                name = prog["name"][:15].encode()
+                if prog.get("subprogs"):
+                    def load(log=None):
+                        return _load_with_subprogs(name, buf, len(insns), license_,
+                                                   entry["kern_version"], btf_fd,
+                                                   prog["subprogs"], log, 1)
+                    fd = load()
+                    if fd < 0:
+                        error = _oserror(f"loading {prog['name']}")
+                        why = _verifier_says(load)
+                        return prog["name"], fd, OSError(error.errno, f"{error.strerror}"
+                                                         + (f" (the verifier: {why})"
+                                                            if why else ""))
+                else:
+                    fd = lib.bcc_prog_load(BPF_PROG_TYPE_KPROBE, name, buf, len(insns),
+                                           license_, entry["kern_version"], 0, None, 0)
                 return prog["name"], fd, None if fd >= 0 else _oserror(f"loading {prog['name']}")
 
             # The verifier is most of the load and runs in each bpf() call
@@ -442,6 +615,10 @@ def read_entry(path: str, key: str):
             if not isinstance(prog.get("verified_insns", 0), int):
                 return None
             n = len(base64.b64decode(prog["insns"], validate=True))
+            subprogs = prog.get("subprogs", [])
+            if subprogs != sorted(subprogs) or any(
+                    type(at) is not int or not 0 < at < n // 8 for at in subprogs):
+                return None
             if n % 8 or any(not 0 <= at < n // 8 or not 0 <= m < len(entry["maps"])
                             for at, m in prog["map_refs"]):
                 return None
@@ -516,16 +693,21 @@ def _compiled(cflags: list, key: str, path: str) -> dict:
 
 # -- the child: compile with bcc and write the entry ---------------------------
 
-def _verifier_cost(b, name: bytes) -> int:
-    """How many instructions the kernel's verifier walked to load this
-    program (0 where it refused it or is older than 5.16): the loader
-    starts the costliest first."""
+def _verifier_costs(entry: dict) -> dict:
+    """How many instructions the kernel's verifier walked to load each
+    program of the entry (name -> count; 0 where the kernel is older than
+    5.16): the loader starts the costliest first.  Empty where the kernel
+    refuses the entry: the tracer's own load then says why."""
     try:
-        fd = b.load_func(name, b.KPROBE).fd
-        info = obj_info(fd, PROG_INFO_SIZE)
-    except Exception:  # bcc raises bare Exception; the tracer's own load says why
-        return 0
-    return struct.unpack_from("<I", info, PROG_INFO_VERIFIED_INSNS)[0]
+        loaded = LoadedProgram(entry)
+    except OSError:
+        return {}
+    try:
+        return {name: struct.unpack_from("<I", obj_info(prog.fd, PROG_INFO_SIZE),
+                                         PROG_INFO_VERIFIED_INSNS)[0]
+                for name, prog in loaded._progs.items()}
+    finally:
+        loaded.cleanup()
 
 
 def _compile_main(out_path: str, key: str, cflags: list) -> int:
@@ -560,10 +742,27 @@ def _compile_main(out_path: str, key: str, cflags: list) -> int:
                          key_size=key_size, value_size=value_size, max_entries=entries,
                          flags=flags, key=json.loads(lib.bpf_table_key_desc_id(module, i)),
                          leaf=json.loads(lib.bpf_table_leaf_desc_id(module, i))))
-    progs = []
+    functions = {}
     for i in range(lib.bpf_num_functions(module)):
         name = lib.bpf_function_name(module, i)
-        insns = b.dump_func(name)
+        functions[name.decode()] = b.dump_func(name)
+    callbacks = {}
+    for cb_name, cb_id in abi.CALLBACKS.items():
+        insns = functions.pop(f"kvtrace_cb_{cb_name}", None)
+        if insns is not None:
+            try:
+                check_callback(f"kvtrace_cb_{cb_name}", insns)
+            except ValueError as e:
+                print(e, file=sys.stderr)
+                return 1
+            callbacks[cb_id] = insns
+    progs = []
+    for name, insns in functions.items():
+        try:
+            insns, subprogs = link_callbacks(insns, callbacks)
+        except ValueError as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            return 1
         refs, at = [], 0
         while at < len(insns) // 8:
             code, regs, _off, imm = struct.unpack_from("<BBhi", insns, at * 8)
@@ -573,19 +772,24 @@ def _compile_main(out_path: str, key: str, cflags: list) -> int:
             at_ld = at - 2
             if regs >> 4 == BPF_PSEUDO_MAP_FD:
                 if imm not in index_of_fd:
-                    print(f"{name.decode()}: instruction {at_ld} names fd {imm}, not a map",
+                    print(f"{name}: instruction {at_ld} names fd {imm}, not a map",
                           file=sys.stderr)
                     return 1
                 refs.append([at_ld, index_of_fd[imm]])
-            elif regs >> 4:
+            elif regs >> 4 not in (0, BPF_PSEUDO_FUNC):  # a callback is linked already
                 # another kind of pseudo load (map value, BTF id): not relocatable here
-                print(f"{name.decode()}: instruction {at_ld} is a pseudo load of kind "
+                print(f"{name}: instruction {at_ld} is a pseudo load of kind "
                       f"{regs >> 4}, which the cache cannot relocate", file=sys.stderr)
                 return 1
-        progs.append(dict(name=name.decode(), insns=base64.b64encode(insns).decode(),
-                          map_refs=refs, verified_insns=_verifier_cost(b, name)))
+        prog = dict(name=name, insns=base64.b64encode(insns).decode(), map_refs=refs)
+        if subprogs:
+            prog["subprogs"] = subprogs
+        progs.append(prog)
     entry = dict(format=FORMAT, key=key, license=lib.bpf_module_license(module).decode(),
                  kern_version=lib.bpf_module_kern_version(module), maps=maps, progs=progs)
+    costs = _verifier_costs(entry)
+    for prog in progs:
+        prog["verified_insns"] = costs.get(prog["name"], 0)
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(entry, f)
