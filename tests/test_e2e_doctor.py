@@ -19,7 +19,7 @@ from tracer.cmd_doctor import (FAIL, PASS, Check, config_state, exit_code,
 
 EXIT_OK, EXIT_ENV, EXIT_TARGET = 0, 2, 3
 ENVIRONMENT_CHECKS = ("architecture", "kernel config", "uprobe PMU", "BPF program load",
-                      "privileges", "bcc privileges", "bcc", "kernel headers", "program cache",
+                      "BPF callbacks", "privileges", "bcc privileges", "bcc", "kernel headers", "program cache",
                       "tracefs", "perf_event_paranoid")
 LINE = re.compile(r"(PASS|WARN|FAIL|SKIP|INFO)  (\S+(?: \S+)*) {2,}(.*)")
 NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
@@ -60,6 +60,7 @@ def test_doctor_as_root_passes(bpf_env):
         assert status in ("PASS", "WARN", "INFO"), (name, status, detail)
     # root may load BPF: the trial load ran and succeeded, not skipped
     assert checks["BPF program load"][0] == "PASS"
+    assert checks["BPF callbacks"][0] == "PASS"
     assert checks["privileges"][0] == "PASS" and "euid 0" in checks["privileges"][1]
     # the config source named is the one this machine has
     config = checks["kernel config"]
@@ -140,6 +141,7 @@ def test_doctor_as_nobody_fails_privileges():
     assert status == FAIL and "euid 65534" in detail and "CAP_BPF" in detail, detail
     assert "root" in fix
     assert checks["BPF program load"] == ("SKIP", "skipped: needs privileges (see below)", "")
+    assert checks["BPF callbacks"] == ("SKIP", "skipped: needs privileges (see below)", "")
 
 
 def test_doctor_root_without_capabilities_fails_privileges(bpf_env):
@@ -150,6 +152,7 @@ def test_doctor_root_without_capabilities_fails_privileges(bpf_env):
     assert status == FAIL and "euid 0" in detail and "CAP_PERFMON" in detail, detail
     assert fix
     assert checks["BPF program load"][0] == "SKIP"
+    assert checks["BPF callbacks"][0] == "SKIP"
 
 
 def doctor_vllm(tmp_path, model):

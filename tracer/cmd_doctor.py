@@ -21,7 +21,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
-from . import __version__, abi, cache, catalog, discover, follow, session, uprobe_pmu
+from . import __version__, abi, cache, catalog, discover, follow, program, session, uprobe_pmu
 from . import target as target_mod
 from .cmd_attach import positive_int
 from .errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
@@ -166,9 +166,6 @@ class _ProgLoadAttr(ctypes.Structure):
     ]
 
 
-_BPF_PROG_LOAD = 5
-_SYS_bpf = 321  # x86_64
-_libc = ctypes.CDLL(None, use_errno=True)
 # a kprobe program, the type the tracer's programs are: it needs what tracing
 # needs (CAP_BPF + CAP_PERFMON), where a socket filter may load without them
 _BPF_PROG_TYPE_KPROBE = 2
@@ -195,7 +192,7 @@ def load_trivial_program() -> int:
     # checked against the running kernel's version before 5.0
     attr.kern_version = (major << 16) | (minor << 8) | min(patch, 255)
     attr.prog_name = b"kvtrace_doctor"
-    fd = _libc.syscall(_SYS_bpf, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
+    fd = program.bpf_syscall(program.BPF_PROG_LOAD, attr)
     if fd < 0:
         return ctypes.get_errno()
     os.close(fd)
@@ -217,6 +214,19 @@ def check_bpf_load(privileged: bool) -> Check:
     }.get(err, "see dmesg")
     return Check(name, FAIL, f"the kernel refused a 2-instruction kprobe program: "
                              f"{os.strerror(err)}", fix=fix)
+
+
+def check_bpf_callbacks(privileged: bool) -> Check:
+    name = "BPF callbacks"
+    if not privileged:
+        return Check(name, SKIP, "skipped: needs privileges (see below)")
+    err = program.trial_callback_load()
+    if err == 0:
+        return Check(name, PASS, "a program passing a callback to bpf_loop() loaded and closed")
+    return Check(name, FAIL, f"the kernel refused a program with a bpf_loop() callback: "
+                             f"{os.strerror(err)}",
+                 fix="Linux >= 5.17 with the BPF JIT on: the table stage counts block "
+                     "tables in a bpf_loop() callback (docs/design.md)")
 
 
 # -- privileges, bcc, headers ----------------------------------------------------
@@ -457,6 +467,7 @@ def run_checks(pid=None, debug: bool = False) -> list:
             ("kernel config", check_kernel_config),
             ("uprobe PMU", check_uprobe_pmu),
             ("BPF program load", check_bpf_load, privileged),
+            ("BPF callbacks", check_bpf_callbacks, privileged),
             ("privileges", check_privileges, caps),
             ("bcc", check_bcc),
             ("kernel headers", check_kernel_headers),
