@@ -923,11 +923,69 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_PAIRS);
 }
 
+/* The ids stage's state while its chunks are read: on the stage's stack,
+ * handed to kvtrace_cb_ids by bpf_loop() (see struct table_loop). */
+struct ids_loop {
+	struct pt_regs *ctx;
+	struct work *w;
+	struct chunk *buf;
+	struct table_chunk *tb;
+	struct kvtrace_block_row *row;
+	u64 valid, nulls, oor, lost;
+};
+
+/* One chunk of the ids stage: bpf_loop()'s callback, index c (the loop
+ * was 295k instructions of the verifier's walk).  Returns 1 to stop. */
+long kvtrace_cb_ids(u64 c)
+{
+	struct ids_loop *s = KVTRACE_CALLBACK_STATE();
+	struct work *w = s->w;
+	struct chunk *buf = s->buf;
+	struct table_chunk *tb = s->tb;
+	struct kvtrace_block_row *row = s->row;
+	u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
+	u64 done = w->done, n = w->nids;
+	if (done >= n)
+		return 1;
+	u64 left = n - done;
+	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+	OPAQUE(cnt);
+	u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(u32);
+	if (bpf_probe_read_user(tb->v, size, (const u32 *)w->arr + done)) {
+		w->err = 1;
+		return 1;
+	}
+	w->done = done + cnt;
+	u64 valid = 0, nulls = 0, oor = 0;
+#pragma clang loop unroll(disable)
+	for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
+		u64 id = tb->v[i]; /* a negative int32 is >= 2^31 here */
+		u64 live = lt(i, cnt);
+		u64 nz = lt(0, id);
+		u64 ok = live & nz & lt(id, KVTRACE_MAX_BLOCKS);
+		valid += ok;
+		nulls += live & (nz ^ 1);
+		oor += live & nz & (ok ^ 1);
+		__sync_fetch_and_add(&row->count[id & BLOCK_MASK], ok);
+#if STREAM_BLOCK_IDS
+		buf->v[(k * KVTRACE_CHUNK + i) & (2 * RECORD_VALUES - 1)] =
+		    (s64)(s32)tb->v[i];
+#endif
+	}
+	s->valid += valid;
+	s->nulls += nulls;
+	s->oor += oor;
+	if (k == KVTRACE_RECORD_CHUNKS - 1)
+		s->lost += emit_chunk(s->ctx, w, buf, STREAM_BLOCK_IDS);
+	return 0;
+}
+
 /*
  * Stage: count a lifecycle event's block ids (int32) into the process's
  * block_life row for the event.  Block 0, vLLM's null block, is never
  * counted (vLLM never hands it out; a 0 here is padding).  The ids are read
- * KVTRACE_CHUNK at a time; streamed, they go out as int64 like the others.
+ * KVTRACE_CHUNK at a time, one chunk per callback; streamed, they go out as
+ * int64 like the others.
  */
 int kvtrace_stage_ids(struct pt_regs *ctx)
 {
@@ -941,43 +999,11 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 	struct kvtrace_block_row *row = block_life.lookup(&r);
 	if (!tb || !row)
 		return 0;
-	u64 valid = 0, nulls = 0, oor = 0, lost = 0;
+	struct ids_loop s = {.ctx = ctx, .w = w, .buf = buf, .tb = tb, .row = row};
 
 	w->rec_start = w->done;
-
-#pragma clang loop unroll(disable)
-	for (u32 c = 0; c < KVTRACE_SEGMENT_CHUNKS; c++) {
-		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
-		u64 done = w->done, n = w->nids;
-		if (done >= n)
-			break;
-		u64 left = n - done;
-		u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
-		OPAQUE(cnt);
-		u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(u32);
-		if (bpf_probe_read_user(tb->v, size, (const u32 *)w->arr + done)) {
-			w->err = 1;
-			break;
-		}
-		w->done = done + cnt;
-#pragma clang loop unroll(disable)
-		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
-			u64 id = tb->v[i]; /* a negative int32 is >= 2^31 here */
-			u64 live = lt(i, cnt);
-			u64 nz = lt(0, id);
-			u64 ok = live & nz & lt(id, KVTRACE_MAX_BLOCKS);
-			valid += ok;
-			nulls += live & (nz ^ 1);
-			oor += live & nz & (ok ^ 1);
-			__sync_fetch_and_add(&row->count[id & BLOCK_MASK], ok);
-#if STREAM_BLOCK_IDS
-			buf->v[(k * KVTRACE_CHUNK + i) & (2 * RECORD_VALUES - 1)] =
-			    (s64)(s32)tb->v[i];
-#endif
-		}
-		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
-	}
+	bpf_loop(KVTRACE_SEGMENT_CHUNKS, KVTRACE_CALLBACK(KVTRACE_CB_IDS), &s, 0);
+	u64 valid = s.valid, nulls = s.nulls, oor = s.oor, lost = s.lost;
 	lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	w->ev.slots += valid;
 	w->ev.padding += nulls;

@@ -151,6 +151,7 @@ enum kvtrace_stage {
  */
 enum kvtrace_callback {
 	KVTRACE_CB_TABLE = 1, /* one chunk of a block table */
+	KVTRACE_CB_IDS = 2,   /* one chunk of a block event's ids */
 };
 #define KVTRACE_CB_MARK 1802920820 /* 0x6b766374, "kvct" */
 

@@ -134,10 +134,11 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
             said[prog["name"]] = int(re.search(rb"processed (\d+) insns", log.value).group(1))
         assert {p["name"]: p["verified_insns"] for p in entry["progs"]} == said
         assert min(said.values()) > 0
-        # the table stage's chunks are a bpf_loop() callback, linked by the
-        # compile: one instruction range of its own past the stage's end
-        [table] = [p for p in entry["progs"] if p["name"] == "kvtrace_stage_table"]
-        assert len(table["subprogs"]) == 1
+        # the table and ids stages' chunks are bpf_loop() callbacks, linked
+        # by the compile: one instruction range each past the stage's end
+        linked = {p["name"]: p.get("subprogs") for p in entry["progs"] if p.get("subprogs")}
+        assert {name: len(at) for name, at in linked.items()} == {
+            "kvtrace_stage_table": 1, "kvtrace_stage_ids": 1}
     finally:
         for fd in fds:
             if fd >= 0:

@@ -167,8 +167,15 @@ def test_link_callbacks_leaves_other_constants_and_refuses_unknown_ids():
 
 def test_a_callback_must_take_r2_first():
     program.check_callback("cb", insn(0xBF, 7, 2) + EXIT)
+    program.check_callback("cb", MOV_R0_0 + insn(0xBF, 7, 2) + EXIT)  # r0 set first: fine
+    for before in (insn(0xB7, 2),               # r2 = 0
+                   insn(0x79, 2, 1),            # r2 = *(u64 *)(r1 + 0)
+                   CALL_LOOP,                   # a call clobbers r1-r5
+                   insn(0x05, off=1)):          # a jump: r2 may come from elsewhere
+        with pytest.raises(ValueError, match="r2"):
+            program.check_callback("cb", before + insn(0xBF, 7, 2) + EXIT)
     with pytest.raises(ValueError, match="r2"):
-        program.check_callback("cb", insn(0xB7, 2) + insn(0xBF, 7, 2) + EXIT)
+        program.check_callback("cb", MOV_R0_0 + EXIT)  # never takes it
 
 
 def test_read_entry_of_a_missing_file_is_none(tmp_path):

@@ -331,12 +331,21 @@ def link_callbacks(insns: bytes, callbacks: dict) -> tuple:
 
 def check_callback(name: str, insns: bytes):
     """A callback takes its state from r2 as it is on entry
-    (KVTRACE_CALLBACK_STATE): its first instruction must be that move, or
-    the compiler put something before it that may have written r2."""
-    code, regs, _off, _imm = struct.unpack_from("<BBhi", insns, 0)
-    if code != _MOV64_X or regs >> 4 != 2:
-        raise ValueError(f"{name} does not start by taking r2 (its first instruction "
-                         f"is {insns[:8].hex()})")
+    (KVTRACE_CALLBACK_STATE): before that move, the compiler may only have
+    set other registers (`r0 = 1` for an early return, say), with no jump,
+    call or write of r2 between, or r2 may no longer be bpf_loop()'s."""
+    at = 0
+    while at < min(len(insns) // 8, 16):
+        code, regs, _off, _imm = struct.unpack_from("<BBhi", insns, at * 8)
+        if code == _MOV64_X and regs >> 4 == 2:
+            return
+        jumps = code & 0x07 in (0x05, 0x06)  # BPF_JMP, BPF_JMP32: calls, exits too
+        writes = code & 0x07 in (0x00, 0x01, 0x04, 0x07)  # LD, LDX, ALU, ALU64: dst
+        if jumps or (writes and regs & 0x0F == 2):
+            break
+        at += 2 if code == _LD_IMM64 else 1
+    raise ValueError(f"{name} does not start by taking r2 (instruction {at} is "
+                     f"{insns[at * 8:at * 8 + 8].hex()})")
 
 
 class Map:
