@@ -300,6 +300,16 @@ def trial_callback_load() -> int:
         os.close(btf_fd)
 
 
+def _instructions(insns: bytes):
+    """(index, code, regs, imm) of each instruction of a program; an ld_imm64
+    takes two slots, and its second half is no instruction."""
+    at = 0
+    while at < len(insns) // 8:
+        code, regs, _off, imm = struct.unpack_from("<BBhi", insns, at * 8)
+        yield at, code, regs, imm
+        at += 2 if code == _LD_IMM64 else 1
+
+
 def link_callbacks(insns: bytes, callbacks: dict) -> tuple:
     """(instructions, subprogs): a program's instructions with each
     callback it names by marker (KVTRACE_CALLBACK() in bpf/kvtrace.bpf.c)
@@ -308,24 +318,18 @@ def link_callbacks(insns: bytes, callbacks: dict) -> tuple:
     load, as for a call).  callbacks: id -> the callback's instructions."""
     out = bytearray(insns)
     starts = {}
-    at = 0
-    while at < len(insns) // 8:
-        code, regs, _off, imm = struct.unpack_from("<BBhi", insns, at * 8)
-        if code == _LD_IMM64:
-            high = struct.unpack_from("<I", insns, at * 8 + 12)[0]
-            if regs >> 4 == 0 and high == abi.CALLBACK_MARK:
-                if imm not in callbacks:
-                    raise ValueError(f"instruction {at} names callback {imm}, which is "
-                                     "not compiled")
-                if imm not in starts:
-                    starts[imm] = len(out) // 8
-                    out += callbacks[imm]
-                struct.pack_into("<BBhi", out, at * 8, _LD_IMM64,
-                                 BPF_PSEUDO_FUNC << 4 | regs & 0x0F, 0, starts[imm] - at - 1)
-                struct.pack_into("<BBhi", out, at * 8 + 8, 0, 0, 0, 0)
-            at += 2
-        else:
-            at += 1
+    for at, code, regs, imm in _instructions(insns):
+        if code != _LD_IMM64 or regs >> 4 != 0 or \
+                struct.unpack_from("<I", insns, at * 8 + 12)[0] != abi.CALLBACK_MARK:
+            continue
+        if imm not in callbacks:
+            raise ValueError(f"instruction {at} names callback {imm}, which is not compiled")
+        if imm not in starts:
+            starts[imm] = len(out) // 8
+            out += callbacks[imm]
+        struct.pack_into("<BBhi", out, at * 8, _LD_IMM64,
+                         BPF_PSEUDO_FUNC << 4 | regs & 0x0F, 0, starts[imm] - at - 1)
+        struct.pack_into("<BBhi", out, at * 8 + 8, 0, 0, 0, 0)
     return bytes(out), sorted(starts.values())
 
 
@@ -335,15 +339,13 @@ def check_callback(name: str, insns: bytes):
     set other registers (`r0 = 1` for an early return, say), with no jump,
     call or write of r2 between, or r2 may no longer be bpf_loop()'s."""
     at = 0
-    while at < min(len(insns) // 8, 16):
-        code, regs, _off, _imm = struct.unpack_from("<BBhi", insns, at * 8)
+    for at, code, regs, _imm in _instructions(insns[:16 * 8]):
         if code == _MOV64_X and regs >> 4 == 2:
             return
         jumps = code & 0x07 in (0x05, 0x06)  # BPF_JMP, BPF_JMP32: calls, exits too
         writes = code & 0x07 in (0x00, 0x01, 0x04, 0x07)  # LD, LDX, ALU, ALU64: dst
         if jumps or (writes and regs & 0x0F == 2):
             break
-        at += 2 if code == _LD_IMM64 else 1
     raise ValueError(f"{name} does not start by taking r2 (instruction {at} is "
                      f"{insns[at * 8:at * 8 + 8].hex()})")
 
@@ -772,13 +774,10 @@ def _compile_main(out_path: str, key: str, cflags: list) -> int:
         except ValueError as e:
             print(f"{name}: {e}", file=sys.stderr)
             return 1
-        refs, at = [], 0
-        while at < len(insns) // 8:
-            code, regs, _off, imm = struct.unpack_from("<BBhi", insns, at * 8)
-            at += 2 if code == _LD_IMM64 else 1  # ld_imm64's second half is no instruction
+        refs = []
+        for at_ld, code, regs, imm in _instructions(insns):
             if code != _LD_IMM64:
                 continue
-            at_ld = at - 2
             if regs >> 4 == BPF_PSEUDO_MAP_FD:
                 if imm not in index_of_fd:
                     print(f"{name}: instruction {at_ld} names fd {imm}, not a map",
