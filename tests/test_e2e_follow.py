@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +72,67 @@ def test_attach_command_follows_a_grandchild_started_later(tmp_path):
     assert traced[0]["parent"] not in (0, proc.pid)  # a grandchild of the tracer's child
     doc["processes"] = traced
     assert_matches_truth(doc, json.loads(truth.read_text()))
+
+
+def test_a_library_mapped_later_is_found_and_an_unchanged_process_costs_no_maps(
+        tmp_path, monkeypatch):
+    """A process that maps a library with probe sites after the follower
+    first saw it (dlopen) has it found at the next scan.  Between changes a
+    scan reads no /proc/PID/maps (the kernel formats vLLM's in about 4 ms a
+    process): only the executable code sizes in /proc/PID/status."""
+    from tracer import discover, follow
+
+    lib = os.path.realpath(ROOT / "tests" / "target" / "libkvsim_ops.so")
+    loader = ("import ctypes, sys\n"
+              "sys.stdin.readline()\n"
+              "ctypes.CDLL(sys.argv[1])\n"
+              "print('loaded', flush=True)\n"
+              "sys.stdin.readline()\n")
+    proc = subprocess.Popen([sys.executable, "-c", loader, lib], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    reads = []
+    real_read_maps = discover.read_maps
+    monkeypatch.setattr(discover, "read_maps", lambda pid: reads.append(pid) or
+                        real_read_maps(pid))
+    try:
+        follower = follow.Follower(proc.pid)
+        assert follower.scan() == {}
+        assert reads == [proc.pid]  # the first sight reads the maps
+        assert follower.scan() == {}
+        assert reads == [proc.pid]  # nothing mapped since: no maps read
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "loaded"
+        found = follower.scan()
+        assert reads == [proc.pid, proc.pid]
+        assert list(found) == [proc.pid] and lib in found[proc.pid]
+        assert {p.provider for p in found[proc.pid][lib]} == {"vllm"}  # abi.PROVIDER, as the fork names it
+        assert follower.scan() == found and len(reads) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_tree_is_listed_again_after_any_process_is_created():
+    """The follower lists /proc again only when the kernel's last pid moved
+    (Follower.tree): it must move with every new process, and a child
+    started after a listing must be in the next one."""
+    from tracer import follow
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        follower = follow.Follower(os.getpid())
+        before = follow.last_pid()
+        assert before is not None and sleeper.pid in follower.tree()
+        child = subprocess.Popen(["sleep", "30"])
+        try:
+            assert follow.last_pid() != before
+            tree = follower.tree()
+            assert tree[0] == os.getpid() and {sleeper.pid, child.pid} <= set(tree)
+            assert follower.parent_of[child.pid] == os.getpid()
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
