@@ -736,6 +736,7 @@ class _Drain:
 # -- 4. carrying capacity -------------------------------------------------------
 
 TRANSPORT_CONFIGS = {"perf/1": ("perf", 1), "perf/64": ("perf", 64),
+                     "perf/fill": ("perf", 0),  # the default: woken at a quarter full
                      "ring/adaptive": ("ring", 1), "ring/64": ("ring", 64)}
 
 def rate_step(tr, rate, slots_per_op, ms, tmp):

@@ -167,7 +167,8 @@ BPF_PERF_OUTPUT(events);
  * record, which in a VM costs more than everything else the program does
  * (docs/bench.md).  With KVTRACE_WAKEUP_EVERY = N > 1 only every N-th op
  * record wakes the reader; it also reads, unwoken, at every poll timeout.
- * The perf buffer batches by itself (wakeup_events, set by the front end).
+ * The perf buffer batches by itself: the front end opens its events with a
+ * watermark of a quarter of the buffer (tracer/uprobe_pmu.py).
  */
 #ifndef KVTRACE_WAKEUP_EVERY
 #define KVTRACE_WAKEUP_EVERY 1

@@ -42,7 +42,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from . import abi, cache, symbolize
+from . import abi, cache, symbolize, uprobe_pmu
 from .errors import EnvironmentProblem
 
 FORMAT = 3  # bump when the cache entry's layout changes (2: verified_insns, 3: subprogs)
@@ -112,10 +112,6 @@ _LOST_CB = ctypes.CFUNCTYPE(None, ctypes.py_object, ctypes.c_ulonglong)
 _RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 
 
-class _PerfBufferOpts(ctypes.Structure):  # bcc's struct bcc_perf_buffer_opts
-    _fields_ = [("pid", ctypes.c_int), ("cpu", ctypes.c_int), ("wakeup_events", ctypes.c_int)]
-
-
 class _Symbol(ctypes.Structure):  # bcc's struct bcc_symbol
     _fields_ = [("name", ctypes.c_char_p), ("demangle_name", ctypes.c_char_p),
                 ("module", ctypes.POINTER(ctypes.c_char)), ("offset", ctypes.c_ulonglong)]
@@ -143,9 +139,9 @@ def libbcc_bpf():
                 ("bpf_delete_elem", i, [i, vp]),
                 ("bpf_get_next_key", i, [i, vp, vp]),
                 ("bpf_obj_get_info", i, [i, vp, ctypes.POINTER(ctypes.c_uint32)]),
-                ("bpf_open_perf_buffer_opts", vp,
-                 [_RAW_CB, _LOST_CB, ctypes.py_object, i, ctypes.POINTER(_PerfBufferOpts)]),
-                ("perf_reader_fd", i, [vp]),
+                ("perf_reader_new", vp, [_RAW_CB, _LOST_CB, ctypes.py_object, i]),
+                ("perf_reader_set_fd", None, [vp, i]),
+                ("perf_reader_mmap", i, [vp]),
                 ("perf_reader_poll", i, [i, ctypes.POINTER(vp), i]),
                 ("perf_reader_consume", i, [i, ctypes.POINTER(vp)]),
                 ("perf_reader_free", None, [vp]),
@@ -495,20 +491,26 @@ class LoadedProgram:
     # -- the per-op stream: perf buffer or ring buffer ------------------------
 
     def open_perf_buffer(self, map_name: str, callback, page_cnt: int, lost_cb,
-                         wakeup_events: int = 1):
+                         wakeup_events: int = 1, wakeup_bytes: int = 0):
+        """A bcc perf reader per CPU on an event that this opens itself
+        (uprobe_pmu.bpf_output_event): bcc's own opener cannot wake the
+        reader by the bytes waiting, only per so many records."""
         lib, table = libbcc_bpf(), self.maps[map_name]
         for cpu in _online_cpus():
             def raw(_cookie, data, size, cpu=cpu):
                 callback(cpu, data, size)
             raw_fn, lost_fn = _RAW_CB(raw), _LOST_CB(lambda _cookie, n: lost_cb(n))
-            opts = _PerfBufferOpts(pid=-1, cpu=cpu, wakeup_events=wakeup_events)
-            reader = lib.bpf_open_perf_buffer_opts(raw_fn, lost_fn, None, page_cnt,
-                                                   ctypes.byref(opts))
+            reader = lib.perf_reader_new(raw_fn, lost_fn, None, page_cnt)
             if not reader:
                 raise _oserror(f"opening the perf buffer on CPU {cpu}")
-            self._readers.append(reader)
+            self._readers.append(reader)  # perf_reader_free closes its fd too
             self._callbacks.append((raw_fn, lost_fn))  # alive as long as the reader
-            table[ctypes.c_int(cpu)] = ctypes.c_int(lib.perf_reader_fd(reader))
+            fd = uprobe_pmu.bpf_output_event(cpu, wakeup_events, wakeup_bytes)
+            lib.perf_reader_set_fd(reader, fd)
+            if lib.perf_reader_mmap(reader) < 0:
+                raise _oserror(f"mapping the perf buffer on CPU {cpu}")
+            uprobe_pmu.enable(fd)
+            table[ctypes.c_int(cpu)] = ctypes.c_int(fd)
 
     def open_ring_buffer(self, map_name: str, callback):
         def raw(_ctx, data, size):

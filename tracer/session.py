@@ -86,8 +86,14 @@ TRANSPORTS = ("perf", "ring")
 # processes traced at once: the target and its descendants with probes
 DEFAULT_MAX_PROCS = 8
 DEFAULT_TRANSPORT = "perf"
-# op records per wake-up of the reader (batching: docs/bench.md)
-DEFAULT_WAKEUP_EVERY = 64
+# When the reader is woken (each wake-up is an IPI, an exit to the
+# hypervisor in a VM: docs/bench.md).  WAKE_BY_FILL, the default: the perf
+# buffer wakes it once a quarter of a CPU's buffer is waiting; the ring
+# buffer once per RING_WAKEUP_EVERY op records.  N > 0: once per N op
+# records.  Whatever did not wake it is read at every poll's timeout.
+WAKE_BY_FILL = 0
+DEFAULT_WAKEUP_EVERY = WAKE_BY_FILL
+RING_WAKEUP_EVERY = 64
 
 
 def ring_pages(perf_pages: int) -> int:
@@ -160,6 +166,7 @@ class Tracer:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
         self.transport = transport
         if transport == "ring":
+            wakeup_every = wakeup_every or RING_WAKEUP_EVERY
             cflags.append(f"-DKVTRACE_RINGBUF={ring_pages(perf_pages)}")
             cflags.append(f"-DKVTRACE_WAKEUP_EVERY={wakeup_every}")
         self.wakeup_every = wakeup_every
@@ -221,15 +228,17 @@ class Tracer:
 
         self.records = 0
         self.lost = 0
-        # Records that did not wake the reader (wakeup_every > 1) are read
+        # Records that did not wake the reader (wakeup_every != 1) are read
         # by the consume after each poll
         if transport == "ring":  # losses: only the in-kernel count (globals)
             self.bpf.open_ring_buffer("events",
                                       lambda ctx, data, size: self._record(0, data, size))
             self._poll_fns = (self.bpf.ring_buffer_poll, self.bpf.ring_buffer_consume)
         else:
-            self.bpf.open_perf_buffer("events", self._record, page_cnt=perf_pages,
-                                      lost_cb=self._lost, wakeup_events=wakeup_every)
+            self.bpf.open_perf_buffer(
+                "events", self._record, page_cnt=perf_pages, lost_cb=self._lost,
+                wakeup_events=wakeup_every,
+                wakeup_bytes=0 if wakeup_every else perf_pages * mmap.PAGESIZE // 4)
             self._poll_fns = (self.bpf.perf_buffer_poll, self.bpf.perf_buffer_consume)
         self.procs = {}  # pid -> TracedProcess
         self.started = time.monotonic()
@@ -254,7 +263,7 @@ class Tracer:
     def poll(self, timeout_ms: int):
         poll, consume = self._poll_fns
         poll(timeout_ms)
-        if self.wakeup_every > 1:
+        if self.wakeup_every != 1:
             consume()
 
     def _received(self) -> int:

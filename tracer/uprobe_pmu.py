@@ -24,6 +24,8 @@ _PERF_FLAG_FD_CLOEXEC = 8
 _PERF_EVENT_IOC_ENABLE = 0x2400
 _PERF_EVENT_IOC_SET_BPF = 0x40042408  # _IOW('$', 8, __u32)
 _ATTR_DISABLED = 1  # first bit of the flags word
+_ATTR_WATERMARK = 1 << 14  # wakeup_events holds bytes (wakeup_watermark)
+_PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_BPF_OUTPUT, _PERF_SAMPLE_RAW = 1, 10, 1 << 10
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -78,6 +80,35 @@ def pmu_type() -> int:
             "needs CONFIG_UPROBE_EVENTS") from None
 
 
+def bpf_output_event(cpu: int, wakeup_events: int = 1, wakeup_bytes: int = 0) -> int:
+    """A perf event for BPF_PERF_OUTPUT records on one CPU, as bcc's
+    bpf_open_perf_buffer_opts() opens it, but with the choice of when the
+    reader is woken: after every wakeup_events records, or, with
+    wakeup_bytes > 0, whenever that many bytes were written since the last
+    wake-up (perf's watermark, which bcc cannot set).  Each wake-up is an
+    irq_work and an IPI: in a VM, exits to the hypervisor (docs/bench.md).
+    The caller owns the fd, disabled until PERF_EVENT_IOC_ENABLE."""
+    attr = _PerfEventAttr()
+    attr.type = _PERF_TYPE_SOFTWARE
+    attr.size = ctypes.sizeof(_PerfEventAttr)
+    attr.config = _PERF_COUNT_SW_BPF_OUTPUT
+    attr.sample_type = _PERF_SAMPLE_RAW
+    attr.sample_period = 1
+    attr.flags = _ATTR_DISABLED | (_ATTR_WATERMARK if wakeup_bytes > 0 else 0)
+    attr.wakeup_events = wakeup_bytes if wakeup_bytes > 0 else wakeup_events
+    fd = _libc.syscall(_SYS_perf_event_open, ctypes.byref(attr), -1, cpu, -1,
+                       _PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"perf_event_open for the perf buffer on CPU {cpu}: "
+                           f"{os.strerror(err)}")
+    return fd
+
+
+def enable(fd: int):
+    fcntl.ioctl(fd, _PERF_EVENT_IOC_ENABLE, 0)
+
+
 class Uprobe:
     """One uprobe perf event with a BPF program attached. close() detaches."""
 
@@ -111,7 +142,7 @@ class Uprobe:
         self.fd = fd
         try:
             fcntl.ioctl(fd, _PERF_EVENT_IOC_SET_BPF, prog_fd)
-            fcntl.ioctl(fd, _PERF_EVENT_IOC_ENABLE, 0)
+            enable(fd)
         except OSError as e:
             self.close()
             raise EnvironmentProblem(f"cannot attach BPF program to {where}: {e.strerror}") from None
