@@ -781,8 +781,15 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 			break;
 #pragma clang loop unroll(disable)
 		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
+			/* a 1-slot op (a decode step's) walks one lane, not
+			 * 64; the verifier prunes the exits, as `i` is dead
+			 * after them (1-slot op: 1.68 -> 1.33-1.45 us) */
+			if (i >= cnt)
+				break;
 			s64 slot = buf->v[k * KVTRACE_CHUNK + i];
-			u64 live = lt(i, cnt);       /* within the array */
+			/* always 1 here; without it the verifier walks the
+			 * stage 2.5 times longer (568k instructions, not 227k) */
+			u64 live = lt(i, cnt);
 			u64 pad = (u64)slot >> 63;   /* slot < 0: padding */
 			u64 block = pow2 ? (u64)slot >> (shift & 63)
 					 : (u64)slot / block_size;
@@ -804,8 +811,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 #endif
 			}
 #if GEN_FILL
-			/* past the array's end, a chunk holds stale values:
-			 * only kept slots may end a run */
+			/* padding and out-of-range slots do not end a run */
 			last = pick(kept, (u64)slot, last);
 #endif
 			run += kept;
