@@ -146,6 +146,8 @@ struct work {
 	 * verifier, so the chunk callback's states do not differ by it (on the
 	 * stack it made them, and the verifier gave up at 1M instructions). */
 	u64 pos;
+	/* slot stages: 1 when the record's chunks were read at once */
+	u64 record_read;
 };
 BPF_PERCPU_ARRAY(work, struct work, 1);
 
@@ -459,6 +461,34 @@ static __always_inline s64 next_chunk(struct work *w, struct chunk *buf, u32 k)
 	return cnt;
 }
 
+/*
+ * next_chunk() for the slot stages: a record's chunks are read by one
+ * bpf_probe_read_user() at its first chunk (k == 0), not one each.  The
+ * helper's own cost, about 150 ns a call here, was a third of what a slot
+ * cost.  If that read faults, each chunk is read alone, as before, so the
+ * chunks ahead of the fault still count.
+ */
+static __always_inline s64 next_slot_chunk(struct work *w, struct chunk *buf, u32 k)
+{
+	u64 done = w->done, n = w->n;
+	if (done >= n)
+		return 0;
+	u64 left = n - done;
+	if (k == 0) {
+		/* all = min(left, RECORD_VALUES), branch-free */
+		u64 all = left - ((left - RECORD_VALUES) & -lt(RECORD_VALUES, left));
+		OPAQUE(all);
+		u32 size = (all & (2 * RECORD_VALUES - 1)) * sizeof(s64);
+		w->record_read = bpf_probe_read_user(buf->v, size,
+						     (const s64 *)w->arr + done) == 0;
+	}
+	if (!w->record_read)
+		return next_chunk(w, buf, k);
+	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+	w->done = done + cnt;
+	return cnt;
+}
+
 /* Number the op for the stream; its chunk records carry the number. */
 static __always_inline void start_record(struct work *w)
 {
@@ -731,7 +761,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	 * block are consecutive and ascending; `skipped` counts runs that
 	 * are not).  All slots of a run are kept, or none is. */
 	/* no block: the first slot starts a run, whatever its block */
-	u64 run_block = ~0ULL, run = 0;
+	u64 run_block = ~0ULL, run = 0, run_pad = 0;
 	OPAQUE(keep);
 #if GEN_FILL
 	u64 first = 0, last = 0;
@@ -769,6 +799,28 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 
 	w->rec_start = w->done;
 
+	/* A run's slots share a block, so they share what they are: padding
+	 * (slot < 0, whose block is beyond any real one), out of range, or
+	 * kept.  That is decided once per run, when it ends, and a slot in
+	 * the middle of a run costs a load, a shift, a compare and an add
+	 * (docs/design.md, "Reading 8192+ slots per op"). */
+#define END_RUN()                                                             \
+	do {                                                                  \
+		u64 real_ = run_pad ^ 1;                                      \
+		u64 kept_ = real_ & keep & lt(run_block, KVTRACE_MAX_BLOCKS); \
+		valid += run & -real_;                                        \
+		padding += run & -run_pad;                                    \
+		oor += run & -(real_ & (kept_ ^ 1));                          \
+		__sync_fetch_and_add(&row->count[run_block & BLOCK_MASK],     \
+				     run & -kept_);                           \
+		END_RUN_FILL(kept_);                                          \
+	} while (0)
+#if GEN_FILL
+#define END_RUN_FILL(kept) keep_run(runs, w, run & -(kept), first, last, fill_on)
+#else
+#define END_RUN_FILL(kept) ((void)0)
+#endif
+
 #pragma clang loop unroll(disable)
 	for (u32 c = 0; c < KVTRACE_SLOT_SEGMENT_CHUNKS; c++) {
 		u32 k = c & (KVTRACE_RECORD_CHUNKS - 1); /* chunk in the record */
@@ -776,54 +828,41 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 		if (w->err) /* a run only to move the last fills */
 			break;
 #endif
-		s64 cnt = next_chunk(w, buf, k);
+		s64 cnt = next_slot_chunk(w, buf, k);
 		if (cnt <= 0)
 			break;
 #pragma clang loop unroll(disable)
 		for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
 			/* a 1-slot op (a decode step's) walks one lane, not
-			 * 64; the verifier prunes the exits, as `i` is dead
-			 * after them (1-slot op: 1.68 -> 1.33-1.45 us) */
+			 * 64 (1-slot op: 1.68 -> 1.33-1.45 us) */
 			if (i >= cnt)
 				break;
 			s64 slot = buf->v[k * KVTRACE_CHUNK + i];
-			/* always 1 here; without it the verifier walks the
-			 * stage 2.5 times longer (568k instructions, not 227k) */
-			u64 live = lt(i, cnt);
-			u64 pad = (u64)slot >> 63;   /* slot < 0: padding */
 			u64 block = pow2 ? (u64)slot >> (shift & 63)
 					 : (u64)slot / block_size;
-			u64 real = live & (pad ^ 1);
-			u64 kept = real & keep & lt(block, KVTRACE_MAX_BLOCKS);
-			valid += real;
-			padding += live & pad;
-			oor += real & (kept ^ 1);
 			if (block != run_block) {
-				__sync_fetch_and_add(
-				    &row->count[run_block & BLOCK_MASK], run);
-#if GEN_FILL
-				keep_run(runs, w, run, first, last, fill_on);
-#endif
+				END_RUN();
 				run_block = block;
 				run = 0;
+				run_pad = (u64)slot >> 63;
 #if GEN_FILL
 				first = slot;
 #endif
 			}
 #if GEN_FILL
-			/* padding and out-of-range slots do not end a run */
-			last = pick(kept, (u64)slot, last);
+			last = slot;
 #endif
-			run += kept;
+			/* always 1; a constant 1 would give the verifier
+			 * exact counts, each a state of its own, past 1M */
+			run += lt(i, cnt);
 		}
 		/* c is known on every path: this is no branch for the verifier */
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
 			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	}
-	__sync_fetch_and_add(&row->count[run_block & BLOCK_MASK], run);
-#if GEN_FILL
-	keep_run(runs, w, run, first, last, fill_on);
-#endif
+	END_RUN();
+#undef END_RUN
+#undef END_RUN_FILL
 	lost += emit_chunk(ctx, w, buf, STREAM_VALUES); /* the rest, if any */
 	w->ev.slots += valid;
 	w->ev.padding += padding;
