@@ -7,6 +7,9 @@ tracer killed with SIGKILL then leaves the semaphores on for good.  Here the
 kernel increments the semaphore when the event opens and decrements it when
 the file descriptor closes, whatever way this process dies, and nothing is
 ever written to tracefs or to the target.
+
+The perf buffer's events (bpf_output_event) are opened here too: the
+tracer's other perf_event_open, with the same attribute structure.
 """
 
 import ctypes
