@@ -49,7 +49,7 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     steps = res["capacity"]["steps"]
     assert steps
     for key, step in steps.items():
-        assert set(step) == {"perf/1", "perf/64", "ring/adaptive", "ring/64"}
+        assert set(step) == {"perf/1", "perf/64", "perf/fill", "ring/adaptive", "ring/64"}
         for transport, figures in step.items():
             where = f"capacity {key} {transport}"
             check_stats(figures["offered_slots_per_s"], where)
