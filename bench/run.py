@@ -240,13 +240,16 @@ def row_site(q, res):
     calls = sum(s["calls"] for s in raw["op_stats"].values())
     # the program's own time per op, by the kernel's accounting: separate
     # short runs per size, with the statistics on only there
-    # ... and with the generations' fill compiled in (--prometheus's program)
+    # ... with the generations' fill compiled in (--prometheus's stage), and
+    # with a record per op (what a stream, -o or --prometheus, sends)
     prog = {1: [], big: []}
     prog_fill = {1: [], big: []}
+    prog_records = {1: [], big: []}
     rt = BpfRunTime()
     try:
-        for gen_fill, dst in ((False, prog), (True, prog_fill)):
-            tr = Tracer(max_procs=64, gen_fill=gen_fill)  # one process per run: 2 * reps
+        for flags, dst in (({}, prog), ({"gen_fill": True}, prog_fill),
+                           ({"op_records": True}, prog_records)):
+            tr = Tracer(max_procs=64, **flags)  # one process per run: 2 * reps
             try:
                 for _ in range(reps):
                     for n in (1, big):
@@ -286,6 +289,7 @@ def row_site(q, res):
         "bpf_run_time_gen_fill_ns_per_op": stats(prog_fill[1]),
         "bpf_run_time_gen_fill_ns_per_slot": stats([(x - y) / (big - 1) for x, y in
                                                     zip(prog_fill[big], prog_fill[1])]),
+        "bpf_run_time_op_records_ns_per_op": stats(prog_records[1]),
         # (c) less (d), rep by rep: what kvtrace's program and transport add
         "program_ns_per_op": stats([x - y for x, y in zip(c[1], d[1])]),
         "a_ns_per_slot": stats(per_slot(a)), "b_ns_per_slot": stats(per_slot(b)),
@@ -783,7 +787,8 @@ def row_capacity(q, res):
     out = {"step_ms": ms, "perf_pages_per_cpu": 64, "steps": {}}
     # the design card's transport as it was (a wake-up per record), and both
     # transports with wake-ups batched (the default since this measurement)
-    tracers = {name: Tracer(max_procs=64, transport=t, wakeup_every=n)
+    # (op records on: plain attach sends none, and they are what is carried)
+    tracers = {name: Tracer(max_procs=64, transport=t, wakeup_every=n, op_records=True)
                for name, (t, n) in TRANSPORT_CONFIGS.items()}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -950,6 +955,9 @@ def table_rows(res):
                 "ns/op")
             add("1   with --prometheus's gen fill, per slot",
                 s["bpf_run_time_gen_fill_ns_per_slot"], "ns/slot")
+        if "bpf_run_time_op_records_ns_per_op" in s:
+            add("1   with a record per op (-o, --prometheus), 1 slot",
+                s["bpf_run_time_op_records_ns_per_op"], "ns/op")
         add("1 site (a) compiled out, per slot", s["a_ns_per_slot"], "ns/slot")
         add("1 site (b) detached, per slot", s["b_ns_per_slot"], "ns/slot")
         add("1 site (c) attached, per slot", s["c_ns_per_slot"], "ns/slot")

@@ -42,6 +42,18 @@
 #define STREAM_BLOCK_IDS 0
 #endif
 
+/* The per-op record and its sequence number exist for a stream's consumer
+ * alone: without a stream (plain attach) every count comes from the maps,
+ * and the record cost about 400 ns of each op's BPF time to tell user space
+ * only that it arrived (docs/bench.md, stop 26).  KVTRACE_WITH_OP_RECORDS
+ * keeps them without a stream: bench row 4 measures what the transports
+ * carry. */
+#if STREAM_VALUES || STREAM_BLOCK_IDS || defined(KVTRACE_WITH_OP_RECORDS)
+#define OP_RECORDS 1
+#else
+#define OP_RECORDS 0
+#endif
+
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
 BPF_HASH(sites, struct kvtrace_site_key, struct kvtrace_site, 4096);
 BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, 4096);
@@ -492,9 +504,12 @@ static __always_inline s64 next_slot_chunk(struct work *w, struct chunk *buf, u3
 /* Number the op for the stream; its chunk records carry the number. */
 static __always_inline void start_record(struct work *w)
 {
+	w->ev.type = KVTRACE_REC_OP;
+	w->ev.seq = 0;
+	if (!OP_RECORDS)
+		return;
 	u32 idx = KVTRACE_G_NEXT_SEQ;
 	u64 *next = globals.lookup(&idx);
-	w->ev.type = KVTRACE_REC_OP;
 	w->ev.seq = next ? __sync_fetch_and_add(next, 1) : 0;
 }
 
@@ -682,7 +697,7 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 #endif
 	/* counted here, at the source: the user-space lost callback only
 	 * hears of losses once the buffer has room again */
-	if (submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
+	if (OP_RECORDS && submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
 		global_add(KVTRACE_G_RECORDS_LOST, 1);
 	return 0;
 }

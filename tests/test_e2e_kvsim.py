@@ -49,15 +49,19 @@ def test_attach_pid_matches_truth(tmp_path, workload):
         doc = json.loads((tmp_path / "agg.json").read_text())
         assert_matches_truth(doc, sim.truth())
         assert_reads_match_truth(doc, sim.truth())
+        # no stream, so no per-op records: every count above came from the maps
+        assert (doc["records"], doc["lost_records"]) == (0, 0)
     finally:
         sim.kill()
 
 
 def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
-    """Exact counters never depend on the perf buffer; what it drops is counted."""
+    """Exact counters never depend on the perf buffer; what it drops is counted.
+    The per-op records go with a stream (-o), which floods a one-page buffer."""
     out = tmp_path / "agg.json"
     truth_path = tmp_path / "truth.json"
-    r = run_kvtrace("attach", "-q", "--perf-pages", 1, "--json", out, "--", KVSIM,
+    r = run_kvtrace("attach", "-q", "--perf-pages", 1, "--json", out,
+                    "-o", tmp_path / "stress.kvt", "--", KVSIM,
                     "--workload", "stress", "--repeat", 3, "--truth", truth_path, "--quiet")
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())

@@ -160,11 +160,12 @@ def add_parser(sub):
                    help="processes traced at once, the target and its descendants "
                    f"(default {DEFAULT_MAX_PROCS})")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
-                   help="perf buffer pages per CPU for the per-op records (default 64; "
-                   "with -o or --prometheus, which stream every slot, 4096 up to 256 MiB "
-                   "in all)")
+                   help="perf buffer pages per CPU for the per-op records, which only "
+                   "-o and --prometheus send (default: with -o, which streams every slot, "
+                   "4096 up to 256 MiB in all; else 64)")
     p.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
-                   help="per-op records through the per-CPU perf buffer or one BPF "
+                   help="-o's and --prometheus's per-op records through the per-CPU "
+                   "perf buffer or one BPF "
                    f"ring buffer of the same total size (default {DEFAULT_TRANSPORT}; "
                    "docs/bench.md)")
     p.add_argument("--cmd-output", metavar="FILE",

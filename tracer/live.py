@@ -439,8 +439,12 @@ def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float
            width: int = 100, note: str = "") -> Group:
     status = Text()
     status.append(title, style="bold")
-    status.append(f"   {elapsed:.1f}s   records {_n(agg.records)}   ")
-    status.append(f"lost {_n(agg.lost)}", style="red" if agg.lost else "")
+    status.append(f"   {elapsed:.1f}s   ")
+    # per-op records exist only with a stream (-o, --prometheus); without
+    # one, a "records 0" would read as nothing traced
+    if agg.records or agg.lost:
+        status.append(f"records {_n(agg.records)}   ")
+        status.append(f"lost {_n(agg.lost)}", style="red" if agg.lost else "")
     status.append("\n")
     status.append_text(verdict(agg))
     parts = [status]

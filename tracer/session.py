@@ -142,7 +142,8 @@ class Tracer:
                  max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
                  stacks: bool = False, perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
-                 collector: stream.Collector = None, gen_fill: bool = False):
+                 collector: stream.Collector = None, gen_fill: bool = False,
+                 op_records: bool = None):
         check_privileges()
         discover.check_arch()
         if max_blocks & (max_blocks - 1):
@@ -162,6 +163,13 @@ class Tracer:
             cflags.append("-DKVTRACE_WITH_BLOCK_ID_STREAM")
         elif index_stream:  # every op's values (record, attach -o); off costs nothing
             cflags.append("-DKVTRACE_WITH_INDEX_STREAM")
+        # A record per op goes with a stream, whose consumer needs it; without
+        # one, every count comes from the maps and nothing would read it
+        # (bpf/kvtrace.bpf.c OP_RECORDS).  op_records=True keeps them anyway:
+        # bench row 4 measures what the transports carry.
+        self.op_records = bool(index_stream) if op_records is None else bool(op_records)
+        if self.op_records and not index_stream:
+            cflags.append("-DKVTRACE_WITH_OP_RECORDS")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
         self.transport = transport
@@ -230,7 +238,9 @@ class Tracer:
         self.lost = 0
         # Records that did not wake the reader (wakeup_every != 1) are read
         # by the consume after each poll
-        if transport == "ring":  # losses: only the in-kernel count (globals)
+        if not self.op_records:  # nothing is sent: no buffer to map or poll
+            self._poll_fns = None
+        elif transport == "ring":  # losses: only the in-kernel count (globals)
             self.bpf.open_ring_buffer("events",
                                       lambda ctx, data, size: self._record(0, data, size))
             self._poll_fns = (self.bpf.ring_buffer_poll, self.bpf.ring_buffer_consume)
@@ -261,6 +271,9 @@ class Tracer:
         self.lost += count
 
     def poll(self, timeout_ms: int):
+        if self._poll_fns is None:
+            time.sleep(timeout_ms / 1000)
+            return
         poll, consume = self._poll_fns
         poll(timeout_ms)
         if self.wakeup_every != 1:
@@ -456,8 +469,11 @@ class Tracer:
         glob["missed_hits"] = self.prog_misses()
         return dict(time=time.monotonic(), caches=caches, groups=groups, op_stats=op_stats,
                     log2=log2,
-                    moves=moves, life=life, requests=requests, stacks=stacks, globals=glob, records=self.records,
-                    lost=max(self.lost, glob["records_lost"]))
+                    moves=moves, life=life, requests=requests, stacks=stacks, globals=glob,
+                    records=self.records,
+                    # op records only, counted where they were dropped: the
+                    # lost callback also hears of the stream's chunk records
+                    lost=glob["records_lost"])
 
     def stack_frames(self, stack_id: int, pid: int) -> list:
         """Symbolized user frames of a stack, outermost first."""
