@@ -169,17 +169,22 @@ class Mapping:
     path: str
 
 
-def read_maps(pid: int) -> list:
-    """The file-backed mappings of a process."""
+def read_proc(pid: int, name: str) -> bytes:
+    """/proc/PID/<name>, or a TargetError that says why not: the process is
+    gone, or it may not be read."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
     except (FileNotFoundError, ProcessLookupError):
         raise TargetError(f"no process with pid {pid}") from None
     except PermissionError:
-        raise TargetError(f"cannot read /proc/{pid}/maps: permission denied") from None
+        raise TargetError(f"cannot read /proc/{pid}/{name}: permission denied") from None
+
+
+def read_maps(pid: int) -> list:
+    """The file-backed mappings of a process."""
     maps = []
-    for line in lines:
+    for line in read_proc(pid, "maps").decode(errors="surrogateescape").splitlines():
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue

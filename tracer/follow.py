@@ -53,15 +53,8 @@ def exec_code_kb(pid: int) -> tuple:
     is mapped (dlopen) or a program exec'd changes it; data and anonymous
     mappings do not.  A JIT's executable anonymous pages do, which only
     costs a needless read of the maps."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            status = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        raise TargetError(f"no process with pid {pid}") from None
-    except PermissionError:
-        raise TargetError(f"cannot read /proc/{pid}/status: permission denied") from None
     sizes = dict.fromkeys((b"VmExe", b"VmLib"))
-    for line in status.splitlines():
+    for line in discover.read_proc(pid, "status").splitlines():
         key = line.split(b":", 1)[0]
         if key in sizes:
             sizes[key] = int(line.split()[1])
