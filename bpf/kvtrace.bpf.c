@@ -242,6 +242,13 @@ static __always_inline u64 lt(u64 a, u64 b)
 	return d;
 }
 
+/* min(a, b), for a, b < 2^63, without a branch: a chunk's length, which
+ * the verifier must see bounded without the branch that clang would make */
+static __always_inline u64 min_bf(u64 a, u64 b)
+{
+	return a - ((a - b) & -lt(b, a));
+}
+
 /* 1 if x != 0, without a branch */
 static __always_inline u64 nz(u64 x)
 {
@@ -460,8 +467,7 @@ static __always_inline s64 next_chunk(struct work *w, struct chunk *buf, u32 k)
 	if (done >= n)
 		return 0;
 	u64 left = n - done;
-	/* cnt = min(left, KVTRACE_CHUNK), branch-free */
-	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+	u64 cnt = min_bf(left, KVTRACE_CHUNK);
 	OPAQUE(cnt);
 	u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(s64);
 	s64 *dst = buf->v + (k & (KVTRACE_RECORD_CHUNKS - 1)) * KVTRACE_CHUNK;
@@ -487,8 +493,7 @@ static __always_inline s64 next_slot_chunk(struct work *w, struct chunk *buf, u3
 		return 0;
 	u64 left = n - done;
 	if (k == 0) {
-		/* all = min(left, RECORD_VALUES), branch-free */
-		u64 all = left - ((left - RECORD_VALUES) & -lt(RECORD_VALUES, left));
+		u64 all = min_bf(left, RECORD_VALUES);
 		OPAQUE(all);
 		u32 size = (all & (2 * RECORD_VALUES - 1)) * sizeof(s64);
 		w->record_read = bpf_probe_read_user(buf->v, size,
@@ -496,7 +501,7 @@ static __always_inline s64 next_slot_chunk(struct work *w, struct chunk *buf, u3
 	}
 	if (!w->record_read)
 		return next_chunk(w, buf, k);
-	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+	u64 cnt = min_bf(left, KVTRACE_CHUNK);
 	w->done = done + cnt;
 	return cnt;
 }
@@ -1009,7 +1014,7 @@ long kvtrace_cb_ids(u64 c)
 	if (done >= n)
 		return 1;
 	u64 left = n - done;
-	u64 cnt = left - ((left - KVTRACE_CHUNK) & -lt(KVTRACE_CHUNK, left));
+	u64 cnt = min_bf(left, KVTRACE_CHUNK);
 	OPAQUE(cnt);
 	u32 size = (cnt & (2 * KVTRACE_CHUNK - 1)) * sizeof(u32);
 	if (bpf_probe_read_user(tb->v, size, (const u32 *)w->arr + done)) {
@@ -1216,8 +1221,7 @@ long kvtrace_cb_table(u64 c)
 	s->row_addr = row_addr;
 	s->next_row = next_row;
 	u64 left = row_len - col;
-	/* cnt = min(left, KVTRACE_TABLE_CHUNK), branch-free */
-	u64 cnt = left - ((left - KVTRACE_TABLE_CHUNK) & -lt(KVTRACE_TABLE_CHUNK, left));
+	u64 cnt = min_bf(left, KVTRACE_TABLE_CHUNK);
 	OPAQUE(cnt);
 	u32 size = (cnt & (2 * KVTRACE_TABLE_CHUNK - 1)) * sizeof(u32);
 	if (bpf_probe_read_user(tb->v, size, (void *)(row_addr + 4 * col))) {
