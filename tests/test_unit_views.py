@@ -123,9 +123,9 @@ def process(pid, nblocks=300):
 class FakeAggregate(Aggregate):
     """An Aggregate whose honesty verdict is set by the test."""
 
-    def __init__(self, processes, reasons=(), log2=None, lost=0):
+    def __init__(self, processes, reasons=(), log2=None, lost=0, records=4242):
         super().__init__(time=5.0, processes=processes, log2=log2 or {}, globals={},
-                         records=4242, lost=lost)
+                         records=records, lost=lost)
         self._reasons = list(reasons)
 
     def inexact_reasons(self):
@@ -177,6 +177,15 @@ def test_render_not_exact_shows_reasons(width):
     text = flat(render_text(agg, width))
     assert "NOT exact: 11 fake reasons for a test; 2 more of them" in text
     assert "lost 17" in text
+
+
+def test_render_without_a_stream_says_nothing_of_records():
+    # plain attach sends no per-op record: "records 0" would read as no ops
+    text = flat(render_text(FakeAggregate({7: process(7)}, records=0), 100))
+    assert "counts: exact" in text
+    assert "records 0" not in text and "lost 0" not in text
+    # ... and with a stream the status line counts them
+    assert "records 4,242 lost 0" in flat(render_text(FakeAggregate({7: process(7)}), 100))
 
 
 @pytest.mark.parametrize("width", WIDTHS)
