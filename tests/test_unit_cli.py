@@ -59,6 +59,9 @@ def test_subcommand_help(sub, example):
     ["attach", "-p", NO_PID, "--max-blocks", "0"],
     ["attach", "-p", NO_PID, "--max-blocks", "300000"],
     ["attach", "-p", NO_PID, "--perf-pages", "3"],
+    # without a stream (-o, --prometheus) no per-op record is sent
+    ["attach", "-p", NO_PID, "--perf-pages", "64"],
+    ["attach", "-p", NO_PID, "--transport", "ring"],
     ["attach", "-p", "abc"],
     ["attach", "--no-such-flag", "-p", NO_PID],
     ["probes"],                              # neither PATH nor -p

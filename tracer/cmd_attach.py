@@ -163,7 +163,7 @@ def add_parser(sub):
                    help="perf buffer pages per CPU for the per-op records, which only "
                    "-o and --prometheus send (default: with -o, which streams every slot, "
                    "4096 up to 256 MiB in all; else 64)")
-    p.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
+    p.add_argument("--transport", choices=TRANSPORTS,
                    help="-o's and --prometheus's per-op records through the per-CPU "
                    "perf buffer or one BPF "
                    f"ring buffer of the same total size (default {DEFAULT_TRANSPORT}; "
@@ -205,6 +205,15 @@ def _validate(args):
         if getattr(args, "prometheus", None) else None
     if getattr(args, "prometheus_linger", 0) and not args.prometheus_at:
         raise UsageError("--prometheus-linger goes with --prometheus")
+    if not index_stream(args):
+        # plain attach sends no per-op record (docs/design.md): a buffer's
+        # size or transport would change nothing, which the user should know
+        for flag, given in (("--perf-pages", args.perf_pages is not None),
+                            ("--transport", args.transport is not None)):
+            if given:
+                raise UsageError(f"{flag} goes with -o or --prometheus: without a stream, "
+                                 "attach sends no per-op records")
+    args.transport = args.transport or DEFAULT_TRANSPORT
     if args.perf_pages is None:
         args.perf_pages = stream_perf_pages() if index_stream(args) == "all" else 64
     if args.perf_pages & (args.perf_pages - 1):
