@@ -57,8 +57,18 @@
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
 BPF_HASH(sites, struct kvtrace_site_key, struct kvtrace_site, 4096);
 BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, 4096);
-BPF_HASH(op_stats, struct kvtrace_op_key, struct kvtrace_op_stats, 4096);
-BPF_HASH(op_log2, struct kvtrace_hist_key, u64, 1024);
+/*
+ * Every op's totals: op_stats per (proc index, op), row = proc index *
+ * KVTRACE_NR_OPS + op; op_log2, the log2 histogram of items per op, row =
+ * op * KVTRACE_LOG2_SLOTS + bpf_log2l(items).  Arrays, not hashes: the
+ * verifier turns an array lookup into an address computation, where a hash
+ * lookup hashes its key and walks a bucket (docs/bench.md, stop 26).
+ * Mmapable, read as numpy arrays.
+ */
+BPF_F_TABLE("array", u32, struct kvtrace_op_stats, op_stats,
+	    KVTRACE_MAX_PROCS * KVTRACE_NR_OPS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, u64, op_log2, KVTRACE_NR_OPS * KVTRACE_LOG2_SLOTS,
+	    BPF_F_MMAPABLE);
 BPF_ARRAY(globals, u64, KVTRACE_NR_GLOBALS);
 BPF_PROG_ARRAY(stages, KVTRACE_NR_STAGES);
 
@@ -620,9 +630,8 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 {
 	struct kvtrace_event *ev = &w->ev;
 	u32 op = ev->op;
-	struct kvtrace_op_key okey = {.pid = ev->pid, .op = op};
-	struct kvtrace_op_stats zero = {};
-	struct kvtrace_op_stats *st = op_stats.lookup_or_try_init(&okey, &zero);
+	u32 op_row = w->proc * KVTRACE_NR_OPS + op;
+	struct kvtrace_op_stats *st = op_stats.lookup(&op_row);
 	if (!st)
 		return 0;
 
@@ -680,8 +689,8 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 		}
 	}
 
-	struct kvtrace_hist_key hkey = {.op = op, .slot = bpf_log2l(ev->items)};
-	u64 hzero = 0, *h = op_log2.lookup_or_try_init(&hkey, &hzero);
+	u32 hist_row = op * KVTRACE_LOG2_SLOTS + bpf_log2l(ev->items);
+	u64 *h = op_log2.lookup(&hist_row);
 	if (h)
 		__sync_fetch_and_add(h, 1);
 
@@ -1338,23 +1347,20 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	u64 pid_tgid = bpf_get_current_pid_tgid();
 	u32 pid = pid_tgid >> 32;
 
-	/* A uprobe in a shared library fires for every process mapping it:
-	 * drop processes we were not asked to trace before touching a map. */
-	struct kvtrace_proc *proc = traced_pids.lookup(&pid);
-	if (!proc) {
-		global_add(KVTRACE_G_FOREIGN, 1);
-		return 0;
-	}
-	u32 proc_index = proc->index;
-	if (proc_index >= KVTRACE_MAX_PROCS)
-		return 0;
-
+	/* A uprobe in a shared library fires for every process mapping it.
+	 * Sites are keyed by pid and written only for traced processes, so a
+	 * hit on one needs no other lookup; a miss is told apart (a process we
+	 * were not asked to trace, or a site not described) only then. */
 	struct kvtrace_site_key skey = {.pid = pid, .ip = PT_REGS_IP(ctx)};
 	struct kvtrace_site *site = sites.lookup(&skey);
 	if (!site) {
-		global_add(KVTRACE_G_NO_SITE, 1);
+		global_add(traced_pids.lookup(&pid) ? KVTRACE_G_NO_SITE
+						    : KVTRACE_G_FOREIGN, 1);
 		return 0;
 	}
+	u32 proc_index = site->proc;
+	if (proc_index >= KVTRACE_MAX_PROCS)
+		return 0;
 
 	u64 a[KVTRACE_MAX_ARGS] = {};
 #pragma unroll

@@ -215,6 +215,10 @@ struct kvtrace_site_key {
 struct kvtrace_site {
 	__u32 op; /* enum kvtrace_op */
 	__u32 nargs;
+	/* the process's index (struct kvtrace_proc), here too: a hit on a
+	 * known site then costs one hash lookup, not two */
+	__u32 proc;
+	__u32 pad;
 	struct kvtrace_arg_spec args[KVTRACE_MAX_ARGS];
 	struct kvtrace_tensor_layout tensor; /* for KVTRACE_ARG_TENSOR_* */
 };
@@ -288,11 +292,6 @@ struct kvtrace_request {
 };
 
 /* op_stats: exact per-(process, op) totals */
-struct kvtrace_op_key {
-	__u32 pid;
-	__u32 op;
-};
-
 struct kvtrace_op_stats {
 	__u64 calls;
 	__u64 items;       /* tokens (write ops), pairs, or batch entries */
@@ -357,11 +356,8 @@ struct kvtrace_read_row {
 	struct kvtrace_block_read b[KVTRACE_MAX_BLOCKS];
 };
 
-/* op_log2: log2 histogram of items per op */
-struct kvtrace_hist_key {
-	__u32 op;
-	__u32 slot;
-};
+/* op_log2: log2 histogram of items per op; bcc's bpf_log2l() gives 0-64 */
+#define KVTRACE_LOG2_SLOTS 65
 
 /* stack_weights: folded-stack weights, exact (not from the perf buffer) */
 struct kvtrace_stack_key {

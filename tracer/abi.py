@@ -59,6 +59,7 @@ DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
 DEFAULT_MAX_GROUPS = define("KVTRACE_MAX_GROUPS")
 TABLE_CHUNK = define("KVTRACE_TABLE_CHUNK")
 FILL_BINS = define("KVTRACE_FILL_BINS")  # struct kvtrace_fill_row: ended[] bins
+LOG2_SLOTS = define("KVTRACE_LOG2_SLOTS")  # op_log2: slots per op
 
 
 def fill_row_bytes(max_blocks: int) -> int:

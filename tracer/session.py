@@ -227,6 +227,19 @@ class Tracer:
                                       count=max_caches * fill_bytes // 8
                                       ).reshape(max_caches, fill_bytes // 8
                                                 )[:, :abi.FILL_BINS + 2]
+        # every op's totals per (proc index, op), and its items' log2
+        # histogram per op (struct kvtrace_op_stats: u64 fields)
+        self.op_stat_fields = [name for name, _ in self.bpf["op_stats"].Leaf._fields_]
+        nstat = len(self.op_stat_fields)
+        self._op_stats_map = self._mmap(self.bpf["op_stats"],
+                                        max_procs * abi.NR_OPS * nstat * 8)
+        self.op_stats = np.frombuffer(self._op_stats_map, dtype=np.uint64,
+                                      count=max_procs * abi.NR_OPS * nstat
+                                      ).reshape(max_procs, abi.NR_OPS, nstat)
+        self._op_log2_map = self._mmap(self.bpf["op_log2"], abi.NR_OPS * abi.LOG2_SLOTS * 8)
+        self.op_log2 = np.frombuffer(self._op_log2_map, dtype=np.uint64,
+                                     count=abi.NR_OPS * abi.LOG2_SLOTS
+                                     ).reshape(abi.NR_OPS, abi.LOG2_SLOTS)
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
         self._life_map = self._mmap(self.bpf["block_life"],
                                     max_procs * len(abi.LIFE) * row_bytes)
@@ -345,6 +358,7 @@ class Tracer:
                 site = sites.Leaf()
                 site.op = abi.OPS[probe.name]
                 site.nargs = len(specs)
+                site.proc = proc.index
                 if tensor_layout is not None:
                     for name, _ in site.tensor._fields_:
                         if not name.startswith("pad"):
@@ -390,8 +404,9 @@ class Tracer:
         self.detach()
         # numpy views first: an mmap with live views cannot close
         self.writes = self.moves = self.reads = self.last_read = self.life = self.fill = None
+        self.op_stats = self.op_log2 = None
         for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map,
-                  self._fill_map):
+                  self._fill_map, self._op_stats_map, self._op_log2_map):
             if m is not None:
                 m.close()
         self.bpf.cleanup()
@@ -440,13 +455,18 @@ class Tracer:
                 g["reads_per_block"] = self.reads[g["index"]].copy()
                 g["last_read_step"] = self.last_read[g["index"]].copy()
             groups.append(g)
+        # ops a process never called have no entry, as the hashes had none
         op_stats = {}
-        for k, v in self.bpf["op_stats"].items():
-            op_stats[(k.pid, abi.OP_NAMES.get(k.op, str(k.op)))] = {
-                name: int(getattr(v, name)) for name, _ in v._fields_}
+        for pid, p in self.procs.items():
+            rows = self.op_stats[p.index].copy()
+            calls = rows[:, self.op_stat_fields.index("calls")]
+            for op in np.flatnonzero(calls).tolist():
+                op_stats[(pid, abi.OP_NAMES[op])] = dict(
+                    zip(self.op_stat_fields, (int(x) for x in rows[op])))
         log2 = {}
-        for k, v in self.bpf["op_log2"].items():
-            log2.setdefault(abi.OP_NAMES.get(k.op, str(k.op)), {})[k.slot] = v.value
+        hist = self.op_log2.copy()
+        for op, slot in zip(*(a.tolist() for a in np.nonzero(hist))):
+            log2.setdefault(abi.OP_NAMES[op], {})[slot] = int(hist[op, slot])
         # processes without probe sites (a launched command that only
         # starts vLLM) can have no counts: they are not shown
         moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()
