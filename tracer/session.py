@@ -201,54 +201,32 @@ class Tracer:
             raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.load_seconds = time.monotonic() - t0
 
-        row_bytes = max_blocks * 8
-        self._writes_map = self._mmap(self.bpf["block_writes"], max_caches * row_bytes)
-        self._moves_map = self._mmap(self.bpf["block_moves"],
-                                     max_procs * len(abi.MOVES) * row_bytes)
-        # reads: one row per (process, KV-cache group), and the sink row
-        # (bpf/kvtrace.h struct kvtrace_read_row: (reads, last_step) per block)
-        self._reads_map = self._mmap(self.bpf["block_reads"], (max_groups + 1) * 2 * row_bytes)
-        read_rows = np.frombuffer(self._reads_map, dtype=np.uint64,
-                                  count=max_groups * max_blocks * 2
-                                  ).reshape(max_groups, max_blocks, 2)
+        # the counter maps, read in place (BPF_F_MMAPABLE arrays of u64)
+        self._maps = []
+        # reads: one row per (process, KV-cache group), and the sink row,
+        # mapped but never read (bpf/kvtrace.h struct kvtrace_read_row:
+        # (reads, last_step) per block)
+        read_rows = self._map_u64("block_reads", (max_groups, max_blocks, 2),
+                                  words=(max_groups + 1) * max_blocks * 2)
         self.reads, self.last_read = read_rows[:, :, 0], read_rows[:, :, 1]
-        self.writes = np.frombuffer(self._writes_map, dtype=np.uint64,
-                                    count=max_caches * max_blocks).reshape(max_caches, max_blocks)
-        self.moves = np.frombuffer(self._moves_map, dtype=np.uint64,
-                                   count=max_procs * len(abi.MOVES) * max_blocks
-                                   ).reshape(max_procs, len(abi.MOVES), max_blocks)
+        self.writes = self._map_u64("block_writes", (max_caches, max_blocks))
+        self.moves = self._map_u64("block_moves", (max_procs, len(abi.MOVES), max_blocks))
         # block generations' fill per cache (struct kvtrace_fill_row): the
         # u64 head of each row, ended[] by fill then ended_unseen and skipped
-        self._fill_map = self.fill = None
+        self.fill = None
         if gen_fill:
-            fill_bytes = abi.fill_row_bytes(max_blocks)
-            self._fill_map = self._mmap(self.bpf["block_fill"], max_caches * fill_bytes)
-            self.fill = np.frombuffer(self._fill_map, dtype=np.uint64,
-                                      count=max_caches * fill_bytes // 8
-                                      ).reshape(max_caches, fill_bytes // 8
-                                                )[:, :abi.FILL_BINS + 2]
+            row_words = abi.fill_row_bytes(max_blocks) // 8
+            self.fill = self._map_u64("block_fill", (max_caches, row_words))[:, :abi.FILL_BINS + 2]
         # every op's totals per (proc index, op), and its items' log2
         # histogram per op (struct kvtrace_op_stats: u64 fields)
         self.op_stat_fields = [name for name, _ in self.bpf["op_stats"].Leaf._fields_]
-        nstat = len(self.op_stat_fields)
-        self._op_stats_map = self._mmap(self.bpf["op_stats"],
-                                        max_procs * abi.NR_OPS * nstat * 8)
-        self.op_stats = np.frombuffer(self._op_stats_map, dtype=np.uint64,
-                                      count=max_procs * abi.NR_OPS * nstat
-                                      ).reshape(max_procs, abi.NR_OPS, nstat)
-        self._op_log2_map = self._mmap(self.bpf["op_log2"], abi.NR_OPS * abi.LOG2_SLOTS * 8)
-        self.op_log2 = np.frombuffer(self._op_log2_map, dtype=np.uint64,
-                                     count=abi.NR_OPS * abi.LOG2_SLOTS
-                                     ).reshape(abi.NR_OPS, abi.LOG2_SLOTS)
+        self.op_stats = self._map_u64("op_stats",
+                                      (max_procs, abi.NR_OPS, len(self.op_stat_fields)))
+        self.op_log2 = self._map_u64("op_log2", (abi.NR_OPS, abi.LOG2_SLOTS))
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
-        self._life_map = self._mmap(self.bpf["block_life"],
-                                    max_procs * len(abi.LIFE) * row_bytes)
-        self.life = np.frombuffer(self._life_map, dtype=np.uint64,
-                                  count=max_procs * len(abi.LIFE) * max_blocks
-                                  ).reshape(max_procs, len(abi.LIFE), max_blocks)
+        self.life = self._map_u64("block_life", (max_procs, len(abi.LIFE), max_blocks))
 
         self.records = 0
-        self.lost = 0
         # Records that did not wake the reader (wakeup_every != 1) are read
         # by the consume after each poll
         if not self.op_records:  # nothing is sent: no buffer to map or poll
@@ -266,9 +244,14 @@ class Tracer:
         self.procs = {}  # pid -> TracedProcess
         self.started = time.monotonic()
 
-    @staticmethod
-    def _mmap(table, size):
-        return mmap.mmap(table.map_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    def _map_u64(self, name: str, shape: tuple, words: int = None) -> np.ndarray:
+        """A read-only numpy view of an mmapable array map, as u64 of this
+        shape; `words` maps more than the view shows (a sink row)."""
+        count = int(np.prod(shape))
+        m = mmap.mmap(self.bpf[name].map_fd, (words or count) * 8, mmap.MAP_SHARED,
+                      mmap.PROT_READ)
+        self._maps.append(m)
+        return np.frombuffer(m, dtype=np.uint64, count=count).reshape(shape)
 
     # -- the per-op stream -------------------------------------------------
 
@@ -281,7 +264,10 @@ class Tracer:
             self.records += 1
 
     def _lost(self, count):
-        self.lost += count
+        # op records lost are counted in-kernel where they are dropped
+        # (globals records_lost); without this callback bcc prints a line
+        # per loss on stderr
+        pass
 
     def poll(self, timeout_ms: int):
         if self._poll_fns is None:
@@ -405,10 +391,8 @@ class Tracer:
         # numpy views first: an mmap with live views cannot close
         self.writes = self.moves = self.reads = self.last_read = self.life = self.fill = None
         self.op_stats = self.op_log2 = None
-        for m in (self._writes_map, self._moves_map, self._reads_map, self._life_map,
-                  self._fill_map, self._op_stats_map, self._op_log2_map):
-            if m is not None:
-                m.close()
+        for m in self._maps:
+            m.close()
         self.bpf.cleanup()
 
     # -- reading -------------------------------------------------------------
