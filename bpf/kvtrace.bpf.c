@@ -56,7 +56,9 @@
 
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
 BPF_HASH(sites, struct kvtrace_site_key, struct kvtrace_site, 4096);
-BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, 4096);
+BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, KVTRACE_CACHE_ENTRIES);
+BPF_F_TABLE("array", u32, struct kvtrace_cache_stats, cache_stats, KVTRACE_CACHE_ENTRIES,
+	    BPF_F_MMAPABLE);
 /*
  * Every op's totals: op_stats per (proc index, op), row = proc index *
  * KVTRACE_NR_OPS + op; op_log2, the log2 histogram of items per op, row =
@@ -678,9 +680,9 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 		request_event(w);
 
 	if (op <= KVTRACE_OP_CPU_ATTN_RESHAPE_AND_CACHE) {
-		struct kvtrace_cache_key ckey = {.pid = ev->pid,
-						 .cache_id = ev->cache_id};
-		struct kvtrace_cache *c = caches.lookup(&ckey);
+		/* by the index cache_of() gave: (u32)-1 if none, out of range */
+		u32 ci = ev->cache_index;
+		struct kvtrace_cache_stats *c = cache_stats.lookup(&ci);
 		if (c) {
 			__sync_fetch_and_add(&c->calls, 1);
 			__sync_fetch_and_add(&c->slots, ev->slots);

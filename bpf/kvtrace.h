@@ -174,6 +174,9 @@ enum kvtrace_callback {
 #ifndef KVTRACE_MAX_CACHES
 #define KVTRACE_MAX_CACHES 64 /* (pid, cache id) pairs, i.e. layers */
 #endif
+/* caches' capacity, and cache_stats' rows: every cache that gets an entry
+ * has its totals, beyond KVTRACE_MAX_CACHES too */
+#define KVTRACE_CACHE_ENTRIES 4096
 #ifndef KVTRACE_MAX_PROCS
 #define KVTRACE_MAX_PROCS 8 /* traced processes */
 #endif
@@ -231,10 +234,16 @@ struct kvtrace_cache_key {
 };
 
 struct kvtrace_cache {
-	__u32 index; /* row in block_writes; >= KVTRACE_MAX_CACHES: not kept */
+	__u32 index; /* row in block_writes (< KVTRACE_MAX_CACHES) and cache_stats */
 	__u32 op;    /* op that first wrote it */
 	__u64 block_size;
 	__u64 num_blocks;
+};
+
+/* cache_stats: a cache's write-op totals, row = its index.  An array, not
+ * fields of its caches entry: finish() adds them by the index the op
+ * already holds, with no second hash lookup (docs/design.md). */
+struct kvtrace_cache_stats {
 	__u64 calls;
 	__u64 slots;        /* valid slots written */
 	__u64 padding;      /* negative slots skipped */

@@ -56,6 +56,7 @@ CHUNK = define("KVTRACE_CHUNK")
 RECORD_VALUES = CHUNK * define("KVTRACE_RECORD_CHUNKS")  # most values per stream record
 DEFAULT_MAX_BLOCKS = define("KVTRACE_MAX_BLOCKS")
 DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
+CACHE_ENTRIES = define("KVTRACE_CACHE_ENTRIES")  # caches' capacity, cache_stats' rows
 DEFAULT_MAX_GROUPS = define("KVTRACE_MAX_GROUPS")
 TABLE_CHUNK = define("KVTRACE_TABLE_CHUNK")
 FILL_BINS = define("KVTRACE_FILL_BINS")  # struct kvtrace_fill_row: ended[] bins

@@ -223,6 +223,10 @@ class Tracer:
         self.op_stats = self._map_u64("op_stats",
                                       (max_procs, abi.NR_OPS, len(self.op_stat_fields)))
         self.op_log2 = self._map_u64("op_log2", (abi.NR_OPS, abi.LOG2_SLOTS))
+        # each cache's write-op totals, row = its index (struct kvtrace_cache_stats)
+        self.cache_stat_fields = [name for name, _ in self.bpf["cache_stats"].Leaf._fields_]
+        self.cache_stats = self._map_u64("cache_stats",
+                                         (abi.CACHE_ENTRIES, len(self.cache_stat_fields)))
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
         self.life = self._map_u64("block_life", (max_procs, len(abi.LIFE), max_blocks))
 
@@ -390,7 +394,7 @@ class Tracer:
         self.detach()
         # numpy views first: an mmap with live views cannot close
         self.writes = self.moves = self.reads = self.last_read = self.life = self.fill = None
-        self.op_stats = self.op_log2 = None
+        self.op_stats = self.op_log2 = self.cache_stats = None
         for m in self._maps:
             m.close()
         self.bpf.cleanup()
@@ -418,11 +422,13 @@ class Tracer:
         """A raw, consistent-enough copy of every counter map (see aggregate.Snapshot)."""
         caches = []
         for k, v in self.bpf["caches"].items():
+            totals = self.cache_stats[v.index] if v.index < len(self.cache_stats) else \
+                np.zeros(len(self.cache_stat_fields), np.uint64)
             caches.append(dict(pid=k.pid, cache_id=k.cache_id, index=v.index,
                                op=abi.OP_NAMES.get(v.op, str(v.op)),
                                block_size=v.block_size, num_blocks=v.num_blocks,
-                               calls=v.calls, slots=v.slots, padding=v.padding,
-                               out_of_range=v.out_of_range))
+                               **{f: int(n) for f, n in zip(self.cache_stat_fields,
+                                                            totals.tolist())}))
         for c in caches:
             if c["index"] < self.max_caches:
                 c["writes"] = self.writes[c["index"]].copy()
