@@ -187,10 +187,8 @@ class BpfRunTime:
 
 def uprobe_floor(argv):
     """kvbench's lines with an empty BPF program on its probe site, attached
-    as the tracer attaches (uprobe PMU, semaphore on): what entering the
-    kernel and coming back costs here, whatever the program does (an int3
-    trap, or from Linux 6.18 at kvbench's 5-byte nop the uprobe syscall:
-    docs/design.md)."""
+    as the tracer attaches (uprobe PMU, semaphore on): what the trap into
+    the kernel and back costs here, whatever the program does."""
     from bcc import BPF
     from tracer.uprobe_pmu import Uprobe
     bpf = BPF(text="int kvbench_empty(void *ctx) { return 0; }")

@@ -59,19 +59,6 @@
 #include <sys/sdt.h>
 
 /*
- * On x86-64 each site is a 5-byte nop, not sdt.h's 1-byte one.  From Linux
- * 6.18 the kernel turns a uprobe on a 5-byte nop into a call to a
- * trampoline after its first hit, and each later hit enters the kernel by
- * the uprobe syscall instead of an int3 trap (arch_uprobe_optimize).  Older
- * kernels trap on it as on the 1-byte nop.  The encoding is the one the
- * kernel checks for, 0f 1f 44 00 00, is the assembler's 5-byte nop.
- */
-#if defined(__x86_64__)
-#undef _SDT_NOP
-#define _SDT_NOP .nops 5
-#endif
-
-/*
  * One semaphore per probe.  Weak + hidden: every translation unit that
  * includes this header may define it, the linker keeps one per shared
  * object, and two libraries never share (interpose) a semaphore.

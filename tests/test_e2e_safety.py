@@ -7,18 +7,14 @@ own check of the KV bytes it wrote, its semaphores and its code read through
 
 import json
 import os
-import re
 import signal
-import subprocess
 import time
 
 import numpy as np
 import pytest
-from elftools.elf.elffile import ELFFile
 
-from conftest import (KVSIM_LIB, WRITE_OPS, Kvsim, Tracer, assert_matches_truth, code_byte,
-                      code_differences, read_line, readelf_probes, semaphore_values,
-                      uprobe_events)
+from conftest import (WRITE_OPS, Kvsim, Tracer, assert_matches_truth, code_differences,
+                      read_line, readelf_probes, semaphore_values, uprobe_events)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -165,69 +161,6 @@ def test_100_attach_detach_cycles_leave_kvsim_intact(tmp_path):
         assert truth["rounds_done"] == 2 * CYCLES
         assert truth["kv_checksum_ok"] is True
         assert bpf.read_globals()["foreign"] == 0
-    finally:
-        if bpf is not None:
-            bpf.close()
-        sim.kill()
-
-
-NOP5 = bytes.fromhex("0f1f440000")  # the one 5-byte nop the kernel optimizes
-
-
-def _site_offsets(path):
-    """File offsets of path's USDT sites, from the notes' addresses as
-    binutils' readelf prints them, through the ELF's own segments."""
-    out = subprocess.run(["readelf", "-n", str(path)], check=True, capture_output=True,
-                         text=True).stdout
-    vaddrs = [int(x, 16) for x in re.findall(r"Location: (0x[0-9a-f]+)", out)]
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        return [next(elf.address_offsets(v)) for v in vaddrs]
-
-
-def _kernel_optimizes_uprobes():
-    """Linux 6.18+ on x86-64: the uprobe syscall that optimized sites enter by."""
-    with open("/proc/kallsyms") as f:
-        return any(line.rstrip().endswith(" __x64_sys_uprobe") for line in f)
-
-
-def test_sites_are_5_byte_nops_optimized_while_attached_and_restored(tmp_path):
-    """Every probe site is the 5-byte nop (bpf/kvtrace_probes.h).  Where the
-    kernel optimizes uprobes, a site that fired is a call into the kernel's
-    trampoline page while attached; after detaching the code is the file's
-    again, byte for byte."""
-    from tracer import discover
-    from tracer.session import Tracer as BpfTracer
-
-    sites = _site_offsets(KVSIM_LIB)
-    assert len(sites) == len(readelf_probes())
-    with open(KVSIM_LIB, "rb") as f:
-        code = f.read()
-    assert [code[o:o + 5] for o in sites] == [NOP5] * len(sites)
-
-    sim = Kvsim(tmp_path, "swap", "--rounds", 2)
-    bpf = None
-    try:
-        bpf = BpfTracer()
-        bpf.attach(sim.pid, discover.process_probe_files(sim.pid))
-        truth = run_round(sim, last=False)
-        assert sum(o["calls"] for o in truth["ops"].values()) > 0
-        diffs = code_differences(sim.pid)
-        assert diffs, "attached, yet the code is the file's"
-        # the kernel changes the sites and nothing else
-        assert all(any(o <= d < o + 5 for o in sites) for d in diffs), diffs
-        # each site an int3, or once it fired where the kernel optimizes,
-        # a call into the trampoline page
-        first = [code_byte(sim.pid, os.path.realpath(KVSIM_LIB), o) for o in sites]
-        if _kernel_optimizes_uprobes():
-            assert 0xE8 in first and set(first) <= {0xCC, 0xE8}, first
-            with open(f"/proc/{sim.pid}/maps") as f:
-                assert "[uprobes-trampoline]" in f.read()
-        else:
-            assert set(first) == {0xCC}, first
-        bpf.detach()
-        assert code_differences(sim.pid) == []
-        run_round(sim, last=True)  # untraced; kvsim checks its KV bytes
     finally:
         if bpf is not None:
             bpf.close()
