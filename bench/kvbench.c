@@ -6,7 +6,9 @@
  *   kvbench loop --ops N --reps R --slots S1,S2,...
  *       Tight loop: N / (1 + S / 64) ops of S slots each (about the same
  *       time for every S), timed per (rep, S); one JSON line
- *       per measurement on stdout.  Built twice (bench/Makefile): with the
+ *       per measurement on stdout, and at the end one "TRUTH {...}" line:
+ *       the calls, slots (entries), tokens and distinct blocks per op
+ *       summed over every op the site saw, warm-up included.  Built twice (bench/Makefile): with the
  *       probe compiled in (kvbench) and compiled out (kvbench-noprobes,
  *       -DKVTRACE_DISABLE_PROBES), so that the site's own cost shows.
  *
@@ -146,6 +148,36 @@ static uint64_t parse_u64(const char *flag, const char *v)
 	return x;
 }
 
+/* What the loop passed to its site, in this program's own terms, summed by
+ * arithmetic outside the timed loops: the ground truth a traced run's
+ * counters must equal (one "TRUTH {...}" line on stdout at the end). */
+static struct {
+	uint64_t calls, items, tokens, distinct;
+} passed;
+
+/* Distinct blocks among the first n entries of table_buf. */
+static uint64_t table_distinct(int64_t n)
+{
+	static uint8_t seen[NUM_BLOCKS];
+	uint64_t d = 0;
+	memset(seen, 0, sizeof(seen));
+	for (int64_t i = 0; i < n; i++)
+		if (!seen[table_buf[i]]++)
+			d++;
+	return d;
+}
+
+static void count_passed(int table, int64_t n, uint64_t nops)
+{
+	passed.calls += nops;
+	passed.items += nops * (uint64_t)n;
+	if (table) {
+		/* one row per op, seq_len = n * BLOCK_SIZE (attention() passes it) */
+		passed.tokens += nops * (uint64_t)n * BLOCK_SIZE;
+		passed.distinct += nops * table_distinct(n);
+	}
+}
+
 static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 		    int nsizes, int pause, int table)
 {
@@ -155,9 +187,11 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 	for (int64_t i = 0; i < MAX_SLOTS; i++)
 		table_buf[i] = (int32_t)(1 + i % (NUM_BLOCKS - 1));
 	/* warm up: page in the KV buffer, settle the frequency */
-	for (int s = 0; s < nsizes; s++)
+	for (int s = 0; s < nsizes; s++) {
 		for (uint64_t k = 0; k < ops / 10 + 1; k++)
 			loop_op(table, sizes[s], k);
+		count_passed(table, sizes[s], ops / 10 + 1);
+	}
 	for (uint64_t r = 0; r < reps; r++) {
 		for (int s = 0; s < nsizes; s++) {
 			/* about the same time per size: fewer ops when large */
@@ -168,6 +202,7 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 			for (uint64_t k = 0; k < nops; k++)
 				loop_op(table, n, k);
 			uint64_t dt = now_ns() - t0;
+			count_passed(table, n, nops);
 			printf("{\"rep\": %" PRIu64 ", \"slots\": %" PRId64
 			       ", \"ops\": %" PRIu64 ", \"ns\": %" PRIu64
 			       ", \"table\": %s, \"probes\": %s}\n",
@@ -181,6 +216,9 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 			fflush(stdout);
 		}
 	}
+	printf("TRUTH {\"calls\": %" PRIu64 ", \"items\": %" PRIu64
+	       ", \"tokens\": %" PRIu64 ", \"distinct\": %" PRIu64 "}\n",
+	       passed.calls, passed.items, passed.tokens, passed.distinct);
 	return 0;
 }
 

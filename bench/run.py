@@ -132,8 +132,10 @@ def loop_run(argv):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def traced_loop(tracer_obj, argv):
-    """Run a kvbench that waits (--pause) with the tracer attached; its lines."""
+def traced_loop(tracer_obj, argv, truth=None):
+    """Run a kvbench that waits (--pause) with the tracer attached; its lines.
+    truth: a dict to fill with kvbench's own account of what its site was
+    passed (its TRUTH line)."""
     p = subprocess.Popen(argv + ["--pause"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -151,6 +153,9 @@ def traced_loop(tracer_obj, argv):
             p.kill()
         p.wait()
         tracer_obj.detach()
+    if truth is not None:
+        truth.update(json.loads(next(line[len("TRUTH "):] for line in out.splitlines()
+                                     if line.startswith("TRUTH "))))
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -319,13 +324,20 @@ def row_reads(q, res):
                                "--slots", sizes]):
                 dst[m["slots"]].append(m["ns"] / m["ops"])
     tr = Tracer(max_procs=4)
+    passed = {}
     try:
         for m in traced_loop(tr, [str(KVBENCH), "loop", "--table", "--ops", str(ops // 10),
-                                  "--reps", str(reps), "--slots", sizes]):
+                                  "--reps", str(reps), "--slots", sizes], truth=passed):
             c[m["slots"]].append(m["ns"] / m["ops"])
         raw = tr.read_maps()
     finally:
         tr.close()
+    # the counters against kvbench's own sums: a probe that read its
+    # arguments wrong (or a site that disturbed the target) shows here
+    [g] = raw["groups"]
+    counted = {"calls": g["steps"], "items": g["reads"], "tokens": g["tokens"],
+               "distinct": g["distinct"]}
+    lost = {k: g[k] for k in ("null_entries", "out_of_range", "truncated", "read_errors")}
 
     def per_entry(d):
         return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
@@ -333,7 +345,8 @@ def row_reads(q, res):
     a_med, a_entry_med = statistics.median(a[1]), statistics.median(per_entry(a))
     res["reads"] = {
         "ops_per_measurement_1_entry": ops, "big_entries": big,
-        "reads_counted": sum(g["reads"] for g in raw["groups"]),
+        "reads_counted": g["reads"], "counted": counted, "passed": passed,
+        "not_counted": lost, "counts_equal_truth": counted == passed and not any(lost.values()),
         "a_ns_per_op": stats(a[1]), "b_ns_per_op": stats(b[1]), "c_ns_per_op": stats(c[1]),
         "b_over_a": stats([y / x for x, y in zip(a[1], b[1])]),
         "attached_ns_per_op": stats([x - a_med for x in c[1]]),
@@ -977,6 +990,8 @@ def table_rows(res):
         add("8 read attached adds, per op", s["attached_ns_per_op"], "ns/op")
         add("8 read attached adds, per entry", s["attached_ns_per_entry"], "ns/entry",
             "reads.attached_ns_per_entry")
+        note("8 traced counts = kvbench's own", fmt(s["counts_equal_truth"]), "exact",
+             "met" if s["counts_equal_truth"] else "MISSED")
     s = res.get("stress")
     if s:
         add("2 kvsim stress untraced", s["untraced_slots_per_s"], "slots/s")

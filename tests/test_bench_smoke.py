@@ -2,8 +2,8 @@
 
 A smoke test, not a benchmark: no figure is compared with a goal or with
 another figure here.  What it does check beside the shape of the results are
-the properties that hold at any speed: the exact counters equal the driver's
-and kvsim's own ground truth at every rate, and every per-op record is either
+the properties that hold at any speed: the exact counters (writes, and the
+read site's) equal the driver's and kvsim's own ground truth at every rate, and every per-op record is either
 delivered or counted lost."""
 
 import json
@@ -36,6 +36,14 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
                 "attached_ns_per_slot"):
         check_stats(site[key], f"site.{key}")
     assert site["traced_calls_counted"] > 0
+
+    reads = res["reads"]  # row 8: the read site, its counts against kvbench's own
+    for key in ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "b_over_a",
+                "attached_ns_per_op", "attached_ns_per_entry"):
+        check_stats(reads[key], f"reads.{key}")
+    assert reads["passed"]["calls"] > 0
+    assert reads["counted"] == reads["passed"], (reads["counted"], reads["passed"])
+    assert not any(reads["not_counted"].values()), reads["not_counted"]
 
     stress = res["stress"]
     for key in ("untraced_slots_per_s", "traced_slots_per_s", "ratio", "records", "lost"):
