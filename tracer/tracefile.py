@@ -509,11 +509,39 @@ def reuse_freed_memory():
     mallopt(-2, 1 << 30)  # M_TOP_PAD: grow the heap 1 GiB at a time
 
 
+def no_huge_page_advice():
+    """Have numpy stop asking for transparent huge pages, unless the user
+    chose (NUMPY_MADVISE_HUGEPAGE, numpy's documented switch, read only at
+    its import).
+
+    numpy madvises every array of 4 MiB or more MADV_HUGEPAGE.  Where THP
+    is "madvise" (Debian's default), a first touch of such memory then
+    takes a huge page, compacting memory for it first if none is free.  On
+    this project's VM that costs more than it saves once memory is
+    fragmented (after a few large runs): `report --format json` of row 6's
+    1.2 GB trace, with and without, alternated 3 times: system time
+    15.5/10.6/11.2 -> 7.0/7.3/7.4 s, wall 43.1/38.9/43.7 -> 36.0/40.3/34.0 s,
+    the same output; decoding alone 2.7-4.5 s -> 1.0 s in one such phase,
+    about equal in another (docs/bench.md, stop 28)."""
+    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        return
+    try:  # numpy 2's place, then numpy 1's
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage
+        except ImportError:
+            return
+    _set_madvise_hugepage(False)
+
+
 def load(path: str, partial: bool = False, warn=None) -> Trace:
     """read(), for the CLI: damage is a DataError unless partial, in which
     case the intact prefix is used and warn(message) is told.  The process
-    is one that analyses the trace and exits (reuse_freed_memory)."""
+    is one that analyses the trace and exits (reuse_freed_memory,
+    no_huge_page_advice)."""
     reuse_freed_memory()
+    no_huge_page_advice()
     trace = read(path)
     if trace.damage:
         what = (f"{path}: {trace.damage}; {len(trace.batches)} intact batches "
