@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, run_kvtrace
+from conftest import ROOT, assert_one_line_error, run_kvtrace
 from tracer import abi, stream, tracefile
 from tracer.errors import DataError
 
@@ -251,3 +251,26 @@ def test_a_trace_from_before_reads_still_reads():
     assert r.returncode == 0, r.stderr
     assert sum(int(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines()) == \
         truth["slots_written"]
+
+
+@pytest.mark.parametrize("env, advised", [(None, False), ("1", True), ("0", False)])
+def test_loading_a_trace_stops_numpys_huge_page_advice_unless_the_user_chose(
+        trace_path, env, advised):
+    """tracefile.load() turns numpy's MADV_HUGEPAGE off for the offline
+    commands (no_huge_page_advice), but a NUMPY_MADVISE_HUGEPAGE the user
+    set is theirs to keep.  In a child: the setting is process-wide."""
+    import subprocess
+    import sys
+    environ = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if env is not None:
+        environ["NUMPY_MADVISE_HUGEPAGE"] = env
+    code = ("import sys; from numpy._core.multiarray import _get_madvise_hugepage as get\n"
+            "from tracer import tracefile\n"
+            "before = get(); tracefile.load(sys.argv[1]); print(before, get())")
+    r = subprocess.run([sys.executable, "-c", code, str(trace_path)], env=environ,
+                       cwd=ROOT,
+                       capture_output=True, text=True, check=True)
+    before, after = r.stdout.split()
+    assert after == str(advised), r.stdout
+    if env is not None:  # numpy read the user's choice at import; load kept it
+        assert before == after
