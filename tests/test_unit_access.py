@@ -269,3 +269,28 @@ def test_request_access_against_a_plain_reading(times):
     few = sorted(want)[::3]
     part, part_stats = access.request_access(ops, tables, t0_ns=0, only=few)
     assert part == {r: got[r] for r in few} and part_stats == stats
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a limit of inferring requests from the table alone (docs/access.md, "
+    "'Prefix reuse'): a finished request whose row, its last block full, is a "
+    "prefix of a later row is taken to continue into it"))
+def test_prefix_reuse_the_next_turn_of_a_finished_conversation():
+    # block size 4.  A: a 7-token prefill into blocks 1, 2, then its last
+    # step writes its 8th token (slot 11): both blocks full, A finishes.
+    # B, the conversation's next turn, starts with A's 8 tokens, finds
+    # blocks 1 and 2 in the cache and computes 3 more into block 3.  B is
+    # a new request that reused 2 blocks; the table alone cannot tell it
+    # from A taking a 3-token chunk (a continuing row writes exactly that).
+    ops = op_stream([
+        (WRITE, LEADER, [4, 5, 6, 7, 8, 9, 10], True),
+        (stream.TABLE_OP_ID, GROUP, [7, 1, 2], True),
+        (WRITE, LEADER, [11], True),
+        (stream.TABLE_OP_ID, GROUP, [8, 1, 2], True),
+        (WRITE, LEADER, [12, 13, 14], True),
+        (stream.TABLE_OP_ID, GROUP, [11, 1, 2, 3], True),
+    ])
+    st = access.steps_of(ops, groups(4))[0]
+    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
+                   "steps_without_writes": 0}
