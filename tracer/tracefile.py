@@ -515,7 +515,7 @@ def no_huge_page_advice():
     its import).
 
     numpy madvises every array of 4 MiB or more MADV_HUGEPAGE.  Where THP
-    is "madvise" (Debian's default), a first touch of such memory then
+    is "madvise" (as on this VM), a first touch of such memory then
     takes a huge page, compacting memory for it first if none is free.  On
     this project's VM that costs more than it saves once memory is
     fragmented (after a few large runs): `report --format json` of row 6's
