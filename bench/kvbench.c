@@ -8,9 +8,10 @@
  *       time for every S), timed per (rep, S); one JSON line
  *       per measurement on stdout, and at the end one "TRUTH {...}" line:
  *       the calls, slots (entries), tokens and distinct blocks per op
- *       summed over every op the site saw, warm-up included.  Built twice (bench/Makefile): with the
- *       probe compiled in (kvbench) and compiled out (kvbench-noprobes,
- *       -DKVTRACE_DISABLE_PROBES), so that the site's own cost shows.
+ *       summed over every op the site saw, warm-up included.  Built twice
+ *       (bench/Makefile): with the probe compiled in (kvbench) and compiled
+ *       out (kvbench-noprobes, -DKVTRACE_DISABLE_PROBES), so that the
+ *       site's own cost shows.
  *
  *   kvbench loop --table --ops N --reps R --slots E1,E2,...
  *       The same loop over an attention-like op instead: one request row

@@ -153,10 +153,11 @@ def traced_loop(tracer_obj, argv, truth=None):
             p.kill()
         p.wait()
         tracer_obj.detach()
+    lines = out.splitlines()
     if truth is not None:
-        truth.update(json.loads(next(line[len("TRUTH "):] for line in out.splitlines()
+        truth.update(json.loads(next(line[len("TRUTH "):] for line in lines
                                      if line.startswith("TRUTH "))))
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 class BpfRunTime:

@@ -3,8 +3,8 @@
 A smoke test, not a benchmark: no figure is compared with a goal or with
 another figure here.  What it does check beside the shape of the results are
 the properties that hold at any speed: the exact counters (writes, and the
-read site's) equal the driver's and kvsim's own ground truth at every rate, and every per-op record is either
-delivered or counted lost."""
+read site's) equal the driver's and kvsim's own ground truth at every rate,
+and every per-op record is either delivered or counted lost."""
 
 import json
 import math

@@ -5,6 +5,8 @@ records built here in the layouts of bpf/kvtrace.h."""
 import json
 import os
 import struct
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -259,8 +261,6 @@ def test_loading_a_trace_stops_numpys_huge_page_advice_unless_the_user_chose(
     """tracefile.load() turns numpy's MADV_HUGEPAGE off for the offline
     commands (no_huge_page_advice), but a NUMPY_MADVISE_HUGEPAGE the user
     set is theirs to keep.  In a child: the setting is process-wide."""
-    import subprocess
-    import sys
     environ = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
     if env is not None:
         environ["NUMPY_MADVISE_HUGEPAGE"] = env
@@ -268,8 +268,7 @@ def test_loading_a_trace_stops_numpys_huge_page_advice_unless_the_user_chose(
             "from tracer import tracefile\n"
             "before = get(); tracefile.load(sys.argv[1]); print(before, get())")
     r = subprocess.run([sys.executable, "-c", code, str(trace_path)], env=environ,
-                       cwd=ROOT,
-                       capture_output=True, text=True, check=True)
+                       cwd=ROOT, capture_output=True, text=True, check=True)
     before, after = r.stdout.split()
     assert after == str(advised), r.stdout
     if env is not None:  # numpy read the user's choice at import; load kept it
