@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import dense
+from tracer import access, tracefile
+from tracer.cmd_report import Report
 from test_e2e_record import folded, record, report_json
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 LIVE_SET = ("step", "requests", "reads", "distinct", "tokens", "null_entries", "held_tokens")
 
 
-@pytest.mark.parametrize("workload", ["prefix", "default", "swap", "window"])
+@pytest.mark.parametrize("workload", ["prefix", "default", "swap", "window", "beam"])
 def test_report_access_matches_truth(tmp_path, workload):
     trace, truth = record(tmp_path, workload, "--truth-steps")
     reads = truth["reads"]
@@ -44,9 +46,17 @@ def test_report_access_matches_truth(tmp_path, workload):
     # sharing: the most requests on one block at one step, from the histogram
     assert max(d for d, _ in acc["sharing_max_by_block"]) == \
         max(d for d, _ in reads["sharing"])
-    # prefix reuse: blocks a request found in the cache at its first step
-    assert acc["prefix_reuse"]["blocks"] == truth["prefix_hits"]
-    assert acc["prefix_reuse"]["steps_without_writes"] == 0
+    # prefix reuse: blocks a request found in the cache at its first step.
+    # kvsim fires step_reqs, so the report knows each row's request by name;
+    # the reading from the rows alone (a trace without step_reqs) must agree
+    reuse = acc["prefix_reuse"]
+    assert reuse["by"] == "request ids"
+    assert (reuse["blocks"], reuse["requests"]) == (truth["prefix_hits"], truth["requests"])
+    assert reuse["steps_without_writes"] == 0
+    rows_only = prefix_reuse_from_rows(trace)
+    assert rows_only["by"] == "rows" and rows_only["steps_without_writes"] == 0
+    if workload != "beam":  # from the rows, a fork reads its parent's blocks as reuse
+        assert rows_only["blocks"] == truth["prefix_hits"]
     # the read heatmap holds every read once
     assert doc["heatmap"]["what"].startswith("block reads")
     assert sum(map(sum, doc["heatmap"]["reads"])) == reads["reads"]
@@ -56,8 +66,17 @@ def test_report_access_matches_truth(tmp_path, workload):
     assert group["reads_per_block"] == reads["per_block"]
     assert group["last_read_step"] == reads["last_step"]
     if workload == "prefix":
-        assert acc["prefix_reuse"]["requests"] == truth["requests"]
+        assert rows_only["requests"] == truth["requests"]
         assert truth["prefix_hits"] > 0 and acc["sharing_mean"] > 1
+
+
+def prefix_reuse_from_rows(trace):
+    """The report's prefix reuse of the trace's one group as a trace
+    without step_reqs gets it: inferred from the rows and the writes."""
+    rep = Report(tracefile.load(str(trace)))
+    (rows,) = rep.rows
+    (group,) = rep.groups
+    return access.prefix_reuse(rep.ops, rows, group["leader"])
 
 
 def test_export_weighted_by_reads_matches_truth(tmp_path):

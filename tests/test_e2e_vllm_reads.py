@@ -403,9 +403,15 @@ def test_reads_exact_prefix_caching_on(tmp_path, model, no_leftovers):
     assert (pacc["reads"], pacc["distinct"]) == (group["reads"], group["distinct"])
     assert acc["reads"] == group["reads"] and acc["distinct"] == group["distinct"]
     assert acc["held_tokens"] == group["held_tokens"]
+    assert acc["prefix_reuse"]["by"] == "rows"  # the worker has no step_reqs
     assert acc["prefix_reuse"]["requests"] == len(generated["requests"])
     assert acc["prefix_reuse"]["steps_without_writes"] == 0
     assert acc["prefix_reuse"]["blocks"] * bs == cache["hits"]
+    # the plugin's group has no layers, hence no writes, but step_reqs
+    # names its rows: the same figure, by request id
+    assert pacc["prefix_reuse"]["by"] == "request ids"
+    assert pacc["prefix_reuse"]["requests"] == len(generated["requests"])
+    assert pacc["prefix_reuse"]["blocks"] * bs == cache["hits"]
 
 
 def test_reads_exact_chunked_prefill(tmp_path, model, no_leftovers):

@@ -128,7 +128,7 @@ def test_prefix_reuse_two_rows_wanting_one_earlier_row():
     st = access.steps_of(ops, groups(4))[0]
     got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
     assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
-                   "steps_without_writes": 0}
+                   "steps_without_writes": 0, "by": "rows"}
 
 
 def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
@@ -145,7 +145,7 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
     st = access.steps_of(ops, groups(4))[0]
     got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
     assert got == {"requests": 2, "blocks": 1, "per_block": {1: 1},
-                   "steps_without_writes": 1}
+                   "steps_without_writes": 1, "by": "rows"}
 
 
 def step_reqs_and_tables(records, bs, ts_ns=None):
@@ -293,4 +293,68 @@ def test_prefix_reuse_the_next_turn_of_a_finished_conversation():
     st = access.steps_of(ops, groups(4))[0]
     got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
     assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
-                   "steps_without_writes": 0}
+                   "steps_without_writes": 0, "by": "rows"}
+
+
+# -- prefix reuse by request id, where step_reqs names the rows ---------------------
+
+SR = stream.STEP_REQS_OP_ID
+A, B, C = 0xA1, 0xB2, 0xC3
+
+
+def test_prefix_reuse_by_name_settles_the_next_turn():
+    """The conversation above, with step_reqs naming each step's rows: B is
+    new by its name, and found A's blocks 1 and 2 cached (11 tokens, 3
+    computed: 8 = 2 blocks before them)."""
+    records = [
+        (SR, 0, [A, 7], True), (WRITE, LEADER, [4, 5, 6, 7, 8, 9, 10], True),
+        (stream.TABLE_OP_ID, GROUP, [7, 1, 2], True),
+        (SR, 0, [A, 1], True), (WRITE, LEADER, [11], True),
+        (stream.TABLE_OP_ID, GROUP, [8, 1, 2], True),
+        (SR, 0, [B, 3], True), (WRITE, LEADER, [12, 13, 14], True),
+        (stream.TABLE_OP_ID, GROUP, [11, 1, 2, 3], True),
+    ]
+    ops, (rows,) = step_reqs_and_tables(records, 4)
+    got = access.prefix_reuse(ops, rows, LEADER, access.step_requests(ops))
+    assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
+                   "steps_without_writes": 0, "by": "request ids"}
+
+
+# Block size 4.  Step 1: A prefills 6 tokens (blocks 3, 4).  Step 2: A and a
+# sequence forked from it (A's name again, a second row on A's blocks).
+# Step 3: C's first step, a chunk: 12 tokens, 4 computed, so 8 found cached,
+# A's blocks 3 and 4 (A is not scheduled: preempted).  Step 4: A is back on
+# its blocks, and C goes on.  New by name: A and C; reused: C's 2 blocks.
+# The fork and A's return are not new.
+STEPS_NAMED = [
+    (SR, 0, [A, 6], True), (WRITE, LEADER, [12, 13, 14, 15, 16, 17], True),
+    (stream.TABLE_OP_ID, GROUP, [6, 3, 4], True),
+    (SR, 0, [A, A, 1, 0], True), (WRITE, LEADER, [18], True),
+    (stream.TABLE_OP_ID, GROUP, [7, 3, 4, 6, 3, 4], True),
+    (SR, 0, [C, 4], True), (WRITE, LEADER, [32, 33, 34, 35], True),
+    (stream.TABLE_OP_ID, GROUP, [12, 3, 4, 8], True),
+    (SR, 0, [A, C, 1, 4], True), (WRITE, LEADER, [19, 36, 37, 38, 39], True),
+    (stream.TABLE_OP_ID, GROUP, [8, 3, 4, 16, 3, 4, 8, 9], True),
+]
+NAMED_WANT = {"requests": 2, "blocks": 2, "per_block": {3: 1, 4: 1},
+              "steps_without_writes": 0, "by": "request ids"}
+
+
+@pytest.mark.parametrize("leader", [LEADER, None], ids=["op tier", "no layers"])
+def test_prefix_reuse_by_name_forks_and_returns_are_not_new(leader):
+    """A group with no layer of its own in the trace (the plugin tier's, in
+    vLLM's engine core) gets the figure too: it needs no writes."""
+    ops, (rows,) = step_reqs_and_tables(STEPS_NAMED, 4)
+    assert access.prefix_reuse(ops, rows, leader, access.step_requests(ops)) == NAMED_WANT
+
+
+def test_prefix_reuse_falls_back_to_rows_when_a_step_is_unnamed():
+    """Step 3's step_reqs record lost: step 3 is nobody's, so the names
+    cannot say whose first step it was; the rows' reading is used, as
+    without step_reqs at all; without a leader layer there is none."""
+    records = STEPS_NAMED[:6] + STEPS_NAMED[7:]
+    ops, (rows,) = step_reqs_and_tables(records, 4)
+    sr = access.step_requests(ops)
+    got = access.prefix_reuse(ops, rows, LEADER, sr)
+    assert got["by"] == "rows" and got == access.prefix_reuse(ops, rows, LEADER)
+    assert access.prefix_reuse(ops, rows, None, sr) is None

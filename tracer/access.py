@@ -331,11 +331,17 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
     return scan_reads(step_of, block, ts_ns, gen_block, gen_start_ns).idle
 
 
-def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
+def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dict:
     """Prefix reuse: blocks a request read at its first step that it did not
     write (docs/access.md), i.e. blocks it found in the cache (vLLM's
     prefix-cache hits, in blocks) or shares with the sequence it was forked
     from, rather than computed.
+
+    Where the plugin tier's step_reqs (requests: step_requests()) names
+    every complete step of the group, the requests are known by name and
+    the figure is exact: _prefix_reuse_by_name.  Otherwise it is inferred
+    from the rows and the leader layer's writes, below; leader None (a
+    group with no layer of its own in the trace): None.
 
     A request has no id in the table, so it is followed by its row from
     step to step: a row continues an earlier request's row when that row is
@@ -359,12 +365,19 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
 
     Returns {"requests": first steps seen, "blocks": reused blocks,
     "per_block": {block: times reused}, "steps_without_writes": steps
-    whose writes were not found}."""
+    whose writes were not found, "by": "request ids" or "rows"}."""
+    if requests is not None:
+        named = _prefix_reuse_by_name(rows, requests)
+        if named is not None:
+            return named
+    if leader is None:
+        return None
     o = ops.ops
     steps = rows.steps
     bs = steps.block_size
     if bs <= 0:  # no block size: no row can be split (a damaged trace)
-        return {"requests": 0, "blocks": 0, "per_block": {}, "steps_without_writes": 0}
+        return {"requests": 0, "blocks": 0, "per_block": {}, "steps_without_writes": 0,
+                "by": "rows"}
     order = np.argsort(o["seq"], kind="stable")
     seqs = o["seq"][order]
     mine = (o["pid"][order] == steps.pid) & (o["cache_id"][order] == leader) & \
@@ -543,7 +556,39 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader: int) -> dict:
             out_blocks += c
             per_block[blk] = per_block.get(blk, 0) + c
     return {"requests": new_rows, "blocks": out_blocks, "per_block": per_block,
-            "steps_without_writes": missing}
+            "steps_without_writes": missing, "by": "rows"}
+
+
+def _prefix_reuse_by_name(rows: Rows, sr: "StepRequests"):
+    """Prefix reuse where step_reqs names every complete step's rows: a
+    request's first step is the first one that names it, and what it found
+    cached is its rows' blocks below seq_len - the tokens it computes there
+    (whole blocks: vLLM's hit is num_computed_tokens at admission, always a
+    multiple of the block size).  A swapped-in or re-admitted request, or a
+    sequence forked from its parent, keeps its name and is not new here,
+    as in vLLM's own counters (preemptions count apart there).  No writes
+    are needed, so a group of the plugin tier, which has no layers, gets
+    the figure too.  None where any complete step is unnamed (a lost
+    record): the caller infers it from the rows instead."""
+    named = name_rows(sr, rows)
+    st = rows.steps
+    if named is None or st.block_size <= 0:
+        return None
+    ok, row, el = named
+    if not len(row) or not np.all(ok | ~st.complete):
+        return None
+    req = sr.req[el]
+    step = rows.step_of_row[row]
+    _, first, inv = np.unique(req, return_index=True, return_inverse=True)
+    is_first = step == step[first][inv.ravel()]  # every row of a request's first step
+    r = row[is_first]
+    cached = np.clip(rows.seq[r] - sr.tokens[el[is_first]], 0, None) // st.block_size
+    held = rows.entries[stream.ranges(rows.start[r], np.clip(np.minimum(cached, rows.length[r]),
+                                                             0, None))]
+    blocks, n = np.unique(held[held > 0], return_counts=True)
+    return {"requests": len(first), "blocks": int(n.sum()),
+            "per_block": dict(zip(blocks.tolist(), n.tolist())),
+            "steps_without_writes": 0, "by": "request ids"}
 
 
 # -- per request: the plugin tier's step_reqs names each block-table row --------
@@ -571,6 +616,28 @@ def step_requests(ops: stream.OpStream) -> StepRequests:
                         vals[stream.ranges(start + n, n)].astype(np.int64))
 
 
+def name_rows(sr: StepRequests, rows: Rows):
+    """Whose each row of one group is: a table is named by its process's
+    latest step_reqs op before it when that op has as many requests as the
+    table rows and no table of the same group lies between them (a lost
+    record leaves the table unnamed, never given to the step before).
+    Returns None where the process has no step_reqs (or the group no step);
+    else (ok: per step, named; row: the named steps' rows, in order; el:
+    each one's place in sr.req and sr.tokens)."""
+    st = rows.steps
+    mine = np.flatnonzero(sr.pid == st.pid)
+    if not len(mine) or not len(st):
+        return None
+    at = np.searchsorted(sr.pos[mine], st.index) - 1
+    ok = at >= 0
+    j = mine[np.maximum(at, 0)]
+    prev_table = np.concatenate([[-1], st.index[:-1]])
+    nrows = np.diff(rows.row_lo)
+    ok &= st.complete & (sr.pos[j] > prev_table) & (sr.lo[j + 1] - sr.lo[j] == nrows)
+    k = np.flatnonzero(ok)
+    return ok, stream.ranges(rows.row_lo[k], nrows[k]), stream.ranges(sr.lo[j[k]], nrows[k])
+
+
 def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
                    only=None) -> tuple:
     """Per request (its hash), what it wrote and read, from the plugin tier:
@@ -580,11 +647,8 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     {"steps": tables matched, "unmatched": tables of a process with
     step_reqs that no complete step_reqs op names}).
 
-    A table matches the process's latest step_reqs op before it when that op
-    has as many requests as the table rows and no table of the same group
-    lies between them (a lost record leaves the table unmatched, never
-    given to the step before).  only: the request hashes wanted (a view
-    that shows a few); None: all."""
+    Tables are matched to step_reqs ops by name_rows.  only: the request
+    hashes wanted (a view that shows a few); None: all."""
     sr = step_requests(ops)
     out, stats = {}, {"steps": 0, "unmatched": 0}
     if not len(sr.pos):
@@ -605,23 +669,16 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     parts = []
     for rows in all_rows:
         st = rows.steps
-        mine = np.flatnonzero(sr.pid == st.pid)
-        if not len(mine) or not len(st):
+        named = name_rows(sr, rows)
+        if named is None:
             continue
-        at = np.searchsorted(sr.pos[mine], st.index) - 1
-        ok = at >= 0
-        j = mine[np.maximum(at, 0)]
-        prev_table = np.concatenate([[-1], st.index[:-1]])
-        nrows = np.diff(rows.row_lo)
-        ok &= st.complete & (sr.pos[j] > prev_table) & (sr.lo[j + 1] - sr.lo[j] == nrows)
+        ok, row, el = named
         stats["steps"] += int(ok.sum())
         stats["unmatched"] += int((~ok).sum())
-        k = np.flatnonzero(ok)
-        if not len(k):
+        if not len(row):
             continue
-        row = stream.ranges(rows.row_lo[k], nrows[k])
-        el = stream.ranges(sr.lo[j[k]], nrows[k])
-        ts = np.repeat(st.ts_ns[k], nrows[k])
+        k = np.flatnonzero(ok)
+        ts = np.repeat(st.ts_ns[k], np.diff(rows.row_lo)[k])
         if only is not None:
             keep = wanted[inv[el]]
             row, el, ts = row[keep], el[keep], ts[keep]

@@ -111,6 +111,8 @@ class Report:
         self.reasons = stream_reasons(ops, trace, self.agg)
         # the plugin tier's block events (empty without the plugin)
         self.life = lifecycle.events(ops)
+        # and its step_reqs: whose each table row is (empty without it)
+        self.step_reqs = access.step_requests(ops)
 
     def first_layer_gens(self, pid):
         """The block generations of pid's first layer (None without writes)."""
@@ -424,7 +426,7 @@ def access_figures(rep: Report) -> list:
         layers = g.layers
         doc = next((d for d in rep.groups if d["pid"] == st.pid and
                     d["group_id"] == st.group_id), {})
-        reuse = access.prefix_reuse(rep.ops, rows, doc["leader"]) if "leader" in doc else None
+        reuse = access.prefix_reuse(rep.ops, rows, doc.get("leader"), rep.step_reqs)
         out.append({
             "pid": st.pid, "group": g.group, "group_id": st.group_id,
             "block_size": st.block_size, "steps": len(st), "layers": round(layers, 3),
@@ -443,7 +445,7 @@ def access_figures(rep: Report) -> list:
                 *np.unique(sharing[sharing > 0], return_counts=True))],
             "prefix_reuse": None if reuse is None else {
                 "requests": reuse["requests"], "blocks": reuse["blocks"],
-                "steps_without_writes": reuse["steps_without_writes"],
+                "steps_without_writes": reuse["steps_without_writes"], "by": reuse["by"],
                 "most_reused": sorted(([int(b), n] for b, n in reuse["per_block"].items()),
                                       key=lambda x: (-x[1], x[0]))[:5]},
             "age_s_at_end": _pcts((end_ns - last_ns[read]) / 1e9),
@@ -592,7 +594,7 @@ def access_view(figs: list, width: int) -> list:
         t.add_row("blocks read", f"{f['blocks_read']:,}")
         r = f["prefix_reuse"]
         if r is not None:
-            t.add_row("prefix reuse", f"{r['blocks']:,} blocks found cached by "
+            t.add_row(f"prefix reuse (by {r['by']})", f"{r['blocks']:,} blocks found cached by "
                       f"{r['requests']:,} requests at their first step" +
                       (f"; most reused block:times " + ", ".join(
                           f"{b}:{n}" for b, n in r["most_reused"]) if r["most_reused"] else ""))
