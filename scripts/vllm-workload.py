@@ -61,6 +61,13 @@ def main():
     p.add_argument("--fresh-prompts", action="store_true",
                    help="each batch of --repeat draws new prompts (the --shared-prefix "
                    "kept): with prefix caching and a small cache, blocks get evicted")
+    p.add_argument("--conversation", type=int, default=0, metavar="TURNS",
+                   help="the batch is one conversation of TURNS requests, one after the "
+                   "other: the first --requests entry is turn 1, and each later turn's "
+                   "prompt is the turn before's prompt and output and --turn-tokens more")
+    p.add_argument("--turn-tokens", type=int, default=24, metavar="N",
+                   help="with --conversation: new tokens each later turn adds (default "
+                   "%(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="vLLM's per-step token budget (default: vLLM's, 4096 for LLM on "
                    "the CPU); a prompt longer than what is left of it is chunked")
@@ -154,6 +161,7 @@ def main():
 
     prompts = draw()
     args.draw = draw  # --fresh-prompts: each batch after the first draws anew
+    args.user_tokens = lambda: [rng.randrange(3, vocab) for _ in range(args.turn_tokens)]
     params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
               for _, gen in requests]
 
@@ -199,7 +207,8 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
     batches = 0
     while True:
         batch = args.draw() if args.fresh_prompts and batches else prompts
-        for out in llm.generate(batch, params, use_tqdm=False):
+        for out in (converse(llm, batch[0], params[0], args) if args.conversation else
+                    llm.generate(batch, params, use_tqdm=False)):
             results.append({"prompt_len": len(out.prompt_token_ids),
                             "generated": list(out.outputs[0].token_ids)})
             request_ids.append(out.request_id)
@@ -238,6 +247,18 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
         with os.fdopen(fd, "w") as f:
             f.write(line + "\n")
     print(line, flush=True)
+
+
+def converse(llm, prompt, params, args):
+    """--conversation: each turn a request of its own, started when the turn
+    before has finished, its prompt the whole conversation so far (as a
+    chat's next turn is): with prefix caching it finds the turns before in
+    the cache."""
+    ids = list(prompt["prompt_token_ids"])
+    for turn in range(args.conversation):
+        (out,) = llm.generate([{"prompt_token_ids": ids}], [params], use_tqdm=False)
+        yield out
+        ids = ids + list(out.outputs[0].token_ids) + args.user_tokens()
 
 
 def append_line(path, obj):

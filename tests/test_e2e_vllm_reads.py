@@ -15,8 +15,9 @@ Expected values never come from the tracer.  They come from:
   vLLM's worker at the Python level (index tensors only);
 - vLLM's own prefix-cache counters (LLM.get_metrics(), in tokens).
 
-Three runs: prefix caching off; on, with a shared prefix; and chunked
-prefill (a small step budget splits the identity's first term).  The
+Four runs: prefix caching off; on, with a shared prefix; on, with a
+conversation whose turns find each other cached; and chunked prefill (a
+small step budget splits the identity's first term).  The
 recorder is checked against the identity and against what vLLM generated
 before anything of the tracer is looked at: that part holds without the
 tracer (it runs even if the tracer fails to attach).
@@ -412,6 +413,54 @@ def test_reads_exact_prefix_caching_on(tmp_path, model, no_leftovers):
     assert pacc["prefix_reuse"]["by"] == "request ids"
     assert pacc["prefix_reuse"]["requests"] == len(generated["requests"])
     assert pacc["prefix_reuse"]["blocks"] * bs == cache["hits"]
+
+
+# a conversation: turn 1 writes 57 + 8 - 1 = 64 tokens (its last sampled
+# token is never written), 2 full blocks; each later turn's prompt is the
+# turns before plus 24 new tokens, so each turn again ends on a full block
+# (96, then 128 tokens) and the next turn finds all of its blocks cached
+CONVERSATION = ("57:8", "--conversation", 3, "--turn-tokens", 24)
+
+
+def test_prefix_reuse_the_next_turn_of_a_conversation(tmp_path, model, no_leftovers):
+    """The next turn of a conversation hits every block of the turn before,
+    whose last block is full: the case the rows alone get wrong
+    (docs/access.md, "Prefix reuse").  The plugin tier names each row's
+    request, and its prefix reuse is vLLM's own hits."""
+    trace_file = tmp_path / "run.kvt"
+    plen, extra = CONVERSATION[0], CONVERSATION[1:]
+    generated, steps, doc, failure = trace_round(
+        tmp_path, model, plen, "--prefix-caching", "on", *extra, trace_file=trace_file)
+    bs = generated["block_size"]
+    hits = check_record(steps, generated)
+    prompts = [r["prompt_len"] for r in generated["requests"]]
+    assert prompts == [57, 57 + 8 + 24, 57 + 2 * (8 + 24)]
+    # every turn's written tokens fill its blocks, and the next turn finds
+    # them all: vLLM's counters and the recorder's first steps agree
+    assert all((p + len(r["generated"]) - 1) % bs == 0
+               for p, r in zip(prompts, generated["requests"]))
+    assert hits == [0, 64, 96] and generated["prefix_cache"]["hits"] == sum(hits)
+    assert check_hits_are_earlier_blocks(steps, generated, hits) == sum(hits) // bs
+
+    if failure is not None:
+        raise failure
+    r = run_kvtrace("report", trace_file, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    access = json.loads(r.stdout)["access"]
+    (pacc,) = [a for a in access if a["pid"] == traced_groups(doc, "plugin")["pid"]]
+    assert pacc["prefix_reuse"]["by"] == "request ids"
+    assert pacc["prefix_reuse"]["requests"] == 3
+    assert pacc["prefix_reuse"]["blocks"] * bs == sum(hits)
+    # the worker's rows, without names: each turn is taken for the one
+    # before continuing (the documented limit), so it sees fewer requests
+    (acc,) = [a for a in access if a["pid"] == traced_groups(doc)["pid"]]
+    assert acc["prefix_reuse"]["by"] == "rows"
+    assert acc["prefix_reuse"]["requests"] < 3
+    # the text report says which of the two each figure is
+    r = run_kvtrace("report", trace_file)
+    assert r.returncode == 0, r.stderr
+    assert "prefix reuse (by request id)" in r.stdout
+    assert "prefix reuse (inferred from rows)" in r.stdout
 
 
 def test_reads_exact_chunked_prefill(tmp_path, model, no_leftovers):

@@ -594,7 +594,8 @@ def access_view(figs: list, width: int) -> list:
         t.add_row("blocks read", f"{f['blocks_read']:,}")
         r = f["prefix_reuse"]
         if r is not None:
-            t.add_row(f"prefix reuse (by {r['by']})", f"{r['blocks']:,} blocks found cached by "
+            how = "by request id" if r["by"] == "request ids" else "inferred from rows"
+            t.add_row(f"prefix reuse ({how})", f"{r['blocks']:,} blocks found cached by "
                       f"{r['requests']:,} requests at their first step" +
                       (f"; most reused block:times " + ", ".join(
                           f"{b}:{n}" for b, n in r["most_reused"]) if r["most_reused"] else ""))
