@@ -296,6 +296,47 @@ def test_prefix_reuse_the_next_turn_of_a_finished_conversation():
                    "steps_without_writes": 0, "by": "rows"}
 
 
+def test_prefix_reuse_a_request_left_out_of_a_step_keeps_its_row():
+    # block size 4.  A prefills 6 tokens (blocks 1, 2); at step 2 only B
+    # runs (block 3: A is waiting, as when the step's token budget ran
+    # out); at step 3 A goes on into block 2.  A's row stays open while
+    # nobody writes its last block: two requests, nothing reused.  (A row
+    # is retired only when a step that does not continue it writes its
+    # last block: a finished request's.)
+    ops = op_stream([
+        (WRITE, LEADER, [4, 5, 6, 7, 8, 9], True),
+        (stream.TABLE_OP_ID, GROUP, [6, 1, 2], True),
+        (WRITE, LEADER, [12, 13], True),
+        (stream.TABLE_OP_ID, GROUP, [2, 3], True),
+        (WRITE, LEADER, [10, 14], True),
+        (stream.TABLE_OP_ID, GROUP, [7, 1, 2, 3, 3], True),
+    ])
+    st = access.steps_of(ops, groups(4))[0]
+    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    assert got == {"requests": 2, "blocks": 0, "per_block": {},
+                   "steps_without_writes": 0, "by": "rows"}
+
+
+def test_prefix_reuse_a_finished_requests_row_retires_when_its_block_is_rewritten():
+    # block size 4.  A (blocks 1, 2, 6 tokens) finishes; B gets block 2 and
+    # writes it (slots 8, 9); then C, a new request, holds blocks 1 and 2
+    # and writes a token into block 3.  A's row was retired at B's step, so C is new
+    # and found blocks 1 and 2 cached; kept open, A's row would have
+    # swallowed C as A going on.
+    ops = op_stream([
+        (WRITE, LEADER, [4, 5, 6, 7, 8, 9], True),
+        (stream.TABLE_OP_ID, GROUP, [6, 1, 2], True),
+        (WRITE, LEADER, [8, 9], True),
+        (stream.TABLE_OP_ID, GROUP, [2, 2], True),
+        (WRITE, LEADER, [12], True),
+        (stream.TABLE_OP_ID, GROUP, [9, 1, 2, 3], True),
+    ])
+    st = access.steps_of(ops, groups(4))[0]
+    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    assert got == {"requests": 3, "blocks": 2, "per_block": {1: 1, 2: 1},
+                   "steps_without_writes": 0, "by": "rows"}
+
+
 # -- prefix reuse by request id, where step_reqs names the rows ---------------------
 
 SR = stream.STEP_REQS_OP_ID

@@ -524,6 +524,22 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dic
             np.subtract.at(open_count, row_key[match_open], 1)
             is_open[match_open] = False
             open_rows = open_rows[is_open[open_rows]]
+        written = np.concatenate([slots // bs] + moved)
+        written_mark[keys(written)] = stamp
+        # An open row that did not go on at this step, and whose last block
+        # this step wrote, lost that block: it was freed and another
+        # request writes there now (a request that goes on has its row
+        # continued first; one left out of the step writes nothing).
+        # Nothing can continue the row any more, so it is retired, and
+        # finished requests' rows do not pile up as candidates that every
+        # later step tests.
+        if len(open_rows) and len(written):
+            key_open = row_key[open_rows]
+            gone = (written_mark[key_open] == stamp) & (key_open != nb)
+            if np.any(gone):
+                np.subtract.at(open_count, key_open[gone], 1)
+                is_open[open_rows[gone]] = False
+                open_rows = open_rows[~gone]
         np.add.at(open_count, row_key[part], 1)
         is_open[part] = True
         open_rows = np.concatenate([open_rows, part])
@@ -543,8 +559,6 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dic
         blocks, n = np.unique(held[held != 0], return_counts=True)
         running = ek[np.repeat(~is_new, length[r0:r1])]
         run_mark[running] = stamp
-        written = np.concatenate([slots // bs] + moved)
-        written_mark[keys(written)] = stamp
         bk = keys(blocks)
         was_written = (written_mark[bk] == stamp) & (run_mark[bk] != stamp)
         odd = bk == nb  # not a plausible block: the dense marks cannot tell
