@@ -84,6 +84,7 @@ def test_a_library_mapped_later_is_found_and_an_unchanged_process_costs_no_maps(
 
     lib = os.path.realpath(ROOT / "tests" / "target" / "libkvsim_ops.so")
     loader = ("import ctypes, sys\n"
+              "print('ready', flush=True)\n"
               "sys.stdin.readline()\n"
               "ctypes.CDLL(sys.argv[1])\n"
               "print('loaded', flush=True)\n"
@@ -95,6 +96,9 @@ def test_a_library_mapped_later_is_found_and_an_unchanged_process_costs_no_maps(
     monkeypatch.setattr(discover, "read_maps", lambda pid: reads.append(pid) or
                         real_read_maps(pid))
     try:
+        # started and done importing: until then the interpreter maps its
+        # own libraries, and a scan between two of them would see a change
+        assert proc.stdout.readline().strip() == "ready"
         follower = follow.Follower(proc.pid)
         assert follower.scan() == {}
         assert reads == [proc.pid]  # the first sight reads the maps
