@@ -381,7 +381,7 @@ NAMED_WANT = {"requests": 2, "blocks": 2, "per_block": {3: 1, 4: 1},
               "steps_without_writes": 0, "by": "request ids"}
 
 
-@pytest.mark.parametrize("leader", [LEADER, None], ids=["op tier", "no layers"])
+@pytest.mark.parametrize("leader", [LEADER, 0], ids=["op tier", "no layers"])
 def test_prefix_reuse_by_name_forks_and_returns_are_not_new(leader):
     """A group with no layer of its own in the trace (the plugin tier's, in
     vLLM's engine core) gets the figure too: it needs no writes."""
@@ -398,4 +398,7 @@ def test_prefix_reuse_falls_back_to_rows_when_a_step_is_unnamed():
     sr = access.step_requests(ops)
     got = access.prefix_reuse(ops, rows, LEADER, sr)
     assert got["by"] == "rows" and got == access.prefix_reuse(ops, rows, LEADER)
+    # no leader layer (the plugin tier's groups have leader 0): no writes
+    # to tell reuse from computing, so no figure rather than a wrong one
     assert access.prefix_reuse(ops, rows, None, sr) is None
+    assert access.prefix_reuse(ops, rows, 0, sr) is None

@@ -340,8 +340,9 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dic
     Where the plugin tier's step_reqs (requests: step_requests()) names
     every complete step of the group, the requests are known by name and
     the figure is exact: _prefix_reuse_by_name.  Otherwise it is inferred
-    from the rows and the leader layer's writes, below; leader None (a
-    group with no layer of its own in the trace): None.
+    from the rows and the leader layer's writes, below; leader None or 0
+    (a group with no layer of its own: the plugin tier's groups, in vLLM's
+    engine core, have leader 0 and no writes to go by): None.
 
     A request has no id in the table, so it is followed by its row from
     step to step: a row continues an earlier request's row when that row is
@@ -370,7 +371,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dic
         named = _prefix_reuse_by_name(rows, requests)
         if named is not None:
             return named
-    if leader is None:
+    if not leader:
         return None
     o = ops.ops
     steps = rows.steps
