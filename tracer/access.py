@@ -334,8 +334,8 @@ def idle_before_reuse(step_of: np.ndarray, block: np.ndarray, ts_ns: np.ndarray,
 def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dict:
     """Prefix reuse: blocks a request read at its first step that it did not
     write (docs/access.md), i.e. blocks it found in the cache (vLLM's
-    prefix-cache hits, in blocks) or shares with the sequence it was forked
-    from, rather than computed.
+    prefix-cache hits, in blocks) rather than computed; from the rows, also
+    the blocks a forked sequence shares with its parent.
 
     Where the plugin tier's step_reqs (requests: step_requests()) names
     every complete step of the group, the requests are known by name and
@@ -598,9 +598,9 @@ def _prefix_reuse_by_name(rows: Rows, sr: "StepRequests"):
     is_first = step == step[first][inv.ravel()]  # every row of a request's first step
     r = row[is_first]
     cached = np.clip(rows.seq[r] - sr.tokens[el[is_first]], 0, None) // st.block_size
-    held = rows.entries[stream.ranges(rows.start[r], np.clip(np.minimum(cached, rows.length[r]),
-                                                             0, None))]
-    blocks, n = np.unique(held[held > 0], return_counts=True)
+    found = rows.entries[stream.ranges(rows.start[r], np.clip(np.minimum(cached, rows.length[r]),
+                                                              0, None))]
+    blocks, n = np.unique(found[found > 0], return_counts=True)  # null entries: no read
     return {"requests": len(first), "blocks": int(n.sum()),
             "per_block": dict(zip(blocks.tolist(), n.tolist())),
             "steps_without_writes": 0, "by": "request ids"}
@@ -654,7 +654,7 @@ def name_rows(sr: StepRequests, rows: Rows):
 
 
 def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
-                   only=None) -> tuple:
+                   only=None, sr: StepRequests = None) -> tuple:
     """Per request (its hash), what it wrote and read, from the plugin tier:
     each table row is the request step_reqs named at its place, and writes
     the tokens [seq_len - new_tokens, seq_len) of its row.  Returns
@@ -663,8 +663,10 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     step_reqs that no complete step_reqs op names}).
 
     Tables are matched to step_reqs ops by name_rows.  only: the request
-    hashes wanted (a view that shows a few); None: all."""
-    sr = step_requests(ops)
+    hashes wanted (a view that shows a few); None: all.  sr: step_requests(ops),
+    if the caller has it."""
+    if sr is None:
+        sr = step_requests(ops)
     out, stats = {}, {"steps": 0, "unmatched": 0}
     if not len(sr.pos):
         return out, stats

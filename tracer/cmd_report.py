@@ -474,7 +474,8 @@ def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
     # what each request wrote and read: step_reqs names the table rows
     per_req, attributed = access.request_access(
         rep.ops, rep.rows, rep.t0,
-        only=None if timelines is None else [int(r["req"], 16) for r in requests])
+        only=None if timelines is None else [int(r["req"], 16) for r in requests],
+        sr=rep.step_reqs)
     for r in requests:
         r["access"] = per_req.get(int(r["req"], 16))
     return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
