@@ -255,7 +255,7 @@ def converse(llm, prompt, params, args):
     chat's next turn is): with prefix caching it finds the turns before in
     the cache."""
     ids = list(prompt["prompt_token_ids"])
-    for turn in range(args.conversation):
+    for _ in range(args.conversation):
         (out,) = llm.generate([{"prompt_token_ids": ids}], [params], use_tqdm=False)
         yield out
         ids = ids + list(out.outputs[0].token_ids) + args.user_tokens()

@@ -7,7 +7,6 @@ import pytest
 
 from conftest import dense
 from tracer import access, tracefile
-from tracer.cmd_report import Report
 from test_e2e_record import folded, record, report_json
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -76,10 +75,10 @@ def test_report_access_matches_truth(tmp_path, workload):
 def prefix_reuse_from_rows(trace):
     """The report's prefix reuse of the trace's one group as a trace
     without step_reqs gets it: inferred from the rows and the writes."""
-    rep = Report(tracefile.load(str(trace)))
-    (rows,) = rep.rows
-    (group,) = rep.groups
-    return access.prefix_reuse(rep.ops, rows, group["leader"])
+    tr = tracefile.load(str(trace))
+    (group,) = tr.groups
+    (steps,) = access.steps_of(tr.ops, tr.groups)
+    return access.prefix_reuse(tr.ops, access.rows_of(tr.ops, steps), group["leader"])
 
 
 def test_export_weighted_by_reads_matches_truth(tmp_path):

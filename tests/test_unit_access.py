@@ -66,6 +66,13 @@ def groups(bs):
     return [{"pid": PID, "group_id": GROUP, "block_size": bs, "leader": LEADER}]
 
 
+def reuse_from_rows(ops, bs=4):
+    """prefix_reuse of the one group's steps in ops, inferred from its rows
+    and the leader layer's writes (no step_reqs)."""
+    (st,) = access.steps_of(ops, groups(bs))
+    return access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+
+
 def test_rows_of_parses_every_row_as_a_plain_reading_does():
     rng = np.random.default_rng(5)
     bs = 4
@@ -125,8 +132,7 @@ def test_prefix_reuse_two_rows_wanting_one_earlier_row():
         (WRITE, LEADER, [12, 16], True),
         (stream.TABLE_OP_ID, GROUP, [9, 1, 2, 3, 9, 1, 2, 4], True),
     ])
-    st = access.steps_of(ops, groups(4))[0]
-    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    got = reuse_from_rows(ops)
     assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
                    "steps_without_writes": 0, "by": "rows"}
 
@@ -142,8 +148,7 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
         (stream.TABLE_OP_ID, GROUP, [7, 1, 2], True),
         (stream.TABLE_OP_ID, GROUP, [8, 1, 2], True),  # no write before it
     ])
-    st = access.steps_of(ops, groups(4))[0]
-    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    got = reuse_from_rows(ops)
     assert got == {"requests": 2, "blocks": 1, "per_block": {1: 1},
                    "steps_without_writes": 1, "by": "rows"}
 
@@ -290,8 +295,7 @@ def test_prefix_reuse_the_next_turn_of_a_finished_conversation():
         (WRITE, LEADER, [12, 13, 14], True),
         (stream.TABLE_OP_ID, GROUP, [11, 1, 2, 3], True),
     ])
-    st = access.steps_of(ops, groups(4))[0]
-    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    got = reuse_from_rows(ops)
     assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
                    "steps_without_writes": 0, "by": "rows"}
 
@@ -311,8 +315,7 @@ def test_prefix_reuse_a_request_left_out_of_a_step_keeps_its_row():
         (WRITE, LEADER, [10, 14], True),
         (stream.TABLE_OP_ID, GROUP, [7, 1, 2, 3, 3], True),
     ])
-    st = access.steps_of(ops, groups(4))[0]
-    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    got = reuse_from_rows(ops)
     assert got == {"requests": 2, "blocks": 0, "per_block": {},
                    "steps_without_writes": 0, "by": "rows"}
 
@@ -320,9 +323,9 @@ def test_prefix_reuse_a_request_left_out_of_a_step_keeps_its_row():
 def test_prefix_reuse_a_finished_requests_row_retires_when_its_block_is_rewritten():
     # block size 4.  A (blocks 1, 2, 6 tokens) finishes; B gets block 2 and
     # writes it (slots 8, 9); then C, a new request, holds blocks 1 and 2
-    # and writes a token into block 3.  A's row was retired at B's step, so C is new
-    # and found blocks 1 and 2 cached; kept open, A's row would have
-    # swallowed C as A going on.
+    # and writes a token into block 3.  A's row was retired at B's step, so
+    # C is new and found blocks 1 and 2 cached; kept open, A's row would
+    # have swallowed C as A going on.
     ops = op_stream([
         (WRITE, LEADER, [4, 5, 6, 7, 8, 9], True),
         (stream.TABLE_OP_ID, GROUP, [6, 1, 2], True),
@@ -331,8 +334,7 @@ def test_prefix_reuse_a_finished_requests_row_retires_when_its_block_is_rewritte
         (WRITE, LEADER, [12], True),
         (stream.TABLE_OP_ID, GROUP, [9, 1, 2, 3], True),
     ])
-    st = access.steps_of(ops, groups(4))[0]
-    got = access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    got = reuse_from_rows(ops)
     assert got == {"requests": 3, "blocks": 2, "per_block": {1: 1, 2: 1},
                    "steps_without_writes": 0, "by": "rows"}
 

@@ -598,8 +598,7 @@ def _prefix_reuse_by_name(rows: Rows, sr: "StepRequests"):
     is_first = step == step[first][inv.ravel()]  # every row of a request's first step
     r = row[is_first]
     cached = np.clip(rows.seq[r] - sr.tokens[el[is_first]], 0, None) // st.block_size
-    found = rows.entries[stream.ranges(rows.start[r], np.clip(np.minimum(cached, rows.length[r]),
-                                                              0, None))]
+    found = rows.entries[stream.ranges(rows.start[r], np.minimum(cached, rows.length[r]))]
     blocks, n = np.unique(found[found > 0], return_counts=True)  # null entries: no read
     return {"requests": len(first), "blocks": int(n.sum()),
             "per_block": dict(zip(blocks.tolist(), n.tolist())),
