@@ -103,6 +103,15 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
         step_of, block = rows.reads()
         flat = [(k, b) for k, rs in enumerate(want) for _, r in rs for b in r if b > 0]
         assert list(zip(step_of.tolist(), block.tolist())) == flat
+        # the one pass over the rows as they lie (nulls and blocks past
+        # max_blocks found by place) equals scanning the plain reads
+        gens = (np.arange(1, 50), 500 * np.arange(1, 50))
+        for max_blocks in (40, 1000):
+            got, plain = rows.scan(*gens, max_blocks=max_blocks), \
+                access.scan_reads(step_of, block, st.ts_ns, *gens, max_blocks=max_blocks)
+            assert got.out_of_range == plain.out_of_range > (0 if max_blocks == 40 else -1)
+            for field in ("reads_per_block", "last_read_step", "last_read_ns", "sharing", "idle"):
+                assert getattr(got, field).tolist() == getattr(plain, field).tolist(), field
 
 
 def test_scan_reads_per_block_figures():

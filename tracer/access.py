@@ -152,15 +152,27 @@ class Rows:
 
     def scan(self, gen_block=(), gen_start_ns=(), max_blocks: int = MAX_BLOCKS) -> "ReadScan":
         """scan_reads() over these rows, without a step number per read."""
+        # The entries left out (nulls, out of range) are few, so they are
+        # found by place and the rest is used as it lies: a copy of the kept
+        # entries, or a per-row sum over an int64 cast of the mask, would
+        # each touch the entries' size again (114M entries: 0.9 GB, and on
+        # these VMs fresh memory costs seconds a GiB; docs/bench.md, "Stop 30").
         e = self.entries
-        keep = (e > 0) & (e < max_blocks)
-        out_of_range = int(np.count_nonzero(e >= max_blocks))
-        nz = self.length > 0
-        per_row = np.zeros(len(self.length), np.int64)
-        if len(e):
-            per_row[nz] = np.add.reduceat(keep, self.start[nz], dtype=np.int64)
+        inside = e < max_blocks
+        out_of_range = len(e) - int(np.count_nonzero(inside))
+        inside &= e > 0
+        drop = np.flatnonzero(~inside)
+        del inside
+        per_row = self.length.astype(np.int64, copy=True)
+        if len(drop):
+            # a dropped entry's row: the last row starting at or before it
+            # (rows lie one after another; an empty row starts where the
+            # next one does, and the next one is found)
+            row = np.searchsorted(self.start, drop, side="right") - 1
+            per_row -= np.bincount(row, minlength=len(per_row))
+            e = np.delete(e, drop)
         row_end = np.concatenate([[0], np.cumsum(per_row)])
-        return _scan(row_end[self.row_lo], e[keep], self.steps.ts_ns, gen_block,
+        return _scan(row_end[self.row_lo], e, self.steps.ts_ns, gen_block,
                      gen_start_ns, out_of_range)
 
 

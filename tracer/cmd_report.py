@@ -93,12 +93,16 @@ class Report:
                       (ops.ops["ts_ns"].min() if len(ops.ops) else 0))
         self.caches = [c for c in trace.caches if pid is None or c["pid"] == pid]
         self.layers = trace.layers()
+        # The generations first: their working set (about 110 bytes per
+        # slot write) is freed before the rows' table entries are kept, and
+        # on these VMs each GiB a process touches first costs seconds
+        # (docs/bench.md, "Stop 30").
+        self.gens = occupancy.by_cache(ops, trace.block_sizes())
         # reads: one Steps per KV-cache group, and every (request, block)
         # read of its complete steps as (step index, block)
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
         self.steps = access.steps_of(ops, self.groups)
         self.rows = [access.rows_of(ops, st) for st in self.steps]
-        self.gens = occupancy.by_cache(ops, trace.block_sizes())
         # one pass over each group's reads: per-block figures, and the idle
         # time before reuse of its process's first layer's generations
         self.scans = []
