@@ -903,18 +903,62 @@ def row_offline(q, res):
         slots = sum(o["slots"] for o in json.loads(truth.read_text())["ops"].values())
         out = {"slot_writes": slots, "trace_bytes": trace.stat().st_size}
         for name, argv in (("report", ("report", trace, "--format", "json")),
+                           ("report_text", ("report", trace)),
                            ("export", ("export", "--folded", trace, "-o",
                                        Path(tmp) / "out.folded"))):
-            rates = []
-            for _ in range(reps):
-                t0 = time.monotonic()
-                r = subprocess.run(kvtrace(*argv), cwd=ROOT, capture_output=True, text=True)
-                dt = time.monotonic() - t0
-                if r.returncode != 0:
-                    raise RuntimeError(f"{name} failed: {r.stderr.strip()[-300:]}")
-                rates.append(slots / dt)
-            out[name] = stats(rates)
+            runs = [_timed_child(kvtrace(*argv), Path(tmp) / "out") for _ in range(reps)]
+            out[name] = stats([slots / r["wall_s"] for r in runs])
+            for k in ("user_s", "sys_s", "peak_rss_mb"):
+                out[f"{name}_{k}"] = stats([r[k] for r in runs])
+        out["first_touch"] = _first_touch(reps)
         res["offline"] = out
+
+
+def _timed_child(argv, out_path):
+    """Run argv to completion (its stdout to out_path): wall seconds, and
+    its own user and system CPU and peak RSS from wait4(), not the
+    children's totals so far."""
+    with open(out_path, "wb") as out, open(str(out_path) + ".err", "wb") as err:
+        t0 = time.monotonic()
+        p = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err)
+        _, status, ru = os.wait4(p.pid, 0)
+        dt = time.monotonic() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        tail = Path(str(out_path) + ".err").read_text(errors="replace").strip()[-300:]
+        raise RuntimeError(f"{argv[3:5]} failed: {tail}")
+    return {"wall_s": dt, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
+            "peak_rss_mb": ru.ru_maxrss / 1024}
+
+
+# A child that touches 1 GiB of fresh anonymous memory, frees it, and
+# touches 1 GiB again, without huge pages (as report and export run): what
+# a page costs this machine the first time a process is given it, and again
+# after it was given back.  The report's system time is mostly such
+# faults: its peak RSS in pages times this is the floor of that part
+# (docs/bench.md, "Stop 30").
+_TOUCH = """
+import sys, time
+import numpy as np
+for i in range(2):
+    t = time.perf_counter()
+    a = np.ones(1 << 27)
+    dt = time.perf_counter() - t
+    del a
+    print(dt / ((1 << 30) / 4096) * 1e6)
+"""
+
+
+def _first_touch(reps):
+    fresh, again = [], []
+    for _ in range(reps):
+        time.sleep(3)  # what the last child freed goes back to the free lists
+        r = subprocess.run([sys.executable, "-c", _TOUCH], capture_output=True, text=True,
+                           env=dict(os.environ, NUMPY_MADVISE_HUGEPAGE="0"), check=True)
+        a, b = map(float, r.stdout.split())
+        fresh.append(a)
+        again.append(b)
+    return {"fresh_us_per_page": stats(fresh), "again_us_per_page": stats(again)}
 
 
 # -- the table --------------------------------------------------------------------
@@ -934,6 +978,13 @@ def fmt(v, unit=""):
     if a >= 100:
         return f"{v:.0f}"
     return f"{v:.2f}"
+
+
+def _report_costs(add, s, name):
+    if f"{name}_user_s" in s:
+        add("6   user CPU", s[f"{name}_user_s"], "s")
+        add("6   system CPU", s[f"{name}_sys_s"], "s")
+        add("6   peak RSS", s[f"{name}_peak_rss_mb"], "MB")
 
 
 def table_rows(res):
@@ -1049,7 +1100,16 @@ def table_rows(res):
         note("6 offline", s["skipped"])
     elif s:
         add("6 report", s["report"], "slots/s", "offline.report")
+        _report_costs(add, s, "report")
+        if "report_text" in s:
+            add("6 report, text (the terminal's)", s["report_text"], "slots/s")
+            _report_costs(add, s, "report_text")
         add("6 export --folded", s["export"], "slots/s", "offline.export")
+        if "first_touch" in s:
+            add("6 this machine: a fresh page's first touch",
+                s["first_touch"]["fresh_us_per_page"], "us/page")
+            add("6 this machine: a page freed and touched again",
+                s["first_touch"]["again_us_per_page"], "us/page")
     s = res.get("footprint")
     if s:
         add("7 tracer CPU during stress", s["cpu_s_per_s"], "s/s")

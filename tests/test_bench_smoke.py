@@ -73,8 +73,14 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     # is a failure of this test, never a pass without the checks
     offline = res["offline"]
     assert "skipped" not in offline, offline["skipped"]
-    check_stats(offline["report"], "offline.report")
-    check_stats(offline["export"], "offline.export")
+    for key in ("report", "report_text", "export"):
+        check_stats(offline[key], f"offline.{key}")
+        for cost in ("user_s", "sys_s", "peak_rss_mb"):
+            check_stats(offline[f"{key}_{cost}"], f"offline.{key}_{cost}")
+        assert offline[f"{key}_peak_rss_mb"]["min"] > 0
+    for key in ("fresh_us_per_page", "again_us_per_page"):
+        check_stats(offline["first_touch"][key], f"offline.first_touch.{key}")
+        assert offline["first_touch"][key]["min"] > 0
 
     prom = res["prometheus"]  # row 9: the tracer's CPU with --prometheus
     for key in ("quiet", "prometheus", "prometheus_scraped"):
