@@ -87,8 +87,9 @@ RESIDENCY = ("lifetime", "idle_before_evict", "reuse_gap")
 class Residency:
     """Block residency as vLLM's collector defines it (module doc), event by
     event: each sample is taken once, when the event that ends its interval
-    is added.  The one implementation behind report's histograms
-    (residency()) and attach --prometheus's (LiveResidency).
+    is added.  attach --prometheus's histograms (LiveResidency) are read
+    with it; report's (residency()) are the same samples read in one pass
+    over sorted arrays, which a unit test holds equal to this reading.
 
     A block is (pid, KV-cache group, block id): each EngineCore and each
     group has its own pool.  Per block it keeps [birth ns, last access ns,
@@ -148,12 +149,60 @@ def residency(ev: Events) -> dict:
     per block life (reuse gaps: per gap), as vLLM's collector defines them
     (module doc), all processes together.  Lives still running at the end
     of the trace have no lifetime yet and are not counted (vLLM's neither:
-    it records at eviction)."""
-    r = Residency()
-    r.add(ev)
-    per_pid = r.take().values()
-    return {n: np.array([v for s in per_pid for v in s[n]], dtype=np.int64) / 1e9
-            for n in RESIDENCY}
+    it records at eviction).
+
+    The same samples, in the same order, as Residency().add(ev) then take()
+    (tests/test_unit_lifecycle.py holds the two equal), without a Python
+    step per event: a trace holds millions of block events, and the live
+    path (LiveResidency), which must carry each block's state from one
+    batch to the next, keeps the event-by-event reading.  Each event is
+    read against the one before it on the same block: an allocation ends
+    the life before it (idle since that event; lifetime since the life's
+    allocation, if it had one), and a hit after a hit of the same life is
+    a reuse gap."""
+    alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
+    sel = np.flatnonzero(np.isin(ev.kind, (alloc, hit)))
+    if not len(sel):
+        return {n: np.zeros(0) for n in RESIDENCY}
+    sel = sel[np.lexsort((sel, ev.ts_ns[sel]))]  # time order, as Residency.add
+    pid = ev.pid[sel] if ev.pid is not None else np.zeros(len(sel), np.int64)
+    group, block, ts = ev.group[sel], ev.block[sel], ev.ts_ns[sel]
+    is_alloc = ev.kind[sel] == alloc
+    n = len(sel)
+    # each block's events together, in time order (t: the place in time)
+    by = np.lexsort((np.arange(n), block, group, pid))
+    p, g, b, t = pid[by], group[by], block[by], by
+    ts, is_alloc = ts[by], is_alloc[by]
+    i = np.arange(n)
+    same = np.zeros(n, bool)  # the event before is the same block's
+    same[1:] = (p[1:] == p[:-1]) & (g[1:] == g[:-1]) & (b[1:] == b[:-1])
+    first = np.maximum.accumulate(np.where(same, 0, i))  # the block's first event
+    # the latest allocation and the latest hit at or before each event, on
+    # its block (a place before `first` is another block's: none)
+    last_alloc = np.maximum.accumulate(np.where(is_alloc, i, -1))
+    last_hit = np.maximum.accumulate(np.where(is_alloc, -1, i))
+    prev = np.maximum(i - 1, 0)
+    ends = same & is_alloc  # an allocation ending the life before it
+    birth = last_alloc[prev]
+    life = ends & (birth >= first)  # that life began with an allocation
+    gap = same & ~is_alloc & (last_hit[prev] >= first) & (last_hit[prev] > last_alloc[prev])
+    found = {"lifetime": (life, ts - ts[np.maximum(birth, 0)]),
+             "idle_before_evict": (ends, ts - ts[prev]),
+             "reuse_gap": (gap, ts - ts[np.maximum(last_hit[prev], 0)])}
+    # Residency's order: process by process, in the order of each one's
+    # first sample of any kind, then in time order
+    any_sample = life | ends | gap
+    pids, which = np.unique(p[any_sample], return_inverse=True)
+    first_t = np.full(len(pids), n, np.int64)
+    np.minimum.at(first_t, which, t[any_sample])
+    rank = np.empty(len(pids), np.int64)
+    rank[np.argsort(first_t, kind="stable")] = np.arange(len(pids))
+    out = {}
+    for name, (mask, value) in found.items():
+        k = np.flatnonzero(mask)
+        order = np.lexsort((t[k], rank[np.searchsorted(pids, p[k])]))
+        out[name] = value[k[order]].astype(np.int64) / 1e9
+    return out
 
 
 def bucket_counts(seconds, bounds=RESIDENCY_BUCKETS) -> np.ndarray:
