@@ -208,14 +208,19 @@ def test_request_access_worked_by_hand():
                       "blocks": [blk(7, 4, t1, t1, 2, t1, t2), blk(8, 2, t1, t2, 2, t1, t2)]}
 
 
+@pytest.mark.parametrize("chunk_reads", [None, 5])
 @pytest.mark.parametrize("times", ["in order", "out of order"])
-def test_request_access_against_a_plain_reading(times):
+def test_request_access_against_a_plain_reading(times, chunk_reads, monkeypatch):
     """Random steps, read back row by row and token by token here: rows
     that grow, null entries, and places that change block (a preempted
     request given new blocks) must all come out as a plain reading of
     step_reqs and the tables gives them.  Out of order: the ops' clock
     readings need not rise with their sequence (two CPUs), so first and
-    last times are the earliest and latest, not the first and last seen."""
+    last times are the earliest and latest, not the first and last seen.
+    chunk_reads 5: the reads taken a row or two at a time, as a large
+    trace's are taken millions at a time."""
+    if chunk_reads:
+        monkeypatch.setattr(access, "_CHUNK_READS", chunk_reads)
     rng = np.random.default_rng(11)
     bs, SR = 4, stream.STEP_REQS_OP_ID
     reqs = [0x1000 + i for i in range(9)]

@@ -776,6 +776,10 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
 _NEVER, _EVER = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # no first / last time
 
 
+# reads per chunk in _reads_by_place: 8M (a 32 MiB key, a 64 MiB gather)
+_CHUNK_READS = 1 << 23
+
+
 def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
     """The reads of a group's matched rows (request index ri, entries
     start:start + length, time ts), as partial figures: one per (request,
@@ -783,55 +787,71 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
     always (a row only grows), and one per read at a place that held
     several blocks (a preempted request given new blocks).  Summing per
     place first keeps the final sort to the places, not the reads: a
-    request reads each of its blocks at every step."""
+    request reads each of its blocks at every step.
+
+    The reads (114M for a 1.1 GB trace) are taken a few million at a time,
+    rows whole, in three passes: which block each place holds last, which
+    places held several, then the counts.  Arrays with an element per read
+    were the report's peak memory (2 GB of temporaries on that trace), and
+    on these VMs each GiB first touched costs seconds (docs/bench.md,
+    "Stop 30"); a chunk's are reused by the next."""
     width = np.zeros(nreq, np.int64)  # each request's widest row
     np.maximum.at(width, ri, length)
     nbins = int(width.sum())  # one per (request, place); bin nbins: null entries
     total = int(length.sum())
-    if total and np.array_equal(start[1:], start[:-1] + length[:-1]):
-        blk = entries[start[0]:start[0] + total]  # every row of the group, in order
-    else:
-        blk = entries[stream.ranges(start, length)]
-    # The arrays below have one element per read (114M for a 1.1 GB trace),
-    # so they are int32 where that holds them: their size is the report's
-    # peak memory, and on these VMs each GiB first touched costs seconds.
-    itype = np.int32 if max(nbins, total, len(ts)) < 2**31 - 1 else np.int64
-    # key: the request's first bin + the entry's place in its row
     row_at = np.cumsum(length) - length  # each row's first read
-    key = np.repeat(((np.cumsum(width) - width)[ri] - row_at).astype(itype), length)
-    key += np.arange(total, dtype=itype)
-    null = blk <= 0  # a null entry is no read: it goes to the spare bin
-    key[null] = nbins
-    held = np.zeros(nbins + 1, blk.dtype)
-    held[key] = blk
-    odd = blk != held[key]
-    odd &= ~null
-    del null
-    out = []
-    if np.any(odd):  # the places that held several blocks: each read its own part
-        several = np.zeros(nbins + 1, bool)
-        several[key[odd]] = True
-        odd = several[key]
-        odd &= blk > 0
-        at = np.flatnonzero(odd)
-        n = len(at)
-        row = np.searchsorted(row_at, at, side="right") - 1
-        out.append((ri[row], blk[at], np.ones(n, np.int64), ts[row], ts[row],
-                    np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
-        key[at] = nbins
-    del odd
-    reads = np.bincount(key, minlength=nbins + 1)[:nbins]
+    contiguous = total and np.array_equal(start[1:], start[:-1] + length[:-1])
+    itype = np.int32 if max(nbins, total, len(ts)) < 2**31 - 1 else np.int64
+    # a read's bin: its request's first bin + its place in its row
+    base = ((np.cumsum(width) - width)[ri] - row_at).astype(itype)
     # first and last read: the earliest and latest row of each bin, by the
     # rows' rank in time (a row's time is its step's), not a time per read
     by_time = np.argsort(ts, kind="stable")
     rank = np.empty(len(ts), itype)
     rank[by_time] = np.arange(len(ts), dtype=itype)
-    rank_of_read = np.repeat(rank, length)
+    # chunks of whole rows, about _CHUNK_READS reads each
+    edges = np.unique(np.r_[np.searchsorted(row_at, np.arange(0, total, _CHUNK_READS)),
+                            len(length)]) if total else np.zeros(0, np.int64)
+
+    def chunks():
+        for r0, r1 in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            lo, n = int(row_at[r0]), int(length[r0:r1].sum())
+            if contiguous:
+                blk = entries[start[0] + lo:start[0] + lo + n]
+            else:
+                blk = entries[stream.ranges(start[r0:r1], length[r0:r1])]
+            key = np.repeat(base[r0:r1], length[r0:r1])
+            key += np.arange(lo, lo + n, dtype=itype)
+            key[blk <= 0] = nbins  # a null entry is no read: the spare bin
+            yield r0, r1, lo, blk, key
+
+    held = np.zeros(nbins + 1, entries.dtype)
+    for *_, blk, key in chunks():  # in read order: the last block at a place
+        held[key] = blk
+    several = np.zeros(nbins + 1, bool)  # places that held several blocks
+    for *_, blk, key in chunks():
+        odd = blk != held[key]
+        odd &= blk > 0
+        several[key[odd]] = True
+    several[nbins] = False
+    any_several = bool(several.any())
+    reads = np.zeros(nbins + 1, np.int64)
     first, last = np.full(nbins + 1, len(ts), itype), np.full(nbins + 1, -1, itype)
-    np.minimum.at(first, key, rank_of_read)
-    np.maximum.at(last, key, rank_of_read)
-    del rank_of_read, key
-    used = np.flatnonzero(reads)
+    out = []
+    for r0, r1, lo, blk, key in chunks():
+        if any_several:  # each read at such a place is its own part
+            at = np.flatnonzero(several[key])
+            n = len(at)
+            if n:
+                row = np.searchsorted(row_at, lo + at, side="right") - 1
+                out.append((ri[row], blk[at], np.ones(n, np.int64), ts[row], ts[row],
+                            np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
+                key[at] = nbins
+        reads += np.bincount(key, minlength=nbins + 1)
+        rank_of_read = np.repeat(rank[r0:r1], length[r0:r1])
+        np.minimum.at(first, key, rank_of_read)
+        np.maximum.at(last, key, rank_of_read)
+    used = np.flatnonzero(reads[:nbins])
     n = len(used)
     out.append((np.repeat(np.arange(nreq), width)[used], held[used], reads[used],
                 ts[by_time[first[used]]], ts[by_time[last[used]]],
