@@ -149,9 +149,10 @@ def _latest_start(s_block, s_key, q_block, q_key, query_first, q_sorted=False):
         q_packed = (q_block.astype(np.int64, copy=False) << k_bits) | q_key
         if q_sorted:
             at = np.searchsorted(q_packed, s_packed, side="right" if query_first else "left")
-            latest = np.full(len(q_packed) + 1, -1, np.int64)
+            del q_packed
+            latest = np.full(len(q_block) + 1, -1, np.int64)
             np.maximum.at(latest, at, np.arange(len(s_packed)))  # the last of several
-            out = np.maximum.accumulate(latest)[:-1]
+            out = np.maximum.accumulate(latest, out=latest)[:-1]
         else:
             out = np.searchsorted(s_packed, q_packed, side="left" if query_first else "right") - 1
     else:  # starts and queries merged in one sort (any integers)
@@ -163,8 +164,11 @@ def _latest_start(s_block, s_key, q_block, q_key, query_first, q_sorted=False):
         out = np.empty(nq, np.int64)
         q_at = order >= ns
         out[order[q_at] - ns] = latest[q_at]
-    ok = (out >= 0) & (s_block[np.maximum(out, 0)] == q_block)
-    return np.where(ok, out, -1)
+    # a start of another block is none (one temporary at a time: out is as
+    # long as the queries)
+    found = s_block[np.maximum(out, 0)]
+    out[(out < 0) | (found != q_block)] = -1
+    return out
 
 
 def _by_block(block, key):
@@ -198,12 +202,20 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
         pos = stream.ranges(start, n)
         return np.repeat(idx, n), pos - np.repeat(start, n), cache_ops.values[pos]
 
-    # writes: valid slots only
+    # writes: valid slots only.  In place where it can be: each array here
+    # has an element per slot write (13.5M per cache on row 6's trace), and
+    # on these VMs every GiB first touched costs seconds (docs/bench.md,
+    # "Stop 30")
     w_op, w_in, slots = expand(is_write)
     valid = slots >= 0
-    w_op, w_in, slots = w_op[valid], w_in[valid], slots[valid]
-    w_key = (w_op << _WITHIN_BITS) | w_in
-    w_block, w_off = slots // bs, slots % bs
+    if not valid.all():
+        w_op, w_in, slots = w_op[valid], w_in[valid], slots[valid]
+    del valid
+    w_key = w_op << _WITHIN_BITS
+    w_key |= w_in
+    del w_in
+    w_block, w_off = np.divmod(slots, bs)
+    del slots
     # moves: (src, dst) pairs
     m_op, m_in, mv = expand(is_move)
     m_op, m_key = m_op[0::2], (m_op[0::2] << _WITHIN_BITS) | m_in[0::2]
@@ -326,7 +338,7 @@ def _fingerprint(cache_ops: stream.OpStream, block_size: int) -> bytes:
     values = cache_ops.values[stream.ranges(ops["start"], n)]
     h = hashlib.blake2b(digest_size=16)
     for part in (np.int64(block_size), ops["op"], ops["complete"], ops["flags"], n, values):
-        h.update(np.ascontiguousarray(part).tobytes())
+        h.update(np.ascontiguousarray(part))  # the buffer, not a copy of it
     return h.digest()
 
 
