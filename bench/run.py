@@ -910,7 +910,7 @@ def row_offline(q, res):
             out[name] = stats([slots / r["wall_s"] for r in runs])
             for k in ("user_s", "sys_s", "peak_rss_mb"):
                 out[f"{name}_{k}"] = stats([r[k] for r in runs])
-        out["first_touch"] = _first_touch(reps)
+        out["first_touch"] = _first_touch(q, reps)
         res["offline"] = out
 
 
@@ -931,34 +931,41 @@ def _timed_child(argv, out_path):
             "peak_rss_mb": ru.ru_maxrss / 1024}
 
 
-# A child that touches 1 GiB of fresh anonymous memory, frees it, and
-# touches 1 GiB again, without huge pages (as report and export run): what
-# a page costs this machine the first time a process is given it, and again
-# after it was given back.  The report's system time is mostly such
-# faults: its peak RSS in pages times this is the floor of that part
-# (docs/bench.md, "Stop 30").
+# A child that touches fresh anonymous memory 1 GiB at a time and holds
+# it, without huge pages (as report and export run): what a page costs
+# this machine the first time a process is given it, GiB by GiB.  On a VM
+# whose host takes back the memory the guest leaves free (free page
+# reporting), the first GiBs are pages the guest used a moment ago and
+# the later ones pages the host must give back: the report's system time
+# is mostly such faults (docs/bench.md, "Stop 30").
 _TOUCH = """
 import sys, time
 import numpy as np
-for i in range(2):
+held = []
+for i in range(int(sys.argv[1])):
     t = time.perf_counter()
-    a = np.ones(1 << 27)
-    dt = time.perf_counter() - t
-    del a
-    print(dt / ((1 << 30) / 4096) * 1e6)
+    held.append(np.ones(1 << 27))
+    print((time.perf_counter() - t) / ((1 << 30) / 4096) * 1e6)
 """
 
 
-def _first_touch(reps):
-    fresh, again = [], []
+def _first_touch(q, reps):
+    """us per 4 KiB page of each GiB first touched: about as many GiB as
+    row 6's report holds at its peak (5), fewer where memory is short."""
+    avail = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) >> 20  # GiB
+    gib = max(1, min(2 if q else 5, avail // 2))
+    per_gib = []
     for _ in range(reps):
-        time.sleep(3)  # what the last child freed goes back to the free lists
-        r = subprocess.run([sys.executable, "-c", _TOUCH], capture_output=True, text=True,
-                           env=dict(os.environ, NUMPY_MADVISE_HUGEPAGE="0"), check=True)
-        a, b = map(float, r.stdout.split())
-        fresh.append(a)
-        again.append(b)
-    return {"fresh_us_per_page": stats(fresh), "again_us_per_page": stats(again)}
+        time.sleep(3)
+        r = subprocess.run([sys.executable, "-c", _TOUCH, str(gib)], capture_output=True,
+                           text=True, env=dict(os.environ, NUMPY_MADVISE_HUGEPAGE="0"),
+                           check=True)
+        per_gib += [float(v) for v in r.stdout.split()]
+    return {"gib": gib, "us_per_page": stats(per_gib)}
 
 
 # -- the table --------------------------------------------------------------------
@@ -1106,10 +1113,8 @@ def table_rows(res):
             _report_costs(add, s, "report_text")
         add("6 export --folded", s["export"], "slots/s", "offline.export")
         if "first_touch" in s:
-            add("6 this machine: a fresh page's first touch",
-                s["first_touch"]["fresh_us_per_page"], "us/page")
-            add("6 this machine: a page freed and touched again",
-                s["first_touch"]["again_us_per_page"], "us/page")
+            add(f"6 this machine: first touch, each of {s['first_touch']['gib']} GiB held",
+                s["first_touch"]["us_per_page"], "us/page")
     s = res.get("footprint")
     if s:
         add("7 tracer CPU during stress", s["cpu_s_per_s"], "s/s")
