@@ -281,3 +281,34 @@ def test_heatmap_names_what_it_counts():
     assert heatmap.render(h).plain.splitlines()[-1] == \
         "# 0 none, 1-9 up to 1 block reads per cell (once per step per group)"
     assert h.to_json()["reads"] == [[0, 0, 1, 0]] and "writes" not in h.to_json()
+
+
+def test_write_heatmap_taken_in_chunks_is_the_same_map(tmp_path, monkeypatch):
+    """Report.heatmap reads the slot writes a chunk at a time (ops whole):
+    with chunks of a few ops, the zoom, the block count and every cell
+    are those of one chunk, and the cells hold every slot of the range."""
+    from tracer import cmd_report, tracefile
+    nops, per_op, blocks = 40, 30, 200
+    path = write_trace(tmp_path / "h.kvt", [synthetic_ops(nops, per_op, blocks)],
+                       blocks=blocks)
+    rep = cmd_report.Report(tracefile.load(str(path)))
+    lo, hi = rep.span_ns()
+    mid = (lo + (hi - lo) // 2) / 1e9
+    views = {}
+    for chunk in (None, 50):
+        if chunk:
+            monkeypatch.setattr(cmd_report, "_CHUNK_SLOTS", chunk)
+        views[chunk] = [rep.heatmap(5, 16), rep.heatmap(4, 8, time_range=(mid, hi / 1e9)),
+                        rep.heatmap(3, 10, block_range=(20, 60))]
+    for whole, chunked in zip(views[None], views[50]):
+        assert np.array_equal(whole.cells, chunked.cells)
+        assert (whole.b0, whole.b1, whole.total_blocks, whole.zoomed) == \
+            (chunked.b0, chunked.b1, chunked.total_blocks, chunked.zoomed)
+    # every slot once: op i wrote per_op slots at t0 + 1000 i ns
+    assert views[50][0].cells.sum() == nops * per_op
+    op_t = 1000 * np.arange(nops) + 10**9 - rep.t0
+    later = int(np.count_nonzero(op_t >= int(mid * 1e9)))
+    assert views[50][1].cells.sum() == later * per_op
+    # slots cycle through the blocks in order, BS to a block: 20..60 hold 41 of them
+    assert views[50][2].cells.sum() == 41 * BS
+    assert views[50][0].zoomed and views[50][0].total_blocks == blocks

@@ -25,6 +25,7 @@ from .aggregate import Aggregate
 from .errors import UsageError
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
+_CHUNK_SLOTS = 1 << 23  # slot writes per chunk of the write heatmap: 8M
 REPORT_VERSION = 1
 TABLES = ("blocks", "generations", "fragmentation", "heatmap", "access", "wss")
 KINDS = ("writes", "reads")
@@ -137,18 +138,27 @@ class Report:
             return 0, 1
         return int(t.min()) - self.t0, int(t.max()) - self.t0 + 1
 
-    def write_events(self):
-        """(time since start ns, block) of every slot written by a complete op."""
+    def write_events(self, chunk_slots: int = None):
+        """(time since start ns, block) of every slot written by a complete
+        op, chunk_slots at a time (ops whole; default _CHUNK_SLOTS): a
+        generator of (t, block) pairs.  One array per slot for all of them
+        would be 1.3 GB of temporaries on row 6's trace, and on these VMs
+        memory first touched costs seconds a GiB (docs/bench.md, "Stop 30")."""
         ops = self.ops.ops
         bs = stream.per_cache(ops, self.trace.block_sizes(), 0)
         mask = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ops["complete"] & (bs > 0)
         idx = np.flatnonzero(mask)
-        n = ops["stop"][idx] - ops["start"][idx]
-        slots = self.ops.values[stream.ranges(ops["start"][idx], n)]
-        t = np.repeat(ops["ts_ns"][idx].astype(np.int64) - self.t0, n)
-        b = slots // np.maximum(np.repeat(bs[idx], n), 1)
-        valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
-        return t[valid], b[valid]
+        n = (ops["stop"][idx] - ops["start"][idx]).astype(np.int64)
+        first = np.cumsum(n) - n  # each op's first slot, counted over these ops
+        edges = np.unique(np.r_[np.searchsorted(first, np.arange(
+            0, int(n.sum()), chunk_slots or _CHUNK_SLOTS)), len(idx)])
+        for i0, i1 in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            k, nk = idx[i0:i1], n[i0:i1]
+            slots = self.ops.values[stream.ranges(ops["start"][k], nk)]
+            t = np.repeat(ops["ts_ns"][k].astype(np.int64) - self.t0, nk)
+            b = slots // np.repeat(bs[k], nk)
+            valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
+            yield (t, b) if valid.all() else (t[valid], b[valid])
 
     def read_events(self):
         """(time since start ns, block) of every block read by a complete
@@ -167,24 +177,35 @@ class Report:
         vLLM may have 2048 blocks and use a dozen.  exact_cols=False (no
         --resol) lets a narrow range have fewer columns than cols, one
         block per column, rather than stretch a block over several."""
-        t, b = self.write_events() if kind == "writes" else self.read_events()
-        named = {} if kind == "writes" else {
-            "what": "block reads (once per step per KV-cache group)", "key": "reads"}
+        if kind == "writes":
+            events, named = self.write_events, {}
+        else:
+            reads = self.read_events()
+            events = lambda: [reads]  # noqa: E731
+            named = {"what": "block reads (once per step per KV-cache group)", "key": "reads"}
         if time_range is None:
             time_range = self.span_ns()
         else:
             time_range = (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
-        nb = max([c["num_blocks"] for c in self.caches + self.groups] +
-                 [int(b.max()) + 1 if len(b) else 1])
+        # one pass for the highest block and the blocks used in the time
+        # range (the zoom), one for the cells
+        used = np.zeros(0, np.int64)
+        for t, b in events():
+            c = np.bincount(b[(t >= time_range[0]) & (t < time_range[1])],
+                            minlength=int(b.max()) + 1 if len(b) else 0)
+            if len(c) > len(used):
+                used = np.concatenate([used, np.zeros(len(c) - len(used), np.int64)])
+            used[:len(c)] += c
+        nb = max([c["num_blocks"] for c in self.caches + self.groups] + [len(used), 1])
         zoomed = block_range is None
         if zoomed:
-            inside = (t >= time_range[0]) & (t < time_range[1])
-            block_range = live.block_window(np.bincount(b[inside], minlength=nb))
+            block_range = live.block_window(np.concatenate(
+                [used, np.zeros(nb - len(used), np.int64)]))
             zoomed = block_range != (0, nb - 1)
         if not exact_cols:
             cols = min(cols, block_range[1] - block_range[0] + 1)
-        return heatmap.compute(t, b, rows, cols, time_range, block_range,
-                               total_blocks=nb, zoomed=zoomed, **named)
+        return heatmap.compute_chunks(events(), rows, cols, time_range, block_range,
+                                      total_blocks=nb, zoomed=zoomed, **named)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:
         ops = self.ops.ops
