@@ -227,3 +227,13 @@ def test_inconsistent_input_is_refused():
     b = w.batch()
     with pytest.raises(ValueError):
         stream.decode(stream.RawBatch(b.ops, b.chunk_hdrs, b.values[:-8]))
+
+
+def test_chunks_cover_every_item_whole_in_order():
+    # first values 0 2 2 5 14 14 15 16 20: a span begins at the first item
+    # starting at or past each multiple of 5 (0, 5, 10, 15), so the 9-value
+    # item 3 is a span alone and nothing is split or left out
+    lengths = [2, 0, 3, 9, 0, 1, 1, 4, 0]
+    assert stream.chunks(lengths, 5) == [(0, 3), (3, 4), (4, 6), (6, 9)]
+    assert stream.chunks(lengths, 100) == [(0, 9)]
+    assert stream.chunks([0, 0], 5) == [] and stream.chunks([], 5) == []

@@ -809,12 +809,10 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
     by_time = np.argsort(ts, kind="stable")
     rank = np.empty(len(ts), itype)
     rank[by_time] = np.arange(len(ts), dtype=itype)
-    # chunks of whole rows, about _CHUNK_READS reads each
-    edges = np.unique(np.r_[np.searchsorted(row_at, np.arange(0, total, _CHUNK_READS)),
-                            len(length)]) if total else np.zeros(0, np.int64)
+    spans = stream.chunks(length, _CHUNK_READS)  # whole rows, about _CHUNK_READS reads each
 
     def chunks():
-        for r0, r1 in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        for r0, r1 in spans:
             lo, n = int(row_at[r0]), int(length[r0:r1].sum())
             if contiguous:
                 blk = entries[start[0] + lo:start[0] + lo + n]

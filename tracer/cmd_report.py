@@ -138,10 +138,10 @@ class Report:
             return 0, 1
         return int(t.min()) - self.t0, int(t.max()) - self.t0 + 1
 
-    def write_events(self, chunk_slots: int = None):
+    def write_events(self):
         """(time since start ns, block) of every slot written by a complete
-        op, chunk_slots at a time (ops whole; default _CHUNK_SLOTS): a
-        generator of (t, block) pairs.  One array per slot for all of them
+        op, _CHUNK_SLOTS at a time (ops whole): a generator of (t, block)
+        pairs.  One array per slot for all of them
         would be 1.3 GB of temporaries on row 6's trace, and on these VMs
         memory first touched costs seconds a GiB (docs/bench.md, "Stop 30")."""
         ops = self.ops.ops
@@ -149,10 +149,7 @@ class Report:
         mask = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ops["complete"] & (bs > 0)
         idx = np.flatnonzero(mask)
         n = (ops["stop"][idx] - ops["start"][idx]).astype(np.int64)
-        first = np.cumsum(n) - n  # each op's first slot, counted over these ops
-        edges = np.unique(np.r_[np.searchsorted(first, np.arange(
-            0, int(n.sum()), chunk_slots or _CHUNK_SLOTS)), len(idx)])
-        for i0, i1 in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        for i0, i1 in stream.chunks(n, _CHUNK_SLOTS):
             k, nk = idx[i0:i1], n[i0:i1]
             slots = self.ops.values[stream.ranges(ops["start"][k], nk)]
             t = np.repeat(ops["ts_ns"][k].astype(np.int64) - self.t0, nk)

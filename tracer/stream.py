@@ -233,6 +233,21 @@ def ranges(starts, lengths) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - first, n) + np.arange(int(n.sum()))
 
 
+def chunks(lengths, per_chunk: int) -> list:
+    """[(i0, i1), ...]: consecutive items (ops, rows) of the given lengths in
+    spans of about per_chunk values each, items whole (one longer than
+    per_chunk is a span of its own), covering every item in order; none
+    where there are no values.  For passes that need not hold an array per
+    value of a whole trace."""
+    n = np.asarray(lengths, dtype=np.int64)
+    total = int(n.sum())
+    if not total:
+        return []
+    first = np.cumsum(n) - n  # each item's first value (the first is 0)
+    edges = np.unique(np.r_[np.searchsorted(first, np.arange(0, total, per_chunk)), len(n)])
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+
 def step_numbers(ops: np.ndarray) -> np.ndarray:
     """Per op of one cache (in seq order), the model step it belongs to: the
     number of write ops of that cache before it.  Every forward step makes
