@@ -1146,10 +1146,11 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
 /*
  * Stage: count a block table's entries into the group's block_reads row.
  * Row after row: the row's seq_len, then its ceil(seq_len / block_size)
- * entries, KVTRACE_TABLE_CHUNK per read.  Per entry, branch-free: one add
- * to its read counter, and a swap of its last-read step, which also
- * says whether another request already read it at this step (distinct
- * blocks: the step's live set).  Only the group's leader layer reads, one
+ * entries, KVTRACE_TABLE_CHUNK per read, counted in runs of TABLE_RUN
+ * while the row lasts.  Per entry, branch-free: one add to its read
+ * counter, and a swap of its last-read step, which also says whether
+ * another request already read it at this step (distinct blocks: the
+ * step's live set).  Only the group's leader layer reads, one
  * step after the other (a model's forward steps do not overlap), so neither
  * the counter nor the stamp needs an atomic: a lock-prefixed add was most
  * of the per-entry cost (docs/bench.md, row 8).
@@ -1160,10 +1161,14 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
  *
  * The inner loop keeps few values live (the verifier walks it entry by
  * entry, and every spill to the stack costs instructions there): its three
- * counts share one register, packed 16 bits apart (at most 128 each).
+ * counts share one register, packed 16 bits apart (at most 256 each).
  */
-/* A power of two: c % 3 made the verifier walk twice the instructions. */
-#define STREAM_EVERY 2
+/* Chunks per send of the stream's values: every chunk, since one chunk's
+ * at most 257 values fit a record (RECORD_VALUES).  A power of two: c % 3
+ * made the verifier walk twice the instructions. */
+#define STREAM_EVERY 1
+/* Entries per run of the table stage's inner loop (see kvtrace_cb_table). */
+#define TABLE_RUN 16
 #define PACK_OK 1ULL
 #define PACK_FRESH (1ULL << 16)
 #define PACK_REAL (1ULL << 32)
@@ -1250,23 +1255,42 @@ long kvtrace_cb_table(u64 c)
 	 * loop, alone: its block's fill is what is left */
 	u64 end = (lt(col, row_len) ^ 1) & lt(0, cnt);
 	u64 body = cnt - end;
+	u64 last = tb->v[(cnt - 1) & (2 * KVTRACE_TABLE_CHUNK - 1)];
+	/* The loop reads whole runs of TABLE_RUN entries: what a run holds
+	 * past the body reads as block 0, the null block, which counts for
+	 * nothing.  So the body needs no mask of its own. */
+#pragma clang loop unroll(full)
+	for (u32 k = 0; k < TABLE_RUN; k++)
+		tb->v[(body + k) & (2 * KVTRACE_TABLE_CHUNK - 1)] = 0;
 	u64 acc = 0;
+	/* Run by run while the body lasts: a short row (a decode's few
+	 * blocks) costs one run, not the whole chunk. */
 #pragma clang loop unroll(disable)
-	for (u32 i = 0; i < KVTRACE_TABLE_CHUNK; i++) {
-		u64 b = tb->v[i];
-		u64 r = lt(i, body) & lt(0, b); /* block 0: the null block */
-		u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
-		struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
-		e->reads += ok;
-		u64 old = e->last_step;
-		e->last_step = old ^ ((old ^ step) & -ok);
-		acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) + r * PACK_REAL;
+	for (u32 j = 0; j < KVTRACE_TABLE_CHUNK; j += TABLE_RUN) {
+		if (j >= body)
+			break;
+#pragma clang loop unroll_count(4)
+		for (u32 k = 0; k < TABLE_RUN; k++) {
+			u32 i = j + k;
+			u64 b = tb->v[i];
+			u64 real = lt(0, b);
+			u64 ok = real & lt(b, KVTRACE_MAX_BLOCKS);
+			/* An entry not counted goes to block 0's, which no read
+			 * counts (its stamp is not reported: session.py), so the
+			 * stamp is written without a mask. */
+			struct kvtrace_block_read *e = &row->b[b & -ok & BLOCK_MASK];
+			e->reads += ok;
+			u64 old = e->last_step;
+			e->last_step = step;
+			acc += ok * PACK_OK + PACK_FRESH * (ok & lt(0, old ^ step)) +
+			       real * PACK_REAL;
 #if STREAM_VALUES
-		buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
+			buf->v[(pos + i) & (2 * RECORD_VALUES - 1)] = b;
 #endif
+		}
 	}
 	{
-		u64 b = tb->v[(cnt - 1) & (2 * KVTRACE_TABLE_CHUNK - 1)];
+		u64 b = last;
 		u64 r = end & lt(0, b);
 		u64 ok = r & lt(b, KVTRACE_MAX_BLOCKS);
 		struct kvtrace_block_read *e = &row->b[b & BLOCK_MASK];
@@ -1276,14 +1300,18 @@ long kvtrace_cb_table(u64 c)
 		e->last_step = old ^ ((old ^ step) & -ok);
 		acc += ok * PACK_OK + PACK_FRESH * fresh + r * PACK_REAL;
 		s->gaps += gap & -fresh;
+#if STREAM_VALUES
+		/* the loop wrote a null in its place (pos itself when cnt is
+		 * 0: past what is sent) */
+		buf->v[(pos + cnt - lt(0, cnt)) & (2 * RECORD_VALUES - 1)] = b;
+#endif
 	}
 	s->counted += acc & 0xffff;
 	s->distinct += (acc >> 16) & 0xffff;
 	s->real += acc >> 32;
 #if STREAM_VALUES
 	pos += cnt;
-	/* Every other chunk, send what is waiting (at most 2 * 129 values,
-	 * within a record). */
+	/* Every STREAM_EVERY chunks, send what is waiting. */
 	if (c % STREAM_EVERY == STREAM_EVERY - 1) {
 		w->done += pos;
 		s->lost += emit_chunk(s->ctx, w, buf, STREAM_VALUES);

@@ -158,11 +158,13 @@ enum kvtrace_callback {
 /*
  * Block tables (reads) are read KVTRACE_TABLE_CHUNK int32 entries per
  * bpf_probe_read_user, KVTRACE_TABLE_SEGMENT_CHUNKS chunks per program run,
- * with the same 33 tail calls: a step reads at least
- * 33 * 128 = 4224 chunks, e.g. 256 requests x 2048 blocks.  Entries beyond
- * are counted as truncated.
+ * with the same 33 tail calls: a step reads at least 33 * 128 = 4224
+ * chunks (rows, where rows are short), e.g. 256 requests x 2048 blocks.
+ * Entries beyond are counted as truncated.  256 entries a read, not 128:
+ * a read and a callback per chunk were 0.6 ns of each entry's 3.5
+ * (docs/bench.md, "Stop 31").
  */
-#define KVTRACE_TABLE_CHUNK 128
+#define KVTRACE_TABLE_CHUNK 256
 #ifndef KVTRACE_TABLE_SEGMENT_CHUNKS
 #define KVTRACE_TABLE_SEGMENT_CHUNKS 128
 #endif

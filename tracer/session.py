@@ -444,6 +444,9 @@ class Tracer:
             if g["index"] < self.max_groups:
                 g["reads_per_block"] = self.reads[g["index"]].copy()
                 g["last_read_step"] = self.last_read[g["index"]].copy()
+                # block 0, the null block, is never counted: the table stage
+                # sends the entries it does not count there and stamps them
+                g["last_read_step"][0] = 0
             groups.append(g)
         # ops a process never called have no entry, as the hashes had none
         op_stats = {}
