@@ -17,6 +17,11 @@
  *       The same loop over an attention-like op instead: one request row
  *       of E block-table entries, behind the vllm:block_table site (reads).
  *
+ *   kvbench loop --event --ops N --reps R --slots E1,E2,...
+ *       The same loop over the plugin tier's block_free event instead: one
+ *       of 64 requests frees E blocks (their references dropped), behind
+ *       the vllm:block_free site (a lifecycle event's block ids).
+ *
  *   kvbench rate --slots S --rate SLOTS_PER_S --duration-ms MS --truth FILE
  *       Offers slots at a paced rate (0: as fast as it can) for SEC seconds
  *       and writes its own ground truth (slots written per block) to FILE.
@@ -105,13 +110,32 @@ __attribute__((noipa)) static uint64_t attention(const int32_t *table, int64_t n
 	return sum;
 }
 
+/* The event op: block_free site first, then the references dropped, as
+ * a scheduler frees a request's blocks.  Requests 1..64 in turn: a tracer
+ * keeps a row per request, and a real scheduler has a few running. */
+static int32_t refs[NUM_BLOCKS];
+
+__attribute__((noipa)) static void free_blocks(const int32_t *ids, int64_t n,
+						  uint64_t req __attribute__((unused)))
+{
+	if (KVTRACE_ENABLED(block_free))
+		KVTRACE_BLOCK_FREE(req, 0, ids, n, NUM_BLOCKS, (const uint64_t *)0);
+	for (int64_t i = 0; i < n; i++)
+		refs[ids[i]]--;
+}
+
 static volatile uint64_t sink;
 
-/* One op of the loop: a write of n slots, or (--table) a read of n blocks. */
-static void loop_op(int table, int64_t n, uint64_t k)
+enum op_kind { OP_WRITE, OP_TABLE, OP_EVENT };
+
+/* One op of the loop: a write of n slots, a read of n blocks (--table) or
+ * an event of n block ids (--event). */
+static void loop_op(enum op_kind kind, int64_t n, uint64_t k)
 {
-	if (table)
+	if (kind == OP_TABLE)
 		sink += attention(table_buf, n);
+	else if (kind == OP_EVENT)
+		free_blocks(table_buf, n, 1 + k % 64);
 	else
 		reshape_and_cache(slot_buf, n, k);
 }
@@ -168,11 +192,11 @@ static uint64_t table_distinct(int64_t n)
 	return d;
 }
 
-static void count_passed(int table, int64_t n, uint64_t nops)
+static void count_passed(enum op_kind kind, int64_t n, uint64_t nops)
 {
 	passed.calls += nops;
 	passed.items += nops * (uint64_t)n;
-	if (table) {
+	if (kind == OP_TABLE) {
 		/* one row per op, seq_len = n * BLOCK_SIZE (attention() passes it) */
 		passed.tokens += nops * (uint64_t)n * BLOCK_SIZE;
 		passed.distinct += nops * table_distinct(n);
@@ -180,7 +204,7 @@ static void count_passed(int table, int64_t n, uint64_t nops)
 }
 
 static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
-		    int nsizes, int pause, int table)
+		    int nsizes, int pause, enum op_kind kind)
 {
 	if (pause)
 		wait_for_usr1();
@@ -190,8 +214,8 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 	/* warm up: page in the KV buffer, settle the frequency */
 	for (int s = 0; s < nsizes; s++) {
 		for (uint64_t k = 0; k < ops / 10 + 1; k++)
-			loop_op(table, sizes[s], k);
-		count_passed(table, sizes[s], ops / 10 + 1);
+			loop_op(kind, sizes[s], k);
+		count_passed(kind, sizes[s], ops / 10 + 1);
 	}
 	for (uint64_t r = 0; r < reps; r++) {
 		for (int s = 0; s < nsizes; s++) {
@@ -201,13 +225,14 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 			nops = nops ? nops : 1;
 			uint64_t t0 = now_ns();
 			for (uint64_t k = 0; k < nops; k++)
-				loop_op(table, n, k);
+				loop_op(kind, n, k);
 			uint64_t dt = now_ns() - t0;
-			count_passed(table, n, nops);
+			count_passed(kind, n, nops);
 			printf("{\"rep\": %" PRIu64 ", \"slots\": %" PRId64
 			       ", \"ops\": %" PRIu64 ", \"ns\": %" PRIu64
-			       ", \"table\": %s, \"probes\": %s}\n",
-			       r, n, nops, dt, table ? "true" : "false",
+			       ", \"op\": \"%s\", \"probes\": %s}\n",
+			       r, n, nops, dt,
+			       kind == OP_TABLE ? "table" : kind == OP_EVENT ? "event" : "write",
 #ifdef KVTRACE_DISABLE_PROBES
 			       "false"
 #else
@@ -293,7 +318,7 @@ static int run_live(void)
 int main(int argc, char **argv)
 {
 	if (argc < 2 || !strcmp(argv[1], "--help")) {
-		printf("usage: kvbench loop [--table] --ops N --reps R --slots S1,S2,... [--pause]\n"
+		printf("usage: kvbench loop [--table|--event] --ops N --reps R --slots S1,S2,... [--pause]\n"
 		       "       kvbench rate --slots S --rate SLOTS_PER_S "
 		       "--duration-ms MS --truth FILE [--pause]\n"
 		       "       kvbench live\n");
@@ -309,7 +334,8 @@ int main(int argc, char **argv)
 	uint64_t ops = 1000000, reps = 5, rate = 0;
 	double duration = 1.0;
 	int64_t sizes[MAX_SIZES] = {1};
-	int nsizes = 1, pause = 0, table = 0;
+	int nsizes = 1, pause = 0;
+	enum op_kind kind = OP_WRITE;
 	for (int i = 2; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--pause")) {
@@ -317,7 +343,11 @@ int main(int argc, char **argv)
 			continue;
 		}
 		if (!strcmp(a, "--table")) {
-			table = 1;
+			kind = OP_TABLE;
+			continue;
+		}
+		if (!strcmp(a, "--event")) {
+			kind = OP_EVENT;
 			continue;
 		}
 		i++;
@@ -350,7 +380,7 @@ int main(int argc, char **argv)
 		}
 	}
 	if (!strcmp(mode, "loop"))
-		return run_loop(ops, reps, sizes, nsizes, pause, table);
+		return run_loop(ops, reps, sizes, nsizes, pause, kind);
 	if (!strcmp(mode, "rate")) {
 		if (!truth)
 			die("rate needs --truth FILE");

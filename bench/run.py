@@ -308,50 +308,83 @@ def row_site(q, res):
     }
 
 
-# -- 8. the read probe's cost (vllm:block_table) ------------------------------
+# -- 8. the read probe's cost (vllm:block_table), and a block event's ---------
 
-def row_reads(q, res):
-    """kvbench --table: one request row of 1 or 4096 block-table entries per
-    op, compiled out (a), detached (b) and attached (c), alternating process
-    by process as row 1 does; per entry from the difference of the sizes."""
+def _site_costs(q, flag, big):
+    """kvbench loop with flag (--table, --event): ops of 1 or `big` items,
+    compiled out (a), detached (b) and attached (c), alternating process by
+    process as row 1 does.  (a, b, c) as {items: [ns per op]}, the
+    tracer's maps after the traced run, and what kvbench passed its site."""
     from tracer.session import Tracer
-    big = 4096
     ops, reps = (200_000, 3) if q else (1_000_000, 7)
     sizes = f"1,{big}"
     a, b, c = ({1: [], big: []} for _ in range(3))
     for _ in range(reps):
         for build, dst in ((KVBENCH_NOPROBES, a), (KVBENCH, b)):
-            for m in loop_run([build, "loop", "--table", "--ops", ops, "--reps", 1,
+            for m in loop_run([build, "loop", flag, "--ops", ops, "--reps", 1,
                                "--slots", sizes]):
                 dst[m["slots"]].append(m["ns"] / m["ops"])
     tr = Tracer(max_procs=4)
     passed = {}
     try:
-        for m in traced_loop(tr, [str(KVBENCH), "loop", "--table", "--ops", str(ops // 10),
+        for m in traced_loop(tr, [str(KVBENCH), "loop", flag, "--ops", str(ops // 10),
                                   "--reps", str(reps), "--slots", sizes], truth=passed):
             c[m["slots"]].append(m["ns"] / m["ops"])
         raw = tr.read_maps()
     finally:
         tr.close()
+    return ops, (a, b, c), raw, passed
+
+
+def _site_figures(a, b, c, big):
+    """Per op (1 item) and per item (from the difference of the sizes)."""
+    def per_item(d):
+        return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
+
+    a_med, a_item_med = statistics.median(a[1]), statistics.median(per_item(a))
+    return {
+        "a_ns_per_op": stats(a[1]), "b_ns_per_op": stats(b[1]), "c_ns_per_op": stats(c[1]),
+        "b_over_a": stats([y / x for x, y in zip(a[1], b[1])]),
+        "attached_ns_per_op": stats([x - a_med for x in c[1]]),
+        "attached_ns_per_item": stats([x - a_item_med for x in per_item(c)]),
+    }
+
+
+def row_reads(q, res):
+    """kvbench --table: one request row of 1 or 4096 block-table entries per
+    op; then kvbench --event: a block_free of 1 or 64 block ids, the plugin
+    tier's lifecycle event (a decode step frees or allocates one block)."""
+    big = 4096
+    ops, (a, b, c), raw, passed = _site_costs(q, "--table", big)
     # the counters against kvbench's own sums: a probe that read its
     # arguments wrong (or a site that disturbed the target) shows here
     [g] = raw["groups"]
     counted = {"calls": g["steps"], "items": g["reads"], "tokens": g["tokens"],
                "distinct": g["distinct"]}
     lost = {k: g[k] for k in ("null_entries", "out_of_range", "truncated", "read_errors")}
-
-    def per_entry(d):
-        return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
-
-    a_med, a_entry_med = statistics.median(a[1]), statistics.median(per_entry(a))
+    fig = _site_figures(a, b, c, big)
     res["reads"] = {
         "ops_per_measurement_1_entry": ops, "big_entries": big,
         "reads_counted": g["reads"], "counted": counted, "passed": passed,
         "not_counted": lost, "counts_equal_truth": counted == passed and not any(lost.values()),
-        "a_ns_per_op": stats(a[1]), "b_ns_per_op": stats(b[1]), "c_ns_per_op": stats(c[1]),
-        "b_over_a": stats([y / x for x, y in zip(a[1], b[1])]),
-        "attached_ns_per_op": stats([x - a_med for x in c[1]]),
-        "attached_ns_per_entry": stats([x - a_entry_med for x in per_entry(c)]),
+        **{k: v for k, v in fig.items() if k != "attached_ns_per_item"},
+        "attached_ns_per_entry": fig["attached_ns_per_item"],
+    }
+
+    big = 64
+    ops, (a, b, c), raw, passed = _site_costs(q, "--event", big)
+    [st] = [v for (_pid, op), v in raw["op_stats"].items() if op == "block_free"]
+    # kvbench frees blocks 1.., all real: every id counted, none left out
+    counted = {"calls": st["calls"], "items": st["items"], "valid": st["slots"]}
+    lost = {k: st[k] for k in ("padding", "out_of_range", "truncated", "read_errors")}
+    fig = _site_figures(a, b, c, big)
+    res["events"] = {
+        "ops_per_measurement_1_id": ops, "big_ids": big, "counted": counted,
+        "passed": passed, "not_counted": lost,
+        "counts_equal_truth": (counted["calls"], counted["items"], counted["valid"]) ==
+        (passed["calls"], passed["items"], passed["items"]) and not any(lost.values()),
+        **{k: v for k, v in fig.items() if k != "attached_ns_per_item"},
+        "attached_ns_per_id": fig["attached_ns_per_item"],
     }
 
 
@@ -1050,6 +1083,15 @@ def table_rows(res):
         add("8 read attached adds, per entry", s["attached_ns_per_entry"], "ns/entry",
             "reads.attached_ns_per_entry")
         note("8 traced counts = kvbench's own", fmt(s["counts_equal_truth"]), "exact",
+             "met" if s["counts_equal_truth"] else "MISSED")
+    s = res.get("events")
+    if s:
+        add("8 block event (a) compiled out, 1 id", s["a_ns_per_op"], "ns/op")
+        add("8 block event (b) detached, 1 id", s["b_ns_per_op"], "ns/op")
+        add("8 block event (c) attached, 1 id", s["c_ns_per_op"], "ns/op")
+        add("8 block event attached adds, per op", s["attached_ns_per_op"], "ns/op")
+        add("8 block event attached adds, per id", s["attached_ns_per_id"], "ns/id")
+        note("8 block event counts = kvbench's own", fmt(s["counts_equal_truth"]), "exact",
              "met" if s["counts_equal_truth"] else "MISSED")
     s = res.get("stress")
     if s:

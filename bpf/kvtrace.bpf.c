@@ -1036,6 +1036,10 @@ long kvtrace_cb_ids(u64 c)
 	u64 valid = 0, nulls = 0, oor = 0;
 #pragma clang loop unroll(disable)
 	for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
+		/* an event's few ids (a decode step's one block) walk as many
+		 * lanes, not 64: each is an atomic add, of 0 where not live */
+		if (i >= cnt)
+			break;
 		u64 id = tb->v[i]; /* a negative int32 is >= 2^31 here */
 		u64 live = lt(i, cnt);
 		u64 nz = lt(0, id);

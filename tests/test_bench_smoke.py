@@ -44,6 +44,14 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     assert reads["passed"]["calls"] > 0
     assert reads["counted"] == reads["passed"], (reads["counted"], reads["passed"])
     assert not any(reads["not_counted"].values()), reads["not_counted"]
+    events = res["events"]  # row 8 too: a block event's site, its counts likewise
+    for key in ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "b_over_a",
+                "attached_ns_per_op", "attached_ns_per_id"):
+        check_stats(events[key], f"events.{key}")
+    assert events["passed"]["calls"] > 0 and events["passed"]["items"] > events["passed"]["calls"]
+    assert (events["counted"]["calls"], events["counted"]["items"], events["counted"]["valid"]) \
+        == (events["passed"]["calls"], events["passed"]["items"], events["passed"]["items"])
+    assert not any(events["not_counted"].values()), events["not_counted"]
 
     stress = res["stress"]
     for key in ("untraced_slots_per_s", "traced_slots_per_s", "ratio", "records", "lost"):
