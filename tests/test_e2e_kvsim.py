@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_log_covers, assert_matches_truth,
-                      assert_reads_match_truth, code_differences, kvsim_ops_log, kvsim_truth,
-                      read_line, run_kvtrace, semaphore_values, truth_records)
+                      assert_reads_match_truth, code_differences, dense, kvsim_ops_log,
+                      kvsim_truth, read_line, run_kvtrace, semaphore_values, truth_records)
 from tracer import abi, tracefile
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
@@ -151,6 +151,15 @@ def test_limits_are_reported_not_hidden(tmp_path):
         beyond += got["out_of_range"]
     assert doc["ops"]["reshape_and_cache"]["out_of_range"] == beyond
     assert doc["ops"]["reshape_and_cache"]["slots"] == truth["slots_written"]
+    # reads likewise: the group's row holds the blocks below the limit,
+    # exact, and the table entries beyond are counted out of range
+    (group,) = doc["processes"][0]["groups"]
+    want = dense(truth["reads"]["per_block"], truth["num_blocks"])
+    assert sum(want[max_blocks:]) > 0  # the limit cuts into what kvsim read
+    assert dense(group["reads_per_block"], max_blocks) == want[:max_blocks]
+    assert group["reads"] == sum(want[:max_blocks])
+    assert group["out_of_range"] == sum(want[max_blocks:])
+    assert group["null_entries"] == truth["reads"]["null_entries"]
 
 
 def test_folded_stacks_parse_and_sum_to_totals(tmp_path):
