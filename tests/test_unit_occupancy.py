@@ -1,7 +1,9 @@
 """tracer/occupancy.py on small hand-made streams; expected values worked out
-by hand from the definitions in docs/occupancy.md."""
+by hand from the definitions in docs/occupancy.md, and on random streams
+against a slot-by-slot reading of the same definitions."""
 
 import numpy as np
+from hypothesis import given, settings, strategies as st
 
 from test_unit_stream import Wire
 from tracer import abi, occupancy, stream
@@ -156,3 +158,94 @@ def test_block_numbers_of_any_size_give_the_same_generations():
         for name in ("kind", "start_step", "last_step", "inherited", "fill", "writes",
                      "reuse_steps", "active_blocks", "active_tokens"):
             assert np.array_equal(getattr(big, name), getattr(small, name)), name
+
+
+def reference_generations(ops, bs):
+    """The definitions of docs/occupancy.md, slot write by slot write, in
+    plain Python: ops is [(name, values, flags)] in order.  Independent of
+    occupancy.generations (which works on runs of writes, in numpy)."""
+    gens, current, host = [], {}, {}  # current: block -> its generation
+    nsteps = 0
+
+    def start(block, kind, step, key, inherited=0):
+        g = {"block": block, "kind": kind, "start": step, "last": step, "key": key,
+             "inherited": inherited, "writes": []}  # writes: (step, offset + 1)
+        gens.append(g)
+        current[block] = g
+        return g
+
+    def fill_of(g):
+        return max([g["inherited"]] + [f for _, f in g["writes"]])
+
+    for n, (name, values, flags) in enumerate(ops):
+        step = nsteps
+        if name in abi.WRITE_OPS:
+            nsteps += 1
+            for i, v in enumerate(values):
+                if v < 0:
+                    continue
+                b, off = divmod(v, bs)
+                if off == 0 or b not in current:
+                    start(b, "write" if off == 0 else "before", step, (n, i))
+                g = current[b]
+                g["writes"].append((step, off + 1))
+                g["last"] = step
+            continue
+        for i in range(0, len(values), 2):
+            src, dst = values[i], values[i + 1]
+            if name == "copy_blocks" or flags & abi.EV_SWAP_OUT:  # a device-side source
+                g = current.get(src)
+                fill = 0
+                if g is not None:
+                    fill = fill_of(g)
+                    g["last"] = step
+                if name == "copy_blocks":
+                    start(dst, "copy", step, (n, i), fill)
+                else:
+                    host[dst] = fill
+            elif flags & abi.EV_SWAP_IN:
+                start(dst, "swap_in", step, (n, i), host.get(src, 0))
+    gens.sort(key=lambda g: (g["block"], g["key"]))
+    rows = []
+    for j, g in enumerate(gens):
+        nxt = gens[j + 1] if j + 1 < len(gens) and gens[j + 1]["block"] == g["block"] else None
+        rows.append((g["block"], g["kind"], g["start"], g["last"], g["inherited"], fill_of(g),
+                     len(g["writes"]), nxt["start"] - g["last"] if nxt else -1))
+    active = [0] * nsteps
+    tokens = [0] * nsteps
+    for g in gens:
+        for k in range(g["start"], min(g["last"], nsteps - 1) + 1):
+            active[k] += 1
+            tokens[k] += max([g["inherited"]] + [f for s, f in g["writes"] if s <= k])
+    return rows, active, tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(bs=st.sampled_from([1, 2, 3, 4, 16]), data=st.data())
+def test_generations_equal_a_slot_by_slot_reading(bs, data):
+    """Random streams of writes (slots in any order, repeated, padded, runs
+    that cross blocks), copies and swaps, against reference_generations."""
+    nblocks = 6
+    op = st.one_of(
+        st.tuples(st.just("reshape_and_cache"),
+                  st.lists(st.one_of(st.integers(-1, nblocks * bs - 1),
+                                     st.integers(0, nblocks - 1).map(lambda b: b * bs)),
+                           max_size=3 * bs + 2), st.just(0)),
+        # ascending runs, as a prefill writes them
+        st.tuples(st.just("reshape_and_cache"),
+                  st.tuples(st.integers(0, nblocks * bs - 1), st.integers(1, 3 * bs)).map(
+                      lambda a: list(range(a[0], min(a[0] + a[1], nblocks * bs)))), st.just(0)),
+        st.tuples(st.sampled_from(["copy_blocks", "swap_blocks"]),
+                  st.lists(st.integers(0, nblocks - 1), min_size=2, max_size=6).map(
+                      lambda v: v[:len(v) // 2 * 2]),
+                  st.sampled_from([abi.EV_SWAP_OUT, abi.EV_SWAP_IN])))
+    ops = data.draw(st.lists(op, max_size=12))
+    ops = [(name, values, flags if name == "swap_blocks" else 0) for name, values, flags in ops]
+    w = Wire()
+    for name, values, flags in ops:
+        w.op(name, values, flags=flags)
+    g = gens_of(w, bs)
+    rows, active, tokens = reference_generations(ops, bs)
+    assert table(g) == rows
+    assert list(g.active_blocks) == active
+    assert list(g.active_tokens) == tokens
