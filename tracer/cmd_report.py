@@ -138,12 +138,14 @@ class Report:
             return 0, 1
         return int(t.min()) - self.t0, int(t.max()) - self.t0 + 1
 
-    def write_events(self):
-        """(time since start ns, block) of every slot written by a complete
-        op, _CHUNK_SLOTS at a time (ops whole): a generator of (t, block)
-        pairs.  One array per slot for all of them
-        would be 1.3 GB of temporaries on row 6's trace, and on these VMs
-        memory first touched costs seconds a GiB (docs/bench.md, "Stop 30")."""
+    def write_runs(self):
+        """(time since start ns, block, slots) of every run of slots a
+        complete op wrote to one block (a prefill writes a block's slots in
+        a row: 8.4 slots a run on row 6's trace), _CHUNK_SLOTS slots at a
+        time (ops whole): a generator of three arrays.  One array per slot
+        for all of them would be 1.3 GB of temporaries on row 6's trace,
+        and on these VMs memory first touched costs seconds a GiB
+        (docs/bench.md, "Stop 30")."""
         ops = self.ops.ops
         bs = stream.per_cache(ops, self.trace.block_sizes(), 0)
         mask = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ops["complete"] & (bs > 0)
@@ -152,10 +154,19 @@ class Report:
         for i0, i1 in stream.chunks(n, _CHUNK_SLOTS):
             k, nk = idx[i0:i1], n[i0:i1]
             slots = self.ops.values[stream.ranges(ops["start"][k], nk)]
-            t = np.repeat(ops["ts_ns"][k].astype(np.int64) - self.t0, nk)
+            op = np.repeat(np.arange(len(k)), nk)
             b = slots // np.repeat(bs[k], nk)
             valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
-            yield (t, b) if valid.all() else (t[valid], b[valid])
+            del slots
+            if not valid.all():
+                op, b = op[valid], b[valid]
+            del valid
+            brk = np.ones(len(b), bool)
+            if len(b):
+                brk[1:] = (b[1:] != b[:-1]) | (op[1:] != op[:-1])
+            first = np.flatnonzero(brk)
+            t = ops["ts_ns"][k].astype(np.int64)[op[first]] - self.t0
+            yield t, b[first], np.diff(np.append(first, len(b)))
 
     def read_events(self):
         """(time since start ns, block) of every block read by a complete
@@ -175,10 +186,10 @@ class Report:
         --resol) lets a narrow range have fewer columns than cols, one
         block per column, rather than stretch a block over several."""
         if kind == "writes":
-            events, named = self.write_events, {}
+            # the runs once, for both passes below (an eighth of the slots)
+            events, named = list(self.write_runs()), {}
         else:
-            reads = self.read_events()
-            events = lambda: [reads]  # noqa: E731
+            events = [(*self.read_events(), None)]
             named = {"what": "block reads (once per step per KV-cache group)", "key": "reads"}
         if time_range is None:
             time_range = self.span_ns()
@@ -187,9 +198,10 @@ class Report:
         # one pass for the highest block and the blocks used in the time
         # range (the zoom), one for the cells
         used = np.zeros(0, np.int64)
-        for t, b in events():
-            c = np.bincount(b[(t >= time_range[0]) & (t < time_range[1])],
-                            minlength=int(b.max()) + 1 if len(b) else 0)
+        for t, b, w in events:
+            keep = (t >= time_range[0]) & (t < time_range[1])
+            c = np.bincount(b[keep], None if w is None else w[keep],
+                            minlength=int(b.max()) + 1 if len(b) else 0).astype(np.int64)
             if len(c) > len(used):
                 used = np.concatenate([used, np.zeros(len(c) - len(used), np.int64)])
             used[:len(c)] += c
@@ -201,7 +213,7 @@ class Report:
             zoomed = block_range != (0, nb - 1)
         if not exact_cols:
             cols = min(cols, block_range[1] - block_range[0] + 1)
-        return heatmap.compute_chunks(events(), rows, cols, time_range, block_range,
+        return heatmap.compute_chunks(events, rows, cols, time_range, block_range,
                                       total_blocks=nb, zoomed=zoomed, **named)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:

@@ -95,24 +95,27 @@ def compute(t_ns: np.ndarray, blocks: np.ndarray, rows: int, cols: int,
     time_range: (t0, t1) ns, t1 exclusive; block_range: (lo, hi) inclusive.
     The map has exactly rows x cols cells: rows split the time range
     evenly, columns the block range (col_edges)."""
-    return compute_chunks([(t_ns, blocks)], rows, cols, time_range, block_range,
+    return compute_chunks([(t_ns, blocks, None)], rows, cols, time_range, block_range,
                           total_blocks, zoomed, **named)
 
 
 def compute_chunks(chunks, rows: int, cols: int, time_range: tuple, block_range: tuple,
                    total_blocks: int = 0, zoomed: bool = False, **named) -> Heatmap:
     """compute() over the events given a part at a time: chunks yields
-    (t_ns, blocks) pairs, each counted and dropped before the next (a
-    trace's 27M slot writes need not be held at once)."""
+    (t_ns, blocks, counts) triples, each counted and dropped before the
+    next (a trace's 27M slot writes need not be held at once); counts:
+    events at each (t_ns, block), or None for one each."""
     t0, t1 = int(time_range[0]), max(int(time_range[1]), int(time_range[0]) + 1)
     b0, b1 = int(block_range[0]), int(block_range[1]) + 1
     n = b1 - b0
     per_block = np.zeros(rows * n, np.int64)
-    for t_ns, blocks in chunks:
+    for t_ns, blocks, counts in chunks:
         keep = (t_ns >= t0) & (t_ns < t1) & (blocks >= b0) & (blocks < b1)
         r = ((t_ns[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
         b = (blocks[keep] - b0).astype(np.int64)
-        per_block += np.bincount(r * n + b, minlength=rows * n)
+        # weights are float64: exact for counts below 2**53
+        per_block += np.bincount(r * n + b, None if counts is None else counts[keep],
+                                 minlength=rows * n).astype(np.int64)
     per_block = per_block.reshape(rows, n)
     lo, hi = col_edges(n, cols)
     # a prefix sum per row: each column is the difference at its edges
