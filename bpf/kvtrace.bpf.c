@@ -1037,16 +1037,15 @@ long kvtrace_cb_ids(u64 c)
 #pragma clang loop unroll(disable)
 	for (u32 i = 0; i < KVTRACE_CHUNK; i++) {
 		/* an event's few ids (a decode step's one block) walk as many
-		 * lanes, not 64: each is an atomic add, of 0 where not live */
+		 * lanes, not 64: each is an atomic add */
 		if (i >= cnt)
 			break;
 		u64 id = tb->v[i]; /* a negative int32 is >= 2^31 here */
-		u64 live = lt(i, cnt);
 		u64 nz = lt(0, id);
-		u64 ok = live & nz & lt(id, KVTRACE_MAX_BLOCKS);
+		u64 ok = nz & lt(id, KVTRACE_MAX_BLOCKS);
 		valid += ok;
-		nulls += live & (nz ^ 1);
-		oor += live & nz & (ok ^ 1);
+		nulls += nz ^ 1;
+		oor += nz & (ok ^ 1);
 		__sync_fetch_and_add(&row->count[id & BLOCK_MASK], ok);
 #if STREAM_BLOCK_IDS
 		buf->v[(k * KVTRACE_CHUNK + i) & (2 * RECORD_VALUES - 1)] =
@@ -1167,10 +1166,6 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
  * entry, and every spill to the stack costs instructions there): its three
  * counts share one register, packed 16 bits apart (at most 256 each).
  */
-/* Chunks per send of the stream's values: every chunk, since one chunk's
- * at most 257 values fit a record (RECORD_VALUES).  A power of two: c % 3
- * made the verifier walk twice the instructions. */
-#define STREAM_EVERY 1
 /* Entries per run of the table stage's inner loop (see kvtrace_cb_table). */
 #define TABLE_RUN 16
 #define PACK_OK 1ULL
@@ -1315,13 +1310,11 @@ long kvtrace_cb_table(u64 c)
 	s->real += acc >> 32;
 #if STREAM_VALUES
 	pos += cnt;
-	/* Every STREAM_EVERY chunks, send what is waiting. */
-	if (c % STREAM_EVERY == STREAM_EVERY - 1) {
-		w->done += pos;
-		s->lost += emit_chunk(s->ctx, w, buf, STREAM_VALUES);
-		pos = 0;
-	}
-	w->pos = pos;
+	/* Every chunk sends what is waiting: at most 257 values, within a
+	 * record (RECORD_VALUES). */
+	w->done += pos;
+	s->lost += emit_chunk(s->ctx, w, buf, STREAM_VALUES);
+	w->pos = 0;
 #endif
 	return 0;
 }
