@@ -204,11 +204,12 @@ class Trace:
 
 def _map(f):
     """The file's bytes, mapped rather than read: batches are views of the
-    mapping (no copy), and only the pages report touches stay resident.
-    A file that cannot be mapped (empty, or on a file system without mmap)
-    is read whole.  MAP_POPULATE: every page is read anyway (each frame's
-    checksum), and mapping them all in one call is cheaper than a fault
-    per page (0.3 s of row 6's 7 s text report: docs/bench.md, "Stop 31")."""
+    mapping (no copy), and the pages are the page cache's, not this
+    process's heap.  A file that cannot be mapped (empty, or on a file
+    system without mmap) is read whole.  MAP_POPULATE: every page is read
+    anyway (each frame's checksum), and mapping them all in one call is
+    cheaper than a fault per page (0.3 s of row 6's 7 s text report:
+    docs/bench.md, "Stop 31")."""
     try:
         return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                          prot=mmap.PROT_READ)
