@@ -225,7 +225,7 @@ def assert_request_access_matches_truth(trace, truth):
         a, w = t["access"], want[t["id"]]
         assert (a["steps"], a["tokens_written"], a["block_reads"]) == \
             (w["step_rows"], w["tokens_written"], w["block_reads"]), t["id"]
-        assert sum(b["tokens_written"] for b in a["blocks"]) == a["tokens_written"], t["id"]
+        assert sum(a["blocks"]["tokens_written"]) == a["tokens_written"], t["id"]
 
 
 @pytest.mark.usefixtures("no_leftovers")

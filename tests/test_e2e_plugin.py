@@ -115,12 +115,14 @@ def check_request_access(lc, plugin, worker):
     for t in lc["requests"]:
         a = t["access"]
         assert a is not None, t["id"]
-        for b in a["blocks"]:
-            written[b["block"]] += b["tokens_written"]
+        blocks = a["blocks"]  # a list per figure, a place per block
+        for b, w, fr, fw in zip(blocks["block"], blocks["tokens_written"],
+                                blocks["first_read_s"], blocks["first_write_s"]):
+            written[b] += w
             # a block is read at every step that writes it
-            assert b["tokens_written"] == 0 or b["first_read_s"] <= b["first_write_s"], b
-        assert a["tokens_written"] == sum(b["tokens_written"] for b in a["blocks"])
-        assert a["block_reads"] == sum(b["reads"] for b in a["blocks"])
+            assert w == 0 or fr <= fw, (b, w, fr, fw)
+        assert a["tokens_written"] == sum(blocks["tokens_written"])
+        assert a["block_reads"] == sum(blocks["reads"])
         reads += a["block_reads"]
         out[t["id"]] = a
     layer0 = worker["layers"][0]
@@ -195,7 +197,9 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa
         prompt, total = req["prompt_len"], req["prompt_len"] + len(req["generated"]) - 1
         # the blocks it computed are those it held past its prefix hits;
         # the last token generated is never written
-        assert [b["block"] for b in a["blocks"] if b["tokens_written"]] == held[rid][hit:]
+        blocks = a["blocks"]
+        assert [b for b, w in zip(blocks["block"], blocks["tokens_written"]) if w] == \
+            held[rid][hit:]
         assert a["tokens_written"] == total - hit * bs
         # one step for the prompt, one per token after the first: each
         # reads ceil(seq_len / block_size) blocks

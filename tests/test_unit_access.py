@@ -175,6 +175,14 @@ def step_reqs_and_tables(records, bs, ts_ns=None):
     return ops, [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
 
 
+def columns(blocks: list) -> dict:
+    """A request's per-block figures as the report gives them: a list per
+    figure (docs/report-json.md), from a dict per block."""
+    return {k: [b[k] for b in blocks] for k in (
+        "group", "block", "tokens_written", "first_write_s", "last_write_s", "reads",
+        "first_read_s", "last_read_s")}
+
+
 def test_request_access_worked_by_hand():
     """step_reqs names each table row; each row writes [seq - new, seq).
     Block size 4; requests A and B; the third table has no step_reqs of its
@@ -202,10 +210,10 @@ def test_request_access_worked_by_hand():
 
     # A: step 1 writes tokens 0-5 (block 3: 4, block 4: 2), step 2 token 6
     # (block 4); steps 3 and 4 are nobody's; step 4's A counts as a step
-    assert got[A] == {"steps": 3, "tokens_written": 8, "block_reads": 4,
-                      "blocks": [blk(3, 4, t1, t1, 2, t1, t2), blk(4, 3, t1, t2, 2, t1, t2)]}
-    assert got[B] == {"steps": 2, "tokens_written": 6, "block_reads": 4,
-                      "blocks": [blk(7, 4, t1, t1, 2, t1, t2), blk(8, 2, t1, t2, 2, t1, t2)]}
+    assert got[A] == {"steps": 3, "tokens_written": 8, "block_reads": 4, "blocks": columns(
+        [blk(3, 4, t1, t1, 2, t1, t2), blk(4, 3, t1, t2, 2, t1, t2)])}
+    assert got[B] == {"steps": 2, "tokens_written": 6, "block_reads": 4, "blocks": columns(
+        [blk(7, 4, t1, t1, 2, t1, t2), blk(8, 2, t1, t2, 2, t1, t2)])}
 
 
 @pytest.mark.parametrize("chunk_reads", [None, 5])
@@ -280,10 +288,10 @@ def test_request_access_against_a_plain_reading(times, chunk_reads, monkeypatch)
         assert got[r] == {
             "steps": w["steps"], "tokens_written": w["tokens_written"],
             "block_reads": sum(f["r"] for _, f in blocks),
-            "blocks": [{"group": GROUP, "block": b, "tokens_written": f["w"],
-                        "first_write_s": f["fw"], "last_write_s": f["lw"], "reads": f["r"],
-                        "first_read_s": f["fr"], "last_read_s": f["lr"]}
-                       for b, f in blocks]}, r
+            "blocks": columns([{"group": GROUP, "block": b, "tokens_written": f["w"],
+                                "first_write_s": f["fw"], "last_write_s": f["lw"],
+                                "reads": f["r"], "first_read_s": f["fr"], "last_read_s": f["lr"]}
+                               for b, f in blocks])}, r
     # a view that shows a few requests asks for those alone: the same figures
     few = sorted(want)[::3]
     part, part_stats = access.request_access(ops, tables, t0_ns=0, only=few)

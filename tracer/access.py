@@ -669,7 +669,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     """Per request (its hash), what it wrote and read, from the plugin tier:
     each table row is the request step_reqs named at its place, and writes
     the tokens [seq_len - new_tokens, seq_len) of its row.  Returns
-    ({req: {"steps", "tokens_written", "block_reads", "blocks": [...]}},
+    ({req: {"steps", "tokens_written", "block_reads", "blocks": {column: [...]}}},
     {"steps": tables matched, "unmatched": tables of a process with
     step_reqs that no complete step_reqs op names}).
 
@@ -689,7 +689,8 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
         np.isin(ureq, np.fromiter(only, np.uint64))
     for r, s, t, w in zip(ureq.tolist(), steps.tolist(), toks.tolist(), wanted.tolist()):
         if w:
-            out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0, "blocks": []}
+            out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0,
+                      "blocks": {k: [] for k in BLOCK_COLUMNS}}
 
     # partial figures, merged per (request, group, block) at the end:
     # (request index, group, block, reads, first read, last read, tokens
@@ -733,12 +734,13 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     if not parts:
         return out, stats
     cols = [np.concatenate([p[c] for p in parts]) for c in range(8)]
-    gid = np.concatenate([np.full(len(p[0]), p[8], np.int64) for p in parts])
+    group_ids = sorted({p[8] for p in parts})  # addresses: sorted by their index
+    gix = np.concatenate([np.full(len(p[0]), group_ids.index(p[8])) for p in parts])
     ri, blk = cols[0], cols[1]
     # one segment per (request, group, block)
-    order = np.lexsort((blk, gid, ri))
-    ri, gid, blk = ri[order], gid[order], blk[order]
-    seg = np.flatnonzero(np.r_[True, (ri[1:] != ri[:-1]) | (gid[1:] != gid[:-1])
+    order = _order_by(ri, gix, blk)
+    ri, gix, blk = ri[order], gix[order], blk[order]
+    seg = np.flatnonzero(np.r_[True, (ri[1:] != ri[:-1]) | (gix[1:] != gix[:-1])
                                 | (blk[1:] != blk[:-1])])
     nreads = np.add.reduceat(cols[2][order], seg)
     fr = np.minimum.reduceat(cols[3][order], seg)
@@ -746,33 +748,52 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     tw = np.add.reduceat(cols[5][order], seg)
     fw = np.minimum.reduceat(cols[6][order], seg)
     lw = np.maximum.reduceat(cols[7][order], seg)
-    ri, gid, blk = ri[seg], gid[seg], blk[seg]
+    ri, gix, blk = ri[seg], gix[seg], blk[seg]
+    gid = np.asarray(group_ids, np.int64)[gix]
 
     def secs(t):  # seconds since t0, None where there is none; a step's
         # time is shared by many blocks, so round each distinct one once
         uniq, at = np.unique(t, return_inverse=True)
-        s = [None if v in (_NEVER, _EVER) else round((v - t0_ns) / 1e9, 6)
-             for v in uniq.tolist()]
-        return [s[i] for i in at.tolist()]
+        s = np.array([None if v in (_NEVER, _EVER) else round((v - t0_ns) / 1e9, 6)
+                      for v in uniq.tolist()], object)
+        return s[at].tolist()
 
-    # each request's blocks in the order it first touched them
-    by = np.lexsort((blk, gid, np.minimum(fw, fr), ri))
+    # each request's blocks in the order it first touched them, as columns:
+    # a list per figure, sliced per request, where a dict per block was
+    # 848k dicts on row 6's trace, most of the JSON report's time and of
+    # its document (docs/bench.md, "Stop 32")
+    by = _order_by(ri, np.unique(np.minimum(fw, fr), return_inverse=True)[1].reshape(-1),
+                   gix, blk)
     reads_of = np.bincount(ri, weights=nreads, minlength=len(ureq)).astype(np.int64).tolist()
-    blocks = [[] for _ in range(len(ureq))]
-    for i, g, b, w, a, z, n, c, d in zip(
-            ri[by].tolist(), gid[by].tolist(), blk[by].tolist(), tw[by].tolist(),
-            secs(fw[by]), secs(lw[by]), nreads[by].tolist(), secs(fr[by]), secs(lr[by])):
-        blocks[i].append({"group": g, "block": b, "tokens_written": w,
-                          "first_write_s": a, "last_write_s": z, "reads": n,
-                          "first_read_s": c, "last_read_s": d})
+    columns = dict(zip(BLOCK_COLUMNS, (
+        gid[by].tolist(), blk[by].tolist(), tw[by].tolist(), secs(fw[by]), secs(lw[by]),
+        nreads[by].tolist(), secs(fr[by]), secs(lr[by]))))
+    edges = np.searchsorted(ri[by], np.arange(len(ureq) + 1)).tolist()
     for i, r in enumerate(ureq.tolist()):
-        if blocks[i] and r in out:
+        a, b = edges[i], edges[i + 1]
+        if b > a and r in out:
             fig = out[r]
             fig["block_reads"] = reads_of[i]
-            fig["blocks"] = blocks[i]
+            fig["blocks"] = {k: v[a:b] for k, v in columns.items()}
     return out, stats
 
 
+def _order_by(*keys) -> np.ndarray:
+    """The order that sorts by keys, nonnegative integer arrays, the first
+    the most significant; equal keys in any order.  One argsort of the keys
+    packed into one integer, where they fit in one: lexsort's stable pass
+    per key took three times as long (request_access on row 6's trace)."""
+    dims = [int(k.max()) + 1 if len(k) else 1 for k in keys]
+    try:
+        packed = np.ravel_multi_index(keys, dims)
+    except ValueError:  # the keys' product is beyond an int64
+        return np.lexsort(keys[::-1])
+    return np.argsort(packed)
+
+
+# a request's per-block figures (request_access), in this order
+BLOCK_COLUMNS = ("group", "block", "tokens_written", "first_write_s", "last_write_s", "reads",
+                 "first_read_s", "last_read_s")
 _NEVER, _EVER = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # no first / last time
 
 

@@ -26,7 +26,9 @@ from .errors import UsageError
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
 _CHUNK_SLOTS = 1 << 23  # slot writes per chunk of the write heatmap: 8M
-REPORT_VERSION = 1
+# 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
+# a list of one dict per block
+REPORT_VERSION = 2
 TABLES = ("blocks", "generations", "fragmentation", "heatmap", "access", "wss")
 KINDS = ("writes", "reads")
 
@@ -579,7 +581,7 @@ def lifecycle_view(figs: dict, width: int) -> list:
         if acc is not None:
             acc.add_row(r["id"] or r["req"], *(("-",) * 5 if not a else (
                 f"{a['steps']:,}", f"{a['tokens_written']:,}",
-                f"{sum(1 for b in a['blocks'] if b['tokens_written']):,}",
+                f"{np.count_nonzero(a['blocks']['tokens_written']):,}",
                 f"{a['block_reads']:,}",
                 f"{a['block_reads'] / a['steps']:.1f}" if a["steps"] else "-")))
     parts = [head, hist]
