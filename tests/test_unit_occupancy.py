@@ -105,6 +105,31 @@ def test_by_cache_splits_processes_and_layers():
     assert list(out[(2, 10)].block) == [2]
 
 
+def test_by_cache_shares_only_what_is_the_same():
+    """Layers with the same ops and values share one computation of their
+    generations and keep their own times; a layer of the same shape with
+    other values, or with an op lost, gets its own: each must equal
+    generations() of that layer alone."""
+    w, t = Wire(), 1000
+    for step, (a, c, d) in enumerate([([0, 1, 2], [0, 1, 5], [0, 1, 2]),
+                                      ([3], [2], [3]), ([16, 17], [16, 17], [16, 17])]):
+        for cache, slots in ((10, a), (11, a), (12, c), (13, d)):
+            t += 7 + cache
+            w.op("reshape_and_cache", slots, pid=1, cache_id=cache, ts=t,
+                 drop_chunks=(0,) if (cache, step) == (13, 1) else ())
+    s = stream.decode(w.batch())
+    out = occupancy.by_cache(s, {(1, c): 4 for c in (10, 11, 12, 13)})
+    for cache in (10, 11, 12, 13):
+        alone = occupancy.generations(s.select(s.ops["cache_id"] == cache), 4)
+        got = out[(1, cache)]
+        for f in ("block", "fill", "start_step", "last_step", "start_ns", "last_ns", "writes"):
+            assert np.array_equal(getattr(got, f), getattr(alone, f)), (cache, f)
+    assert out[(1, 11)].block is out[(1, 10)].block  # computed once
+    assert not np.array_equal(out[(1, 11)].start_ns, out[(1, 10)].start_ns)
+    assert list(out[(1, 12)].fill) != list(out[(1, 10)].fill)
+    assert out[(1, 13)].incomplete_ops == 1 and out[(1, 10)].incomplete_ops == 0
+
+
 def test_ten_million_slot_writes_stay_in_numpy():
     """A stress shape: 10M slots in 1221 ops of 8192, one cache; the whole
     pipeline (decode + generations) must not loop per slot."""
