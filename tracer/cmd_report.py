@@ -25,7 +25,6 @@ from .aggregate import Aggregate
 from .errors import UsageError
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
-_CHUNK_SLOTS = 1 << 23  # slot writes per chunk of the write heatmap: 8M
 # 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
 # a list of one dict per block
 REPORT_VERSION = 2
@@ -112,7 +111,7 @@ class Report:
         for st, rows in zip(self.steps, self.rows):
             gens = self.first_layer_gens(st.pid)
             self.scans.append(rows.scan(*((gens.block, gens.start_ns) if gens is not None else ())))
-        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans)
+        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans, self.gens)
         # what the generations were computed from (a live set may replace it)
         self.occupancy_source = occupancy.FROM_WRITES
         self.reasons = stream_reasons(ops, trace, self.agg)
@@ -142,33 +141,15 @@ class Report:
 
     def write_runs(self):
         """(time since start ns, block, slots) of every run of slots a
-        complete op wrote to one block (a prefill writes a block's slots in
-        a row: 8.4 slots a run on row 6's trace), _CHUNK_SLOTS slots at a
-        time (ops whole): a generator of three arrays.  One array per slot
-        for all of them would be 1.3 GB of temporaries on row 6's trace,
-        and on these VMs memory first touched costs seconds a GiB
-        (docs/bench.md, "Stop 30")."""
-        ops = self.ops.ops
-        bs = stream.per_cache(ops, self.trace.block_sizes(), 0)
-        mask = np.isin(ops["op"], list(stream.WRITE_OP_IDS)) & ops["complete"] & (bs > 0)
-        idx = np.flatnonzero(mask)
-        n = (ops["stop"][idx] - ops["start"][idx]).astype(np.int64)
-        for i0, i1 in stream.chunks(n, _CHUNK_SLOTS):
-            k, nk = idx[i0:i1], n[i0:i1]
-            slots = self.ops.values[stream.ranges(ops["start"][k], nk)]
-            op = np.repeat(np.arange(len(k)), nk)
-            b = slots // np.repeat(bs[k], nk)
-            valid = (slots >= 0) & (b < tracefile.MAX_BLOCKS)  # as in the histograms
-            del slots
-            if not valid.all():
-                op, b = op[valid], b[valid]
-            del valid
-            brk = np.ones(len(b), bool)
-            if len(b):
-                brk[1:] = (b[1:] != b[:-1]) | (op[1:] != op[:-1])
-            first = np.flatnonzero(brk)
-            t = ops["ts_ns"][k].astype(np.int64)[op[first]] - self.t0
-            yield t, b[first], np.diff(np.append(first, len(b)))
+        complete op wrote to one block, a cache at a time: the runs the
+        generations were computed from (one op's consecutive slots in one
+        block; a prefill writes a block's slots in a row, 8.4 slots a run
+        on row 6's trace), blocks beyond tracefile.MAX_BLOCKS left out as
+        in the histograms.  Only caches with a known block size have
+        generations, and only they have blocks."""
+        for g in self.gens.values():
+            keep = g.run_block < tracefile.MAX_BLOCKS
+            yield g.run_ns[keep] - self.t0, g.run_block[keep], g.run_writes[keep]
 
     def read_events(self):
         """(time since start ns, block) of every block read by a complete
@@ -276,9 +257,11 @@ def stream_groups(steps: list, scans: list, trace) -> list:
 
 
 def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
-                     scans=()) -> Aggregate:
+                     scans=(), gens=None) -> Aggregate:
     """The per-block histograms of the stream, as an Aggregate (the same
-    shape as attach's, so the same views and JSON serve)."""
+    shape as attach's, so the same views and JSON serve).  gens: the
+    caches' generations (occupancy.by_cache), whose runs give the write
+    counts without reading every slot again."""
     o = ops.ops
     values = ops.values
     raw_caches, moves, moves_beyond = [], {}, {}
@@ -292,23 +275,31 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
     for c in caches:
         mine = (o["pid"] == c["pid"]) & (o["cache_id"] == c["cache_id"])
         writes_op = mine & np.isin(o["op"], list(stream.WRITE_OP_IDS))
-        slots = values_of(writes_op & o["complete"])
-        bs = max(1, int(c["block_size"]))
-        blocks = slots[slots >= 0] // bs
+        g = (gens or {}).get((c["pid"], c["cache_id"]))
+        if g is not None and g.run_block is not None:
+            # the runs of slot writes the generations read: complete ops,
+            # slots >= 0, as below
+            blocks, weights = g.run_block, g.run_writes
+        else:
+            slots = values_of(writes_op & o["complete"])
+            bs = max(1, int(c["block_size"]))
+            blocks = slots[slots >= 0] // bs
+            weights = np.ones(len(blocks), np.int64)
         # a per-block array as long as the layer, or its highest block
         # written, but never longer than MAX_BLOCKS: what lies beyond (a
         # target's garbage slot numbers) is counted, as the maps count what
         # lies beyond --max-blocks
         beyond = blocks >= tracefile.MAX_BLOCKS
-        blocks = blocks[~beyond]
+        out_of_range = int(weights[beyond].sum())
+        blocks, weights = blocks[~beyond], weights[~beyond]
         nb = max(int(c["num_blocks"]), int(blocks.max()) + 1 if len(blocks) else 0)
         raw_caches.append(dict(
             pid=c["pid"], cache_id=c["cache_id"], index=c["index"], op=c["op"],
             block_size=c["block_size"], num_blocks=c["num_blocks"],
             calls=int(writes_op.sum()), slots=int(o["slots"][writes_op].sum()),
             padding=int(o["padding"][writes_op].sum()),
-            out_of_range=int(np.count_nonzero(beyond)),
-            writes=np.bincount(blocks, minlength=nb).astype(np.uint64)))
+            out_of_range=out_of_range,
+            writes=np.bincount(blocks, weights, minlength=nb).astype(np.uint64)))
     pids = sorted({c["pid"] for c in caches} | set(np.unique(o["pid"]).tolist()))
     for pid in pids:
         mine = (o["pid"] == pid) & o["complete"]

@@ -92,6 +92,13 @@ class Generations:
     incomplete_ops: int  # ops left out because their values were lost
     start_op: np.ndarray  # index (in this cache's ops) of the op starting it
     last_op: np.ndarray  # ... and of its last access
+    # the slot writes as runs (one op's consecutive slots in one block), in
+    # op order: what the report's per-block write counts and write heatmap
+    # need, read here once rather than from every slot again
+    run_block: np.ndarray = None
+    run_writes: np.ndarray = None
+    run_op: np.ndarray = None  # index (in this cache's ops)
+    run_ns: np.ndarray = None  # its time
 
     def __len__(self):
         return len(self.block)
@@ -229,6 +236,7 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     del slots
     w_op, w_in = w_op[first], w_in[first]
     del first
+    run_op, run_block, run_writes = w_op, w_block, w_n  # kept as they are: none is changed
     w_key = w_op << _WITHIN_BITS
     w_key |= w_in
     del w_in
@@ -339,7 +347,8 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
         start_ns=ts[s_op], last_ns=ts[last_op], inherited=inherited, fill=fill,
         writes=writes, reuse_steps=reuse, steps=nsteps,
         active_blocks=np.cumsum(blocks_d)[:nsteps], active_tokens=np.cumsum(tokens_d)[:nsteps],
-        incomplete_ops=int(np.count_nonzero(~ok)), start_op=s_op, last_op=last_op)
+        incomplete_ops=int(np.count_nonzero(~ok)), start_op=s_op, last_op=last_op,
+        run_block=run_block, run_writes=run_writes, run_op=run_op, run_ns=ts[run_op])
 
 
 def _sorted_starts(block, key):
@@ -404,7 +413,8 @@ def by_cache(ops_stream: stream.OpStream, block_sizes: dict) -> dict:
         g = seen.get(digest)
         if g is not None:
             ts = mine.ops["ts_ns"].astype(np.int64)
-            out[(pid, cache_id)] = replace(g, start_ns=ts[g.start_op], last_ns=ts[g.last_op])
+            out[(pid, cache_id)] = replace(g, start_ns=ts[g.start_op], last_ns=ts[g.last_op],
+                                           run_ns=ts[g.run_op])
         else:
             out[(pid, cache_id)] = seen[digest] = generations(mine, bs)
     return out
