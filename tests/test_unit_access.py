@@ -162,6 +162,34 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
                    "steps_without_writes": 1, "by": "rows"}
 
 
+@pytest.mark.parametrize("wide", [None, 2**40, -2**35])
+def test_rows_of_keeps_every_entry_narrow_or_not(wide, monkeypatch):
+    """Entries are kept as int32 where every one fits one, else as they
+    came (int64): a garbage entry beyond an int32 is kept, not wrapped.
+    Chunks of 7 values: every chunk edge falls somewhere in the rows."""
+    monkeypatch.setattr(access, "_CHUNK_VALUES", 7)
+    rng = np.random.default_rng(9)
+    bs, records, want = 4, [], []
+    for step in range(40):
+        vals = []
+        for _ in range(int(rng.integers(1, 4))):
+            seq = int(rng.integers(1, 30))
+            vals += [seq] + rng.integers(0, 50, -(-seq // bs)).tolist()
+        if wide is not None and step == 17:
+            vals[-1] = wide
+        records.append((stream.TABLE_OP_ID, GROUP, vals, True))
+        want.append(live_sets(vals, bs))
+    ops = op_stream(records)
+    st = access.steps_of(ops, groups(bs))[0]
+    rows = access.rows_of(ops, st)
+    assert rows.entries.dtype == (np.int32 if wide is None else np.int64)
+    got = [[(int(rows.seq[r]), rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
+             .tolist()) for r in range(rows.row_lo[k], rows.row_lo[k + 1])]
+           for k in range(len(st))]
+    assert got == want
+    assert wide is None or wide in rows.entries.tolist()
+
+
 def step_reqs_and_tables(records, bs, ts_ns=None):
     """op_stream(records) with each step_reqs op's items (its rows: half its
     values), and the parsed tables of its one group; ts_ns: the ops' times

@@ -137,7 +137,8 @@ class Rows:
     seq: np.ndarray  # per row: seq_len
     start: np.ndarray  # per row: where its entries begin in `entries`
     length: np.ndarray  # per row: how many entries it has
-    entries: np.ndarray  # every row's entries, row after row, step after step
+    entries: np.ndarray  # every row's entries, row after row, step after step:
+    # int32 where all fit one (block numbers do), else int64
 
     @property
     def step_of_row(self) -> np.ndarray:
@@ -221,13 +222,38 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
         np.add.at(mark, hi, -1)
         inside = np.cumsum(mark, dtype=np.int8)[:-1].view(bool)
         inside[hpos] = False
-        entries = values[inside]
+        entries = _narrow_compress(inside, values)
     else:
         entries = values[stream.ranges(hpos + 1, length)]
     per_step = np.zeros(len(steps), np.int64)
     per_step[ks] = np.bincount(hop, minlength=len(ks))
     row_lo = np.concatenate([[0], np.cumsum(per_step)])
-    return Rows(steps, row_lo, seq, start, length, entries.astype(np.int64, copy=False))
+    return Rows(steps, row_lo, seq, start, length, entries)
+
+
+# values per chunk of _narrow_compress: 8M (a 64 MiB scratch, reused)
+_CHUNK_VALUES = 1 << 23
+
+
+def _narrow_compress(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """values[mask] as int32 where every kept value fits one (block numbers
+    do), else as int64.  Taken a chunk at a time through one reused
+    scratch: the int64 copy was 0.9 GB of fresh memory on row 6's trace,
+    and on these VMs fresh memory costs seconds a GiB (docs/bench.md,
+    "Stop 30"); the int32 one is half that, and each later pass over it
+    reads half the bytes."""
+    out = np.empty(int(np.count_nonzero(mask)), np.int32)
+    lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    scratch = np.empty(min(_CHUNK_VALUES, len(values)), values.dtype)
+    at = 0
+    for a in range(0, len(values), _CHUNK_VALUES):
+        m = mask[a:a + _CHUNK_VALUES]
+        part = np.compress(m, values[a:a + _CHUNK_VALUES], out=scratch[:np.count_nonzero(m)])
+        if len(part) and not (lo32 <= part.min() and part.max() <= hi32):
+            return values[mask]  # a value beyond an int32: all as they are
+        out[at:at + len(part)] = part
+        at += len(part)
+    return out
 
 
 @dataclass
@@ -269,7 +295,9 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     gen_block = np.asarray(gen_block, np.int64)
     gen_start_ns = np.asarray(gen_start_ns, np.int64)
     nb = int(block.max()) + 1 if len(block) else 0
-    reads = np.bincount(block, minlength=nb).astype(np.uint64)
+    reads = np.zeros(nb, np.uint64)
+    for a in range(0, len(block), _CHUNK_VALUES):  # an int32 block is cast a chunk at a time
+        reads += np.bincount(block[a:a + _CHUNK_VALUES], minlength=nb).astype(np.uint64)
     steps_in_time = np.argsort(ts_ns, kind="stable")
     t_sorted = ts_ns[steps_in_time]
     # per block, 1 + the place in time order of the last step that read it
@@ -313,6 +341,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
         b = block[bounds[k]:bounds[k + 1]]
         if not len(b):
             continue
+        b = b.astype(np.intp, copy=False)  # an index: int32 entries cast once, not per use
         last_at[b] = i + 1  # time order: this is the latest
         if last_step is not None:
             last_step[b] = np.maximum(last_step[b], k + 1)
@@ -513,7 +542,7 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests=None) -> dic
                 last = rseq[pp] - 1
                 inrow = last // bs < length[pr]
                 at = start[pr] + np.where(inrow, last // bs, 0)
-                token = entries[at] * bs + last % bs
+                token = entries[at].astype(np.int64) * bs + last % bs
                 done = np.sort(slots)
                 seen = done[np.minimum(np.searchsorted(done, token), len(done) - 1)] == token \
                     if len(done) else np.zeros(len(token), bool)
