@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import dense
-from tracer import access, tracefile
+from tracer import access, cmd_report, tracefile
 from test_e2e_record import folded, record, report_json
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -15,7 +15,7 @@ LIVE_SET = ("step", "requests", "reads", "distinct", "tokens", "null_entries", "
 
 
 @pytest.mark.parametrize("workload", ["prefix", "default", "swap", "window", "beam"])
-def test_report_access_matches_truth(tmp_path, workload):
+def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
     trace, truth = record(tmp_path, workload, "--truth-steps")
     reads = truth["reads"]
     doc = report_json(trace, "--kind", "reads")
@@ -63,6 +63,13 @@ def test_report_access_matches_truth(tmp_path, workload):
     # the read heatmap holds every read once
     assert doc["heatmap"]["what"].startswith("block reads")
     assert sum(map(sum, doc["heatmap"]["reads"])) == reads["reads"]
+    # the same map when the reads are taken a few steps at a time
+    rep = cmd_report.Report(tracefile.load(str(trace)))
+    whole = rep.heatmap(9, 31, kind="reads")
+    monkeypatch.setattr(cmd_report, "_CHUNK_READS", 50)
+    assert len(list(rep.read_runs())) > 3
+    chunked = rep.heatmap(9, 31, kind="reads")
+    assert np.array_equal(whole.cells, chunked.cells) and whole.cells.sum() == reads["reads"]
     # report's per-block reads (its aggregate, from the stream) equal kvsim's
     (proc,) = [p for p in doc["blocks"]["processes"] if p["groups"]]
     (group,) = proc["groups"]

@@ -25,6 +25,7 @@ from .aggregate import Aggregate
 from .errors import UsageError
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
+_CHUNK_READS = 1 << 23  # block reads per chunk of the read heatmap: 8M
 # 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
 # a list of one dict per block
 REPORT_VERSION = 2
@@ -151,15 +152,22 @@ class Report:
             keep = g.run_block < tracefile.MAX_BLOCKS
             yield g.run_ns[keep] - self.t0, g.run_block[keep], g.run_writes[keep]
 
-    def read_events(self):
-        """(time since start ns, block) of every block read by a complete
-        block_table op: once per (request, step), for every group."""
-        reads = [rows.reads() for rows in self.rows]
-        t = [st.ts_ns[k] - self.t0 for st, (k, _) in zip(self.steps, reads)]
-        b = [blocks for _, blocks in reads]
-        if not t:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate(t), np.concatenate(b)
+    def read_runs(self):
+        """(time since start ns, block, None) of every block read by a
+        complete block_table op, once per (request, step), for every group:
+        whole steps, _CHUNK_READS reads at a time (an array per read for
+        them all was 1.8 GB on row 6's trace, and on these VMs fresh memory
+        costs seconds a GiB: docs/bench.md, "Stop 30").  Null entries and
+        blocks beyond tracefile.MAX_BLOCKS are left out, as in the read
+        histograms (which count those out of range)."""
+        for st, rows in zip(self.steps, self.rows):
+            at = np.concatenate([[0], np.cumsum(rows.length)])[rows.row_lo]  # each step's first
+            per_step = np.diff(at)
+            for k0, k1 in stream.chunks(per_step, _CHUNK_READS):
+                blocks = rows.entries[at[k0]:at[k1]]
+                t = np.repeat(st.ts_ns[k0:k1] - self.t0, per_step[k0:k1])
+                keep = (blocks > 0) & (blocks < tracefile.MAX_BLOCKS)
+                yield t[keep], blocks[keep], None
 
     def heatmap(self, rows, cols, time_range=None, block_range=None,
                 exact_cols=True, kind="writes") -> heatmap.Heatmap:
@@ -170,9 +178,11 @@ class Report:
         block per column, rather than stretch a block over several."""
         if kind == "writes":
             # the runs once, for both passes below (an eighth of the slots)
-            events, named = list(self.write_runs()), {}
+            runs = list(self.write_runs())
+            events, named = (lambda: runs), {}
         else:
-            events = [(*self.read_events(), None)]
+            # the reads twice, a chunk at a time: they are many
+            events = self.read_runs
             named = {"what": "block reads (once per step per KV-cache group)", "key": "reads"}
         if time_range is None:
             time_range = self.span_ns()
@@ -181,7 +191,7 @@ class Report:
         # one pass for the highest block and the blocks used in the time
         # range (the zoom), one for the cells
         used = np.zeros(0, np.int64)
-        for t, b, w in events:
+        for t, b, w in events():
             keep = (t >= time_range[0]) & (t < time_range[1])
             c = np.bincount(b[keep], None if w is None else w[keep],
                             minlength=int(b.max()) + 1 if len(b) else 0).astype(np.int64)
@@ -196,7 +206,7 @@ class Report:
             zoomed = block_range != (0, nb - 1)
         if not exact_cols:
             cols = min(cols, block_range[1] - block_range[0] + 1)
-        return heatmap.compute_chunks(events, rows, cols, time_range, block_range,
+        return heatmap.compute_chunks(events(), rows, cols, time_range, block_range,
                                       total_blocks=nb, zoomed=zoomed, **named)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:
