@@ -10,7 +10,7 @@ import pytest
 
 from conftest import (WRITE_OPS, assert_log_covers, assert_matches_truth, kvsim_ops_log,
                       trace_stream, truth_records)
-from tracer import abi, occupancy
+from tracer import abi, occupancy, session
 from tracer.aggregate import Aggregate
 
 pytestmark = [pytest.mark.usefixtures("no_leftovers"),
@@ -91,21 +91,30 @@ def test_stream_reproduces_truth(tmp_path, workload, extra):
         assert g.steps == truth["steps"] and g.max_writes <= bs
 
 
-def test_losses_are_counted_and_marked_never_half_used(tmp_path):
-    """A one-page perf buffer under the stress workload: ops lose chunks or
-    their records.  Every loss is counted in the kernel, every op that lost
-    values is incomplete, and every op the stream calls complete carries
-    exactly the values kvsim handed its probe (kvsim's own per-op log, matched
-    by the op's sequence number: kvsim is paused until the tracer attached,
-    so op seq k is the k-th op it fired)."""
+@pytest.mark.parametrize("where", ["kernel", "reader"])
+def test_losses_are_counted_and_marked_never_half_used(tmp_path, where, monkeypatch):
+    """Under the stress workload, ops lose chunks or their records: in the
+    kernel, to a one-page perf buffer; or in the reader, which sheds what a
+    poll reads once more than MAX_PENDING_BYTES wait for the consumer
+    (none here: every poll past its first records).  Every loss is counted, every op that lost values is
+    incomplete, and every op the stream calls complete carries exactly the
+    values kvsim handed its probe (kvsim's own per-op log, matched by the
+    op's sequence number: kvsim is paused until the tracer attached, so op
+    seq k is the k-th op it fired)."""
     log = tmp_path / "ops.log"
-    s, raw, truth = trace_stream(tmp_path, "stress", "--ops-log", log, perf_pages=1)
+    if where == "reader":
+        monkeypatch.setattr(session, "MAX_PENDING_BYTES", 0)
+    s, raw, truth = trace_stream(tmp_path, "stress", "--ops-log", log,
+                                 perf_pages=1 if where == "kernel" else 256)
     g = raw["globals"]
     calls = truth_records(truth)  # op records: every op, the block table once a step
     assert len(s.ops) + g["records_lost"] == calls
     assert g["chunks_lost"] > 0  # the point of the test: there were losses
-    lossy = (s.ops["flags"] & abi.EV_CHUNKS_LOST) != 0
-    assert lossy.any() and not s.ops["complete"][lossy].any()
+    if where == "kernel":
+        lossy = (s.ops["flags"] & abi.EV_CHUNKS_LOST) != 0
+        assert lossy.any() and not s.ops["complete"][lossy].any()
+    else:  # a poll sheds what it reads to its end: op records with their chunks
+        assert g["records_lost"] > 0
     fired = kvsim_ops_log(log)
     assert_log_covers(s.ops["op"], fired)
     assert len(fired) == calls

@@ -556,6 +556,16 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
         live_ctx.start()
     if on_refresh:
         on_refresh(agg, None)
+
+    def during_poll(write):
+        # a poll the target's records keep from returning (session.py,
+        # DURING_POLL_EVERY_S): a stop (Ctrl-C, a failed write) ends it,
+        # and what waits for the trace file is written when there is much
+        if write and on_poll:
+            on_poll()
+        return stop["reason"] is not None or recorder_failed()
+
+    tracer.during_poll = during_poll
     try:
         while stop["reason"] is None:
             tracer.poll(100)
@@ -586,6 +596,7 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
                 if live_ctx:
                     live_ctx.update(view(), refresh=True)
     finally:
+        tracer.during_poll = None  # the drain after detach keeps everything
         if live_ctx:
             live_ctx.stop()
 

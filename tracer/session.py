@@ -92,6 +92,25 @@ DEFAULT_TRANSPORT = "perf"
 # buffer once per RING_WAKEUP_EVERY op records.  N > 0: once per N op
 # records.  Whatever did not wake it is read at every poll's timeout.
 WAKE_BY_FILL = 0
+# bcc's perf reader reads a CPU's buffer until it finds it empty, re-reading
+# its head after every record: a target that writes records faster than the
+# callback takes them keeps poll() from returning, for the whole of kvsim's
+# stress run, and for ever under a flood (record to a full disk never saw
+# its write fail, and held 5.9 GB after a minute: docs/bench.md "Stop 32").
+# So a poll that has run DURING_POLL_EVERY_S past its timeout asks the
+# tracing loop (Tracer.during_poll) every _SHED_CHECK_EVERY records whether
+# to stop (Ctrl-C, a failed write), and once IN_POLL_WRITE_BYTES wait for
+# the consumer, lets it write them first.  Holding them until then, not
+# writing as they come, is what keeps the reader ahead of a fast target:
+# writing from inside the poll lost 4-6 times the records on kvsim's stress
+# run.  Once it says stop, or MAX_PENDING_BYTES wait, the rest of what that
+# poll reads is shed: counted as lost (read_globals), as the kernel counts
+# what it could not send, and cheap enough to empty the buffer so that
+# poll() returns.
+DURING_POLL_EVERY_S = 0.2
+IN_POLL_WRITE_BYTES = 1 << 30
+MAX_PENDING_BYTES = 4 << 30
+_SHED_CHECK_EVERY = 1024  # records between looks at the clock
 DEFAULT_WAKEUP_EVERY = WAKE_BY_FILL
 RING_WAKEUP_EVERY = 64
 
@@ -231,6 +250,14 @@ class Tracer:
         self.life = self._map_u64("block_life", (max_procs, len(abi.LIFE), max_blocks))
 
         self.records = 0
+        # records shed by a poll that ran past its budget: op records, and
+        # chunk records (the index stream's), as the kernel's two counts
+        self.shed = {"records_lost": 0, "chunks_lost": 0}
+        self._shedding, self._poll_until, self._since_check = False, float("inf"), 0
+        # during_poll(write): called from inside a long poll (see
+        # DURING_POLL_EVERY_S); write: the records waiting should be taken
+        # now.  True: stop, shed the rest of that poll
+        self.during_poll = None
         # Records that did not wake the reader (wakeup_every != 1) are read
         # by the consume after each poll
         if not self.op_records:  # nothing is sent: no buffer to map or poll
@@ -264,7 +291,18 @@ class Tracer:
         # exact counts come from maps).  With it, the collector keeps them
         # raw; its consumer (record, attach -o) takes them and decodes
         # with tracer/stream.py.
-        if self.stream is None or self.stream.add(data, size) == stream.REC_OP:
+        self._since_check += 1
+        if self._since_check >= _SHED_CHECK_EVERY and not self._shedding:
+            self._since_check = 0
+            if self.stream is not None and self.stream.pending_bytes > MAX_PENDING_BYTES:
+                self._shedding = True
+            elif self.during_poll is not None and time.monotonic() > self._poll_until:
+                self._shedding = bool(self.during_poll(
+                    self.stream is not None and self.stream.pending_bytes > IN_POLL_WRITE_BYTES))
+        if self._shedding:
+            op = ctypes.c_uint32.from_address(data).value == stream.REC_OP
+            self.shed["records_lost" if op else "chunks_lost"] += 1
+        elif self.stream is None or self.stream.add(data, size) == stream.REC_OP:
             self.records += 1
 
     def _lost(self, count):
@@ -278,12 +316,18 @@ class Tracer:
             time.sleep(timeout_ms / 1000)
             return
         poll, consume = self._poll_fns
-        poll(timeout_ms)
-        if self.wakeup_every != 1:
-            consume()
+        self._shedding = False
+        self._poll_until = time.monotonic() + timeout_ms / 1000 + DURING_POLL_EVERY_S
+        try:
+            poll(timeout_ms)
+            if self.wakeup_every != 1:
+                consume()
+        finally:
+            self._poll_until = float("inf")
 
     def _received(self) -> int:
-        return self.records + (self.stream.chunk_records if self.stream else 0)
+        return self.records + (self.stream.chunk_records if self.stream else 0) + \
+            sum(self.shed.values())
 
     def drain(self):
         """Read every record still buffered (after detach, none can come)."""
@@ -416,7 +460,10 @@ class Tracer:
 
     def read_globals(self) -> dict:
         table = self.bpf["globals"]
-        return {name: int(table[ctypes.c_int(i)].value) for name, i in abi.GLOBALS.items()}
+        out = {name: int(table[ctypes.c_int(i)].value) for name, i in abi.GLOBALS.items()}
+        for name, n in self.shed.items():  # lost in user space: the same loss to a reader
+            out[name] += n
+        return out
 
     def read_maps(self) -> dict:
         """A raw, consistent-enough copy of every counter map (see aggregate.Snapshot)."""
