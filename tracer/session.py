@@ -94,19 +94,17 @@ DEFAULT_TRANSPORT = "perf"
 WAKE_BY_FILL = 0
 # bcc's perf reader reads a CPU's buffer until it finds it empty, re-reading
 # its head after every record: a target that writes records faster than the
-# callback takes them keeps poll() from returning, for the whole of kvsim's
-# stress run, and for ever under a flood (record to a full disk never saw
-# its write fail, and held 5.9 GB after a minute: docs/bench.md "Stop 32").
-# So a poll that has run DURING_POLL_EVERY_S past its timeout asks the
-# tracing loop (Tracer.during_poll) every _SHED_CHECK_EVERY records whether
-# to stop (Ctrl-C, a failed write), and once IN_POLL_WRITE_BYTES wait for
-# the consumer, lets it write them first.  Holding them until then, not
-# writing as they come, is what keeps the reader ahead of a fast target:
-# writing from inside the poll lost 4-6 times the records on kvsim's stress
-# run.  Once it says stop, or MAX_PENDING_BYTES wait, the rest of what that
-# poll reads is shed: counted as lost (read_globals), as the kernel counts
-# what it could not send, and cheap enough to empty the buffer so that
-# poll() returns.
+# callback takes them keeps poll() from returning while that lasts, and
+# under a flood for ever (record to a full disk never saw its write fail,
+# and held 5.9 GB after a minute: docs/bench.md "Stop 32").  So a poll
+# that has run DURING_POLL_EVERY_S past its timeout asks the tracing loop
+# (Tracer.during_poll) every _SHED_CHECK_EVERY records whether to stop
+# (Ctrl-C, a failed write), and once IN_POLL_WRITE_BYTES wait for the
+# consumer, lets it write them first: a burst is held, as it was, and only
+# a flood is written from inside.  Once it says stop, or MAX_PENDING_BYTES
+# wait, the rest of what that poll reads is shed: counted as lost
+# (read_globals), as the kernel counts what it could not send, and cheap
+# enough to empty the buffer so that poll() returns.
 DURING_POLL_EVERY_S = 0.2
 IN_POLL_WRITE_BYTES = 1 << 30
 MAX_PENDING_BYTES = 4 << 30
