@@ -66,7 +66,7 @@ def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
     # the same map when the reads are taken a few steps at a time
     rep = cmd_report.Report(tracefile.load(str(trace)))
     whole = rep.heatmap(9, 31, kind="reads")
-    monkeypatch.setattr(cmd_report, "_CHUNK_READS", 50)
+    monkeypatch.setattr(access, "_CHUNK_READS", 50)
     assert len(list(rep.read_runs())) > 3
     chunked = rep.heatmap(9, 31, kind="reads")
     assert np.array_equal(whole.cells, chunked.cells) and whole.cells.sum() == reads["reads"]

@@ -144,12 +144,20 @@ class Rows:
     def step_of_row(self) -> np.ndarray:
         return np.repeat(np.arange(len(self.steps)), np.diff(self.row_lo))
 
-    def reads(self) -> tuple:
+    def reads(self, per_chunk: int = None):
         """(step per read, block per read): every (request, block) read in
-        step order, null entries (0, or a negative number) left out."""
-        keep = self.entries > 0
-        step = np.repeat(self.step_of_row, self.length)
-        return step[keep], self.entries[keep]
+        step order, null entries (0, or a negative number) left out; whole
+        steps about per_chunk reads at a time (default _CHUNK_READS), a
+        generator: an array per read for them all was 1.8 GB on row 6's
+        trace, and on these VMs fresh memory costs seconds a GiB
+        (docs/bench.md, "Stop 30")."""
+        at = np.concatenate([[0], np.cumsum(self.length)])[self.row_lo]  # each step's first
+        per_step = np.diff(at)
+        for k0, k1 in stream.chunks(per_step, per_chunk or _CHUNK_READS):
+            blocks = self.entries[at[k0]:at[k1]]
+            step = np.repeat(np.arange(k0, k1), per_step[k0:k1])
+            keep = blocks > 0
+            yield step[keep], blocks[keep]
 
     def scan(self, gen_block=(), gen_start_ns=(), max_blocks: int = MAX_BLOCKS) -> "ReadScan":
         """scan_reads() over these rows, without a step number per read."""

@@ -25,7 +25,6 @@ from .aggregate import Aggregate
 from .errors import UsageError
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
-_CHUNK_READS = 1 << 23  # block reads per chunk of the read heatmap: 8M
 # 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
 # a list of one dict per block
 REPORT_VERSION = 2
@@ -154,20 +153,14 @@ class Report:
 
     def read_runs(self):
         """(time since start ns, block, None) of every block read by a
-        complete block_table op, once per (request, step), for every group:
-        whole steps, _CHUNK_READS reads at a time (an array per read for
-        them all was 1.8 GB on row 6's trace, and on these VMs fresh memory
-        costs seconds a GiB: docs/bench.md, "Stop 30").  Null entries and
-        blocks beyond tracefile.MAX_BLOCKS are left out, as in the read
-        histograms (which count those out of range)."""
+        complete block_table op, once per (request, step), for every group,
+        a chunk of whole steps at a time (Rows.reads).  Blocks beyond
+        tracefile.MAX_BLOCKS are left out, as in the read histograms (which
+        count those out of range)."""
         for st, rows in zip(self.steps, self.rows):
-            at = np.concatenate([[0], np.cumsum(rows.length)])[rows.row_lo]  # each step's first
-            per_step = np.diff(at)
-            for k0, k1 in stream.chunks(per_step, _CHUNK_READS):
-                blocks = rows.entries[at[k0]:at[k1]]
-                t = np.repeat(st.ts_ns[k0:k1] - self.t0, per_step[k0:k1])
-                keep = (blocks > 0) & (blocks < tracefile.MAX_BLOCKS)
-                yield t[keep], blocks[keep], None
+            for step, blocks in rows.reads():
+                keep = blocks < tracefile.MAX_BLOCKS
+                yield st.ts_ns[step[keep]] - self.t0, blocks[keep], None
 
     def heatmap(self, rows, cols, time_range=None, block_range=None,
                 exact_cols=True, kind="writes") -> heatmap.Heatmap:
