@@ -272,7 +272,8 @@ def test_request_access_against_a_plain_reading(times, chunk_reads, monkeypatch)
         for r in names:
             if rng.random() < 0.1:  # preempted: new blocks from scratch
                 held[r] = []
-            held[r] += rng.integers(1, 40, int(rng.integers(0, 3))).tolist()
+            # block 0 is null: a place that never held a block
+            held[r] += rng.integers(0, 40, int(rng.integers(0, 3))).tolist()
             b = list(held[r])
             if b and rng.random() < 0.2:
                 b[int(rng.integers(0, len(b)))] = 0  # a block a window dropped

@@ -842,83 +842,106 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
     """The reads of a group's matched rows (request index ri, entries
     start:start + length, time ts), as partial figures: one per (request,
     place in its row) while the place holds one block, which is nearly
-    always (a row only grows), and one per read at a place that held
-    several blocks (a preempted request given new blocks).  Summing per
-    place first keeps the final sort to the places, not the reads: a
-    request reads each of its blocks at every step.
+    always (a row only grows), and one per (request, block) in each chunk
+    at the places that held several blocks (a preempted request given new
+    blocks) or a null entry (a block a window dropped).  Summing per place
+    first keeps the final sort to the places, not the reads: a request
+    reads each of its blocks at every step.
 
-    The reads (114M for a 1.1 GB trace) are taken a few million at a time,
-    rows whole, in three passes: which block each place holds last, which
-    places held several, then the counts.  Arrays with an element per read
-    were the report's peak memory (2 GB of temporaries on that trace), and
-    on these VMs each GiB first touched costs seconds (docs/bench.md,
-    "Stop 30"); a chunk's are reused by the next."""
+    A place's figures come from its request's rows alone, without a pass
+    per read: its reads are the rows longer than it, its first and last
+    read the earliest and latest of those, and its block the one the
+    earliest holds there.  One pass over the reads (114M for a 1.1 GB
+    trace) checks every read against that block; only if some place fails
+    does a second pass take that place's reads one by one.  Three passes,
+    each scattering or gathering per read, took 2.9 s on row 6's trace
+    (docs/bench.md, "Stop 33").  The reads are taken a few million at a
+    time, rows whole: an array per read was the report's peak memory, and
+    on these VMs each GiB first touched costs seconds ("Stop 30")."""
     width = np.zeros(nreq, np.int64)  # each request's widest row
     np.maximum.at(width, ri, length)
-    nbins = int(width.sum())  # one per (request, place); bin nbins: null entries
-    total = int(length.sum())
+    nbins = int(width.sum())  # one per (request, place)
+    if not nbins:
+        return []
+    first_bin = np.cumsum(width) - width  # each request's first place
     row_at = np.cumsum(length) - length  # each row's first read
-    contiguous = total and np.array_equal(start[1:], start[:-1] + length[:-1])
-    itype = np.int32 if max(nbins, total, len(ts)) < 2**31 - 1 else np.int64
-    # a read's bin: its request's first bin + its place in its row
-    base = ((np.cumsum(width) - width)[ri] - row_at).astype(itype)
-    # first and last read: the earliest and latest row of each bin, by the
-    # rows' rank in time (a row's time is its step's), not a time per read
-    by_time = np.argsort(ts, kind="stable")
-    rank = np.empty(len(ts), itype)
-    rank[by_time] = np.arange(len(ts), dtype=itype)
-    spans = stream.chunks(length, _CHUNK_READS)  # whole rows, about _CHUNK_READS reads each
+    contiguous = np.array_equal(start[1:], start[:-1] + length[:-1])
+    itype = np.int32 if max(nbins, int(length.sum())) < 2**31 - 1 else np.int64
+    # a read's place: its request's first place + its place in its row
+    base = (first_bin[ri] - row_at).astype(itype)
 
-    def chunks():
-        for r0, r1 in spans:
-            lo, n = int(row_at[r0]), int(length[r0:r1].sum())
-            if contiguous:
+    # each place's earliest and latest row: a request's rows in time order
+    # (ties in row order, as a stable sort leaves them), and in reverse; the
+    # first of them to reach past a place's start covers it first
+    rank = np.empty(len(ts), np.int64)
+    rank[np.argsort(ts, kind="stable")] = np.arange(len(ts))
+
+    def covering(order):  # per place, the first row of order to cover it
+        r, n = ri[order], length[order]
+        lift = r * (int(n.max()) + 1)  # a request's rows never reach its next's
+        reach = np.maximum.accumulate(lift + n) - lift  # the widest so far
+        before = np.r_[0, reach[:-1]]
+        before[np.r_[True, r[1:] != r[:-1]]] = 0  # a request's first row
+        new = np.flatnonzero(n > before)
+        row = np.empty(nbins, np.int64)
+        row[stream.ranges(first_bin[r[new]] + before[new], n[new] - before[new])] = \
+            np.repeat(order[new], n[new] - before[new])
+        return row
+
+    first_row = covering(_order_by(ri, rank))
+    last_row = covering(_order_by(ri, len(ts) - 1 - rank))
+    req_of = np.repeat(np.arange(nreq), width)
+    place = np.arange(nbins) - first_bin[req_of]
+    held = entries[start[first_row] + place]  # what the earliest row holds
+    reads = np.cumsum(np.bincount(first_bin[ri], minlength=nbins + 1)
+                      - np.bincount(first_bin[ri] + length, minlength=nbins + 1))[:nbins]
+
+    def chunks(rows=None):  # rows (all: None) a few million reads at a time, rows whole
+        sel = slice(None) if rows is None else rows
+        n_of, base_of, row_of, start_of = length[sel], base[sel], row_at[sel], start[sel]
+        for r0, r1 in stream.chunks(n_of, _CHUNK_READS):
+            n = int(n_of[r0:r1].sum())
+            if rows is None and contiguous:
+                lo = int(row_of[r0])
                 blk = entries[start[0] + lo:start[0] + lo + n]
+                key = np.repeat(base_of[r0:r1], n_of[r0:r1])
+                key += np.arange(lo, lo + n, dtype=itype)
             else:
-                blk = entries[stream.ranges(start[r0:r1], length[r0:r1])]
-            key = np.repeat(base[r0:r1], length[r0:r1])
-            key += np.arange(lo, lo + n, dtype=itype)
-            key[blk <= 0] = nbins  # a null entry is no read: the spare bin
-            yield r0, r1, lo, blk, key
+                at = stream.ranges(row_of[r0:r1], n_of[r0:r1])  # the reads' numbers
+                blk = entries[stream.ranges(start_of[r0:r1], n_of[r0:r1])]
+                key = (np.repeat(base_of[r0:r1], n_of[r0:r1]) + at).astype(itype)
+            yield r0, r1, n_of[r0:r1], blk, key
 
-    held = np.zeros(nbins + 1, entries.dtype)
-    for *_, blk, key in chunks():  # in read order: the last block at a place
-        held[key] = blk
-    several = np.zeros(nbins + 1, bool)  # places that held several blocks
+    several = np.zeros(nbins, bool)  # places whose reads are not all held's
+    # (a null read at a place that holds a block is one of these)
     for *_, blk, key in chunks():
-        odd = blk != held[key]
-        odd &= blk > 0
-        several[key[odd]] = True
-    several[nbins] = False
-    any_several = bool(several.any())
-    reads = np.zeros(nbins + 1, np.int64)
-    first, last = np.full(nbins + 1, len(ts), itype), np.full(nbins + 1, -1, itype)
+        several[key[blk != held[key]]] = True
     out = []
-    for r0, r1, lo, blk, key in chunks():
-        if any_several:  # each read at such a place is its own part
+    if several.any():
+        # each read at such a place, summed per (request, block) in its
+        # chunk: on row 6's trace 4.65M such reads were 32k pairs, and a
+        # part per read was most of request_access's memory (1 GB at its
+        # peak).  Only the rows of requests with such a place are read again.
+        odd_req = np.zeros(nreq, bool)
+        odd_req[req_of[several]] = True
+        rows = np.flatnonzero(odd_req[ri])
+        for r0, r1, n_of, blk, key in chunks(rows):
             at = np.flatnonzero(several[key])
+            at = at[blk[at] > 0]  # a null entry is no read
             n = len(at)
-            if n:
-                # summed per (request, block) here: on row 6's trace 4.65M
-                # such reads were 32k pairs, and a part per read was most of
-                # request_access's memory (1 GB at its peak)
-                row = np.searchsorted(row_at, lo + at, side="right") - 1
-                r, b, t = ri[row], blk[at], ts[row]
-                by = _order_by(r, b)
-                r, b, t = r[by], b[by], t[by]
-                seg = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (b[1:] != b[:-1])])
-                m = len(seg)
-                out.append((r[seg], b[seg], np.diff(np.r_[seg, n]),
-                            np.minimum.reduceat(t, seg), np.maximum.reduceat(t, seg),
-                            np.zeros(m, np.int64), np.full(m, _NEVER), np.full(m, _EVER)))
-                key[at] = nbins
-        reads += np.bincount(key, minlength=nbins + 1)
-        rank_of_read = np.repeat(rank[r0:r1], length[r0:r1])
-        np.minimum.at(first, key, rank_of_read)
-        np.maximum.at(last, key, rank_of_read)
-    used = np.flatnonzero(reads[:nbins])
+            if not n:
+                continue
+            row = rows[r0:r1][np.searchsorted(np.cumsum(n_of), at, side="right")]
+            r, b, t = ri[row], blk[at], ts[row]
+            by = _order_by(r, b)
+            r, b, t = r[by], b[by], t[by]
+            seg = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (b[1:] != b[:-1])])
+            m = len(seg)
+            out.append((r[seg], b[seg], np.diff(np.r_[seg, n]),
+                        np.minimum.reduceat(t, seg), np.maximum.reduceat(t, seg),
+                        np.zeros(m, np.int64), np.full(m, _NEVER), np.full(m, _EVER)))
+    used = np.flatnonzero(~several & (held > 0))  # all of a place's reads null: none
     n = len(used)
-    out.append((np.repeat(np.arange(nreq), width)[used], held[used], reads[used],
-                ts[by_time[first[used]]], ts[by_time[last[used]]],
+    out.append((req_of[used], held[used], reads[used], ts[first_row[used]], ts[last_row[used]],
                 np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER)))
     return out
