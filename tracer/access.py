@@ -223,14 +223,15 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
 
     if len(lo) < 2 or bool(np.all(lo[1:] >= hi[:-1])):
         # the ops' values lie in step order, one after another (decode puts
-        # them in seq order): the entries are those values less the row
-        # headers, taken in one pass
-        mark = np.zeros(len(values) + 1, np.int8)
-        np.add.at(mark, lo, 1)
-        np.add.at(mark, hi, -1)
-        inside = np.cumsum(mark, dtype=np.int8)[:-1].view(bool)
-        inside[hpos] = False
-        entries = _narrow_compress(inside, values)
+        # them in seq order), and so do their rows: the entries are the
+        # values of the rows' runs, taken in one pass by a mask made run by
+        # run (a running sum over every value to make it took 0.26 s of
+        # row 6's report)
+        at = hpos + 1
+        gap = at - np.r_[0, (at + length)[:-1]]  # header and other ops' values
+        inside = np.repeat(np.tile(np.array([False, True]), len(at)),
+                           np.stack([gap, length], axis=1).reshape(-1))
+        entries = _narrow_compress(inside, values[:len(inside)])
     else:
         entries = values[stream.ranges(hpos + 1, length)]
     per_step = np.zeros(len(steps), np.int64)
@@ -239,24 +240,25 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     return Rows(steps, row_lo, seq, start, length, entries)
 
 
-# values per chunk of _narrow_compress: 8M (a 64 MiB scratch, reused)
-_CHUNK_VALUES = 1 << 23
+# values per chunk of _narrow_compress and of the read scan's count: 1M.
+# A chunk's temporaries (8 MiB) stay in malloc's heap, reused by the next;
+# above its mmap threshold (32 MiB at most) each chunk's were fresh pages
+# from the kernel, which on these VMs cost seconds a GiB (docs/bench.md,
+# "Stop 30"); and a boolean index of 1M took half the time per value of
+# np.compress into a scratch ("Stop 33").
+_CHUNK_VALUES = 1 << 20
 
 
 def _narrow_compress(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
     """values[mask] as int32 where every kept value fits one (block numbers
-    do), else as int64.  Taken a chunk at a time through one reused
-    scratch: the int64 copy was 0.9 GB of fresh memory on row 6's trace,
-    and on these VMs fresh memory costs seconds a GiB (docs/bench.md,
-    "Stop 30"); the int32 one is half that, and each later pass over it
-    reads half the bytes."""
+    do), else as int64, taken a chunk at a time: the int64 copy was 0.9 GB
+    of fresh memory on row 6's trace; the int32 one is half that, and each
+    later pass over it reads half the bytes."""
     out = np.empty(int(np.count_nonzero(mask)), np.int32)
     lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
-    scratch = np.empty(min(_CHUNK_VALUES, len(values)), values.dtype)
     at = 0
     for a in range(0, len(values), _CHUNK_VALUES):
-        m = mask[a:a + _CHUNK_VALUES]
-        part = np.compress(m, values[a:a + _CHUNK_VALUES], out=scratch[:np.count_nonzero(m)])
+        part = values[a:a + _CHUNK_VALUES][mask[a:a + _CHUNK_VALUES]]
         if len(part) and not (lo32 <= part.min() and part.max() <= hi32):
             return values[mask]  # a value beyond an int32: all as they are
         out[at:at + len(part)] = part
