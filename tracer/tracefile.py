@@ -251,10 +251,10 @@ def read(path: str) -> Trace:
         raise DataError(f"{path}: trace format version {version}; this kvtrace-bpf "
                         f"reads version {VERSION}")
     pos, trace, layouts = _FILE_HDR.size, None, None
-    view = memoryview(data)
-    while pos < len(data):
-        problem, kind, payload, nxt = _frame_at(data, view, pos)
-        if problem:
+    frames, after = _frames(data, memoryview(data), pos)
+    for (pos, kind, payload, crc, nxt), got in zip(frames, _checksums(f[2] for f in frames)):
+        if got != crc:
+            problem = f"damaged frame at byte {pos} (checksum mismatch)"
             break
         if trace is None and kind != KIND_META:
             problem = f"first frame at byte {pos} is not the trace header"
@@ -289,8 +289,9 @@ def read(path: str) -> Trace:
             problem = f"unexpected data after the end record at byte {pos}"
             break
     else:
-        problem = None if trace is not None and trace.end is not None else \
-            f"no end record after byte {pos}: the writer stopped early (killed?)"
+        pos, problem = after
+        if problem is None and (trace is None or trace.end is None):
+            problem = f"no end record after byte {pos}: the writer stopped early (killed?)"
     if trace is None:
         if len(data) == _FILE_HDR.size:
             problem = "empty trace file (nothing after the file header)"
@@ -473,22 +474,38 @@ def _check_batch(payload, event_dt: np.dtype, chunk_dt: np.dtype,
     return batch
 
 
-def _frame_at(data, view, pos):
-    """(problem, kind, payload, next position) of the frame at pos."""
-    if len(data) - pos < _FRAME_SIZE:
-        return f"truncated at byte {pos} (a frame header cut short)", 0, None, pos
-    magic, kind, length, crc = _FRAME.unpack_from(data, pos)
-    (head_crc,) = struct.unpack_from("<I", data, pos + _FRAME.size)
-    if magic != _FRAME_MAGIC or zlib.crc32(data[pos:pos + _FRAME.size]) != head_crc:
-        return f"damaged frame header at byte {pos}", 0, None, pos
-    start = pos + _FRAME_SIZE
-    if length > _MAX_FRAME or start + length > len(data):
-        return (f"truncated at byte {len(data)} (a frame of {length} bytes at byte {pos} "
-                "is cut short)"), 0, None, pos
-    payload = view[start:start + length]
-    if zlib.crc32(payload) != crc:
-        return f"damaged frame at byte {pos} (checksum mismatch)", 0, None, pos
-    return None, kind, payload, start + length
+def _frames(data, view, pos) -> tuple:
+    """([(position, kind, payload, its checksum, next position)], (where
+    they end, the problem there or None)): the frames whose headers are
+    intact, from pos on; their payloads are not checked here."""
+    frames = []
+    while pos < len(data):
+        if len(data) - pos < _FRAME_SIZE:
+            return frames, (pos, f"truncated at byte {pos} (a frame header cut short)")
+        magic, kind, length, crc = _FRAME.unpack_from(data, pos)
+        (head_crc,) = struct.unpack_from("<I", data, pos + _FRAME.size)
+        if magic != _FRAME_MAGIC or zlib.crc32(data[pos:pos + _FRAME.size]) != head_crc:
+            return frames, (pos, f"damaged frame header at byte {pos}")
+        start = pos + _FRAME_SIZE
+        if length > _MAX_FRAME or start + length > len(data):
+            return frames, (pos, f"truncated at byte {len(data)} (a frame of {length} bytes "
+                                 f"at byte {pos} is cut short)")
+        frames.append((pos, kind, view[start:start + length], crc, start + length))
+        pos = start + length
+    return frames, (pos, None)
+
+
+def _checksums(payloads):
+    """zlib.crc32 of each payload, in order, on every CPU this process may
+    use: zlib lets go of the GIL for the length of a large buffer, and the
+    checksums were 0.6 s of row 6's report, most of reading it
+    (docs/bench.md, "Stop 33")."""
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if workers < 2:
+        return map(zlib.crc32, payloads)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(zlib.crc32, payloads))
 
 
 def reuse_freed_memory():
