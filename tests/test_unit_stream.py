@@ -123,9 +123,12 @@ def test_values_are_reassembled_per_op_in_order():
     assert list(s.values_of(3)) == [10, -1]
 
 
-def test_interleaved_cpus_and_batches():
+@pytest.mark.parametrize("parallel", [False, True])
+def test_interleaved_cpus_and_batches(parallel, monkeypatch):
     """Records of different CPUs arrive interleaved, and an op's chunks may
-    be split across batches (polls): order by seq and offset, not arrival."""
+    be split across batches (polls): order by seq and offset, not arrival.
+    parallel: the batches copied on several CPUs, as a large trace's are."""
+    monkeypatch.setattr(stream, "_PARALLEL_VALUES", 0 if parallel else 1 << 62)
     w = Wire()
     a = np.arange(130)
     b = np.arange(1000, 1070)

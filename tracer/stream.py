@@ -18,6 +18,7 @@ truncated or unreadable are marked incomplete, never used half.
 """
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,20 +209,44 @@ def _place(parts, hdrs, count, order, starts_s, total) -> np.ndarray:
     a trace file's mapping, or the collector's bytes) to their place in
     (seq, offset) order: no joined copy of them all first.  A batch whose
     chunks already follow one another there (the common case: one CPU's
-    records in order) is one slice copy."""
+    records in order) is one slice copy.  A trace's batches are copied on
+    every CPU the process may use: the copy is mostly the kernel handing
+    out fresh pages, which two CPUs do side by side (row 6's 1.1 GB: 0.56
+    -> 0.3 s, docs/bench.md "Stop 33")."""
     values = np.empty(total, VALUE)
     dest = np.empty(len(order), np.int64)
     dest[order] = starts_s  # each chunk's place, in arrival order
-    c0 = 0
-    for part, h in zip(parts, hdrs):
-        c1 = c0 + len(h)
-        d, n = dest[c0:c1], count[c0:c1]
+    first = np.cumsum([0] + [len(h) for h in hdrs])
+
+    def copy(i):
+        part, d, n = parts[i], dest[first[i]:first[i + 1]], count[first[i]:first[i + 1]]
         if len(d) and bool(np.all(d[1:] == d[:-1] + n[:-1])):
             values[d[0]:d[0] + len(part)] = part
         elif len(d):
             values[ranges(d, n)] = part
-        c0 = c1
+
+    if total >= _PARALLEL_VALUES:
+        on_cpus(copy, range(len(parts)))
+    else:
+        for i in range(len(parts)):
+            copy(i)
     return values
+
+
+# values from which _place copies on several CPUs: 4M (32 MiB), far above
+# what a live interval decodes, where a thread pool's start would cost more
+_PARALLEL_VALUES = 1 << 22
+
+
+def on_cpus(fn, items) -> list:
+    """[fn(item) for item in items], in order, on every CPU this process
+    may use: for work that lets go of the GIL (numpy's copies, zlib.crc32)."""
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if workers < 2:
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
 
 
 def ranges(starts, lengths) -> np.ndarray:
