@@ -309,21 +309,28 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
         reads += np.bincount(block[a:a + _CHUNK_VALUES], minlength=nb).astype(np.uint64)
     steps_in_time = np.argsort(ts_ns, kind="stable")
     t_sorted = ts_ns[steps_in_time]
-    # per block, 1 + the place in time order of the last step that read it
-    # (0: none yet): the one array the pass writes per read
-    last_at = np.zeros(nb, np.int64)
+    rank = np.empty(len(ts_ns), np.int64)  # each step's place in time order
+    rank[steps_in_time] = np.arange(len(ts_ns))
+    # per block, its last read so far (-1: none yet), as the read's number:
+    # the one array the pass writes per read.  Its step and time follow from
+    # bounds; a read's number also tells two reads of one block in one step
+    # apart without a second array (a block read by more than one request)
+    last_read = np.full(nb, -1, np.int64)
     # the steps' times in step order (the usual case): the latest step is
     # also the highest-numbered; otherwise that is kept apart
     in_order = bool(np.all(steps_in_time == np.arange(len(ts_ns))))
     last_step = None if in_order else np.zeros(nb, np.int64)
     sharing = np.zeros(nb, np.int64)
-    place = np.zeros(nb, np.int64)  # scratch: where a block was last seen in a step
-    here_all = np.arange(int(np.max(np.diff(bounds), initial=0)))
+    widest = int(np.max(np.diff(bounds), initial=0))
+    offsets, numbers = np.arange(widest), np.empty(widest, np.int64)  # reused per step
     idle = np.zeros(len(gen_block), np.int64)
     found = np.zeros(len(gen_block), bool)
     g_order = np.argsort(gen_start_ns, kind="stable")
     g_starts = gen_start_ns[g_order]
     g_next = 0
+
+    def step_of(read):  # the step of each read number
+        return np.searchsorted(bounds, read, side="right") - 1
 
     def answer(upto):
         # the generations starting at or before `upto` see only the reads
@@ -335,10 +342,10 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
             g = g_order[g_next:g_end]
             b = gen_block[g]
             ok = (b >= 0) & (b < nb)
-            g, at = g[ok], last_at[b[ok]]
-            seen = at > 0
+            g, at = g[ok], last_read[b[ok]]
+            seen = at >= 0
             found[g[seen]] = True
-            idle[g[seen]] = gen_start_ns[g[seen]] - t_sorted[at[seen] - 1]
+            idle[g[seen]] = gen_start_ns[g[seen]] - ts_ns[step_of(at[seen])]
             g_next = g_end
 
     prev_t = None
@@ -347,23 +354,24 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
         if t != prev_t:
             answer(t)
             prev_t = t
-        b = block[bounds[k]:bounds[k + 1]]
-        if not len(b):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        if lo == hi:
             continue
-        b = b.astype(np.intp, copy=False)  # an index: int32 entries cast once, not per use
-        last_at[b] = i + 1  # time order: this is the latest
+        b = block[lo:hi].astype(np.intp, copy=False)  # an index: cast once, not per use
+        here = np.add(offsets[:hi - lo], lo, out=numbers[:hi - lo])  # the reads' numbers
+        last_read[b] = here  # time order: this is the latest
         if last_step is not None:
             last_step[b] = np.maximum(last_step[b], k + 1)
         # a block read by more than one request at this step: found without
-        # sorting, as a place overwritten by a later occurrence
-        here = here_all[:len(b)]
-        place[b] = here
-        if bool(np.any(place[b] != here)):
+        # sorting, as a read whose number a later one overwrote
+        if bool(np.any(last_read[b] != here)):
             u, c = np.unique(b, return_counts=True)
             sharing[u] = np.maximum(sharing[u], c)
     answer(np.iinfo(np.int64).max)
-    has_read = last_at > 0
+    has_read = last_read >= 0
     sharing[(sharing == 0) & has_read] = 1
+    last_at = np.zeros(nb, np.int64)  # 1 + the place in time order of its last step
+    last_at[has_read] = rank[step_of(last_read[has_read])] + 1
     last_ns = np.where(has_read, t_sorted[np.maximum(last_at - 1, 0)], 0) if nb else \
         np.zeros(0, np.int64)
     if last_step is None:
