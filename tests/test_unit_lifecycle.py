@@ -98,6 +98,25 @@ def test_timeline_and_summary():
     assert abs(s["prefix_served_share"] - 1 / 3) < 1e-12 and s["requests"] == 2
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_timeline_limit_keeps_the_first_requests_seen(seed):
+    """timelines(limit=n) is the whole list's first n: requests first seen
+    by time, then event order, a request event before a block event at the
+    same time; with many ties, request events of their own, and requests
+    that have only those."""
+    rng = np.random.default_rng(seed)
+    events = [(int(rng.integers(0, 9)) * S, str(rng.choice(["block_alloc", "block_hit"])),
+               int(rng.integers(1, 30)), 0, rng.integers(1, 9, 2).tolist()) for _ in range(200)]
+    events.sort(key=lambda e: e[0])  # fired in time order, many at one time
+    ev = lifecycle.events(make_stream(events))
+    requests = [(int(rng.integers(0, 9)) * S, int(rng.integers(1, 40)),
+                 str(rng.choice(["arrive", "finish"])), 1) for _ in range(60)]
+    whole = lifecycle.timelines(ev, requests=requests)
+    assert len(whole) > 12
+    for n in (0, 1, 5, 12, len(whole) + 3):
+        assert lifecycle.timelines(ev, requests=requests, limit=n) == whole[:n], n
+
+
 def test_incomplete_event_left_out_and_counted():
     st = make_stream([(0, "block_alloc", 1, 0, [1, 2]), (1, "block_alloc", 2, 0, [3])])
     st.ops["complete"][1] = False
