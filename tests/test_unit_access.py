@@ -118,6 +118,50 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
                 assert getattr(got, field).tolist() == getattr(plain, field).tolist(), field
 
 
+@pytest.mark.parametrize("times", ["in order", "out of order"])
+def test_read_heatmap_from_runs_of_steps_equals_one_read_at_a_time(times, monkeypatch):
+    """Report.read_runs sums a group's reads per block over each run of
+    steps in one heatmap row (Rows.block_counts): the map it gives equals
+    the map of every read on its own (the test's own reading of the
+    tables), for whole, partial and empty time ranges, nulls and a block
+    past max_blocks, steps out of time order, and reads counted a few
+    values at a time."""
+    from tracer import cmd_report, heatmap
+    rng = np.random.default_rng(21)
+    bs, records = 4, []
+    for step in range(70):
+        vals = []
+        for _ in range(int(rng.integers(0, 5))):
+            seq = int(rng.integers(0, 25))
+            vals += [seq] + rng.integers(-1, 60, -(-seq // bs)).tolist()
+        if step == 33:
+            vals += [4, 1 << 24]  # a garbage entry, past max_blocks
+        records.append((stream.TABLE_OP_ID, GROUP, vals, True))
+    ops = op_stream(records)
+    if times == "out of order":
+        ops.ops["ts_ns"] = ops.ops["ts_ns"] + 1000 * rng.integers(0, 11, len(records))
+    (st,) = access.steps_of(ops, groups(bs))
+    rows = access.rows_of(ops, st)
+    rep = cmd_report.Report.__new__(cmd_report.Report)
+    rep.t0, rep.steps, rep.rows, rep.scans = 0, [st], [rows], [rows.scan()]
+    # every read on its own: (time since t0, block) of each positive entry
+    # below max_blocks, from the test's own reading of each table
+    at = ops.ops["ts_ns"].astype(np.int64) - rep.t0
+    reads = [(at[k], b) for k, (_, vals, _) in enumerate((r[1], r[2], r[3]) for r in records)
+             for _, entries in live_sets(vals, bs) for b in entries
+             if 0 < b < access.MAX_BLOCKS]
+    t, b = (np.array(c, np.int64) for c in zip(*reads))
+    for nrows, time_range in ((7, (0, int(at.max()) + 1)), (3, (20_000, 41_000)),
+                              (5, (30_000, 30_000)), (4, (-10**6, 10**6))):  # [t, t): a step at t
+        want = heatmap.compute(t, b, nrows, 9, time_range, (0, 59))
+        for chunk in (access._CHUNK_READS, 3):
+            monkeypatch.setattr(access, "_CHUNK_READS", chunk)
+            got = heatmap.compute_chunks(rep.read_runs(nrows, time_range), nrows, 9,
+                                         time_range, (0, 59))
+            assert np.array_equal(got.cells, want.cells), (nrows, time_range, chunk)
+    assert want.cells.sum() > 0
+
+
 def test_scan_reads_per_block_figures():
     # step -> time: 0 -> 50, 1 -> 10, 2 -> 30 (the steps' times out of order)
     ts = np.array([50, 10, 30])

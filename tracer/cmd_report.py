@@ -151,16 +151,31 @@ class Report:
             keep = g.run_block < tracefile.MAX_BLOCKS
             yield g.run_ns[keep] - self.t0, g.run_block[keep], g.run_writes[keep]
 
-    def read_runs(self):
-        """(time since start ns, block, None) of every block read by a
-        complete block_table op, once per (request, step), for every group,
-        a chunk of whole steps at a time (Rows.reads).  Blocks beyond
-        tracefile.MAX_BLOCKS are left out, as in the read histograms (which
-        count those out of range)."""
-        for st, rows in zip(self.steps, self.rows):
-            for step, blocks in rows.reads():
-                keep = blocks < tracefile.MAX_BLOCKS
-                yield st.ts_ns[step[keep]] - self.t0, blocks[keep], None
+    def read_runs(self, rows: int, time_range: tuple):
+        """(time since start ns, block, reads) for every block read by a
+        complete block_table op (once per (request, step)), for every group,
+        summed over each run of steps that fall in one row of a heatmap of
+        `rows` rows over time_range (ns since start), or outside it: the
+        heatmap counts such steps' reads alike, so a run is
+        one bincount of its entries (Rows.block_counts) where a pass per
+        read took 3 s of row 6's `report --kind reads` ("Stop 33").
+        Blocks beyond tracefile.MAX_BLOCKS are left out, as in the read
+        histograms (which count those out of range)."""
+        t0 = int(time_range[0])
+        t1 = max(int(time_range[1]), t0 + 1)  # heatmap.compute_chunks' own end
+        for st, group_rows, scan in zip(self.steps, self.rows, self.scans):
+            nb = len(scan.reads_per_block)  # the highest block read, in range, + 1
+            if not len(st) or not nb:
+                continue
+            t = st.ts_ns.astype(np.int64) - self.t0
+            # (where the asked range is empty, [t0, t0), only steps at t0
+            # are in the map's and all of them are out of the asked one)
+            row = np.where((t >= t0) & (t < t1), (t - t0) * rows // (t1 - t0), -1)
+            edges = np.r_[0, np.flatnonzero(row[1:] != row[:-1]) + 1, len(st)]
+            for k0, k1 in zip(edges[:-1].tolist(), edges[1:].tolist()):
+                counts = group_rows.block_counts(k0, k1, nb)
+                blocks = np.flatnonzero(counts)
+                yield np.full(len(blocks), t[k0]), blocks, counts[blocks]
 
     def heatmap(self, rows, cols, time_range=None, block_range=None,
                 exact_cols=True, kind="writes") -> heatmap.Heatmap:
@@ -169,22 +184,22 @@ class Report:
         vLLM may have 2048 blocks and use a dozen.  exact_cols=False (no
         --resol) lets a narrow range have fewer columns than cols, one
         block per column, rather than stretch a block over several."""
-        if kind == "writes":
-            # the runs once, for both passes below (an eighth of the slots)
-            runs = list(self.write_runs())
-            events, named = (lambda: runs), {}
-        else:
-            # the reads twice, a chunk at a time: they are many
-            events = self.read_runs
-            named = {"what": "block reads (once per step per KV-cache group)", "key": "reads"}
         if time_range is None:
             time_range = self.span_ns()
         else:
             time_range = (int(time_range[0] * 1e9), int(time_range[1] * 1e9))
+        if kind == "writes":
+            # the runs once, for both passes below (an eighth of the slots)
+            runs = list(self.write_runs())
+            named = {}
+        else:
+            # the reads summed per block over runs of steps in one row
+            runs = list(self.read_runs(rows, time_range))
+            named = {"what": "block reads (once per step per KV-cache group)", "key": "reads"}
         # one pass for the highest block and the blocks used in the time
         # range (the zoom), one for the cells
         used = np.zeros(0, np.int64)
-        for t, b, w in events():
+        for t, b, w in runs:
             keep = (t >= time_range[0]) & (t < time_range[1])
             c = np.bincount(b[keep], None if w is None else w[keep],
                             minlength=int(b.max()) + 1 if len(b) else 0).astype(np.int64)
@@ -199,7 +214,7 @@ class Report:
             zoomed = block_range != (0, nb - 1)
         if not exact_cols:
             cols = min(cols, block_range[1] - block_range[0] + 1)
-        return heatmap.compute_chunks(events(), rows, cols, time_range, block_range,
+        return heatmap.compute_chunks(runs, rows, cols, time_range, block_range,
                                       total_blocks=nb, zoomed=zoomed, **named)
 
     def op_rates(self, bins: int = 10, time_range=None) -> dict:
