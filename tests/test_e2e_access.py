@@ -63,13 +63,18 @@ def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
     # the read heatmap holds every read once
     assert doc["heatmap"]["what"].startswith("block reads")
     assert sum(map(sum, doc["heatmap"]["reads"])) == reads["reads"]
-    # the same map from every read on its own (Rows.reads: a step and a
-    # block per read), and when the reads are counted 50 at a time
+    # the same map from every read on its own (each row's entries, at its
+    # step's time), and when the reads are counted 50 at a time
     rep = cmd_report.Report(tracefile.load(str(trace)))
     whole = rep.heatmap(9, 31, kind="reads")
     (st,), (rows,) = rep.steps, rep.rows
-    step, block = (np.concatenate(c) for c in zip(*rows.reads(per_chunk=50)))
-    one_by_one = heatmap.compute(st.ts_ns[step].astype(np.int64) - rep.t0, block, 9, 31,
+    t, block = [], []
+    for k in range(len(st)):
+        for r in range(rows.row_lo[k], rows.row_lo[k + 1]):
+            entries = rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
+            block += entries[entries > 0].tolist()
+            t += [int(st.ts_ns[k]) - rep.t0] * int(np.count_nonzero(entries > 0))
+    one_by_one = heatmap.compute(np.array(t, np.int64), np.array(block, np.int64), 9, 31,
                                  rep.span_ns(), (whole.b0, whole.b1 - 1))
     assert np.array_equal(whole.cells, one_by_one.cells)
     monkeypatch.setattr(access, "_CHUNK_READS", 50)

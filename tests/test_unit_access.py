@@ -101,10 +101,6 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
                for k in range(len(st))]
         assert got == want
         flat = [(k, b) for k, rs in enumerate(want) for _, r in rs for b in r if b > 0]
-        for per_chunk in (None, 3):  # whole, and a step or so at a time
-            got = [(k, b) for step_of, block in rows.reads(per_chunk)
-                   for k, b in zip(step_of.tolist(), block.tolist())]
-            assert got == flat
         step_of, block = (np.array(c, np.int64).reshape(-1) for c in zip(*flat)) if flat \
             else (np.zeros(0, np.int64),) * 2
         # the one pass over the rows as they lie (nulls and blocks past

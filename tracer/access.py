@@ -144,28 +144,13 @@ class Rows:
     def step_of_row(self) -> np.ndarray:
         return np.repeat(np.arange(len(self.steps)), np.diff(self.row_lo))
 
-    def reads(self, per_chunk: int = None):
-        """(step per read, block per read): every (request, block) read in
-        step order, null entries (0, or a negative number) left out; whole
-        steps about per_chunk reads at a time (default _CHUNK_READS), a
-        generator: an array per read for them all was 1.8 GB on row 6's
-        trace, and on these VMs fresh memory costs seconds a GiB
-        (docs/bench.md, "Stop 30")."""
-        at = np.concatenate([[0], np.cumsum(self.length)])[self.row_lo]  # each step's first
-        per_step = np.diff(at)
-        for k0, k1 in stream.chunks(per_step, per_chunk or _CHUNK_READS):
-            blocks = self.entries[at[k0]:at[k1]]
-            step = np.repeat(np.arange(k0, k1), per_step[k0:k1])
-            keep = blocks > 0
-            yield step[keep], blocks[keep]
-
     def block_counts(self, k0: int, k1: int, nb: int) -> np.ndarray:
         """Reads per block (0..nb - 1) over steps k0..k1 - 1: how many
         (request, step) pairs read each.  Null entries and blocks nb or more
         are not counted.  A bincount of the steps' entries as they lie, a
-        chunk at a time: no step number or array per read, where reads()
-        makes both (the read heatmap's cells are such counts per time row:
-        report --kind reads, docs/bench.md "Stop 33")."""
+        chunk at a time: no step number or time per read (the read
+        heatmap's cells are such counts per time row: report --kind reads,
+        docs/bench.md "Stop 33")."""
         at = np.concatenate([[0], np.cumsum(self.length)])[self.row_lo]  # each step's first
         counts = np.zeros(nb + 1, np.int64)
         scratch = np.empty(min(_CHUNK_READS, max(int(at[k1] - at[k0]), 0)), np.intp)
@@ -861,7 +846,7 @@ BLOCK_COLUMNS = ("group", "block", "tokens_written", "first_write_s", "last_writ
 _NEVER, _EVER = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # no first / last time
 
 
-# reads per chunk in _reads_by_place and Rows.reads: 1M, for the caches, as
+# reads per chunk in _reads_by_place and Rows.block_counts: 1M, for the caches, as
 # _CHUNK_VALUES (8M: request_access 1.6 s on row 6's trace, 1M: 1.4 s)
 _CHUNK_READS = 1 << 20
 
