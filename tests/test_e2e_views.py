@@ -1,6 +1,7 @@
 """The live view as a terminal shows it (real BPF, kvsim): where `attach --
 CMD` sends the command's own output, so that it does not tear the screen."""
 
+import glob
 import os
 import re
 import select
@@ -34,6 +35,21 @@ def test_cmd_output_dash_and_no_live_view_keep_the_terminal():
     assert "output is in" not in r.stderr
     r = run_kvtrace("attach", "-q", "--cmd-output", "-", "--", KVSIM, "--workload", "default")
     assert r.returncode == 0 and KVSIM_LINE in r.stderr, r.stderr
+
+
+def test_an_empty_cmd_output_file_is_not_left_behind():
+    """With the live view, -- CMD's output goes to a new file; a command
+    that wrote nothing (kvsim --quiet) leaves no empty file in /tmp, and
+    the tracer says so instead of naming it."""
+    before = set(glob.glob("/tmp/kvtrace-cmd-*.log"))
+    rc, screen = run_in_a_terminal(kvtrace_cmd(
+        "attach", "-i", "0.2", "--", KVSIM, "--workload", "default", "--quiet"))
+    assert rc == 0, screen[-2000:]
+    m = re.search(r"kvsim's output goes to (/tmp/kvtrace-cmd-\S+\.log)", screen)
+    assert m, screen[-2000:]
+    assert not os.path.exists(m.group(1))
+    assert "kvsim wrote no output" in screen and "output is in" not in screen
+    assert set(glob.glob("/tmp/kvtrace-cmd-*.log")) <= before
 
 
 def test_cmd_output_needs_a_command():

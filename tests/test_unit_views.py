@@ -421,7 +421,7 @@ def test_probed_ops_of_a_traced_process():
 def test_cmd_output_path_choice():
     import argparse
     import os
-    from tracer.cmd_attach import cmd_output_path
+    from tracer.cmd_attach import _drop_if_empty, cmd_output_path
 
     def args(**kw):
         return argparse.Namespace(**{"command": ["x"], "cmd_output": None, **kw})
@@ -430,10 +430,30 @@ def test_cmd_output_path_choice():
     assert cmd_output_path(args(cmd_output="-"), live_view=True) is None  # the terminal
     assert cmd_output_path(args(cmd_output="/some/f.log"), live_view=False) == "/some/f.log"
     assert cmd_output_path(args(), live_view=False) is None  # no view to tear
-    path = cmd_output_path(args(), live_view=True)  # a view: a new private file
+    made = args()
+    path = made.cmd_output_path = cmd_output_path(made, live_view=True)  # a view: a new file
     try:
         assert os.path.basename(path).startswith("kvtrace-cmd-") and path.endswith(".log")
         assert os.stat(path).st_mode & 0o777 == 0o600
+        # one the command wrote to stays at exit, an empty one goes
+        with open(path, "w") as f:
+            f.write("x\n")
+        _drop_if_empty(made)
+        assert os.path.exists(path) and made.cmd_output_path == path
+        open(path, "w").close()
+        _drop_if_empty(made)
+        assert not os.path.exists(path) and made.cmd_output_path is None
+        assert made.cmd_output_dropped
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    # a file the user named stays, even empty
+    named = args(cmd_output=path)
+    named.cmd_output_path = cmd_output_path(named, live_view=True)
+    open(path, "w").close()
+    try:
+        _drop_if_empty(named)
+        assert os.path.exists(path) and named.cmd_output_path == path
     finally:
         os.unlink(path)
 

@@ -171,8 +171,9 @@ def add_parser(sub):
     p.add_argument("--cmd-output", metavar="FILE",
                    help="-- CMD: where the command's stdout and stderr go, so its log "
                    "lines do not tear the live view (created 0600). Default: with the "
-                   "live view, a new file /tmp/kvtrace-cmd-*.log, named on screen; "
-                   "otherwise, or with '-', the tracer's own terminal")
+                   "live view, a new file /tmp/kvtrace-cmd-*.log, named on screen "
+                   "(removed at exit if the command wrote nothing); otherwise, or "
+                   "with '-', the tracer's own terminal")
     p.add_argument("--prometheus", nargs="?", metavar="[ADDR:]PORT",
                    const=f"{prom.DEFAULT_ADDR}:{prom.DEFAULT_PORT}",
                    help="serve Prometheus metrics on http://ADDR:PORT/metrics while "
@@ -324,6 +325,7 @@ def run(args) -> int:
         if target is not None:
             target.end_child()
             target.close()
+        _drop_if_empty(args)
         if server is not None:
             if traced:
                 _serve_final(args, tracer, exporter, recorder, stop)
@@ -336,6 +338,8 @@ def run(args) -> int:
         tracer.close()
     if getattr(args, "cmd_output_path", None):
         _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
+    elif getattr(args, "cmd_output_dropped", False):
+        _say(f"{os.path.basename(args.command[0])} wrote no output")
     return rc
 
 
@@ -415,7 +419,23 @@ def cmd_output_path(args, live_view: bool):
         return None
     fd, path = tempfile.mkstemp(prefix="kvtrace-cmd-", suffix=".log")  # 0600
     os.close(fd)
+    args.cmd_output_made = True  # ours: _drop_if_empty may remove it
     return path
+
+
+def _drop_if_empty(args):
+    """Remove the file cmd_output_path made for -- CMD's output if the
+    command wrote nothing there (it exited at once, or was never started):
+    an empty file left in /tmp says nothing.  A file the user named stays."""
+    path = getattr(args, "cmd_output_path", None)
+    if not path or not getattr(args, "cmd_output_made", False):
+        return
+    try:
+        if os.stat(path).st_size == 0:
+            os.unlink(path)
+            args.cmd_output_path, args.cmd_output_dropped = None, True
+    except OSError:  # gone already, or not ours to remove: leave it be
+        pass
 
 
 @contextlib.contextmanager
