@@ -144,23 +144,24 @@ class Rows:
     def step_of_row(self) -> np.ndarray:
         return np.repeat(np.arange(len(self.steps)), np.diff(self.row_lo))
 
-    def block_counts(self, k0: int, k1: int, nb: int) -> np.ndarray:
-        """Reads per block (0..nb - 1) over steps k0..k1 - 1: how many
-        (request, step) pairs read each.  Null entries and blocks nb or more
-        are not counted.  A bincount of the steps' entries as they lie, a
-        chunk at a time: no step number or time per read (the read
-        heatmap's cells are such counts per time row: report --kind reads,
-        docs/bench.md "Stop 33")."""
+    def block_counts(self, spans, nb: int):
+        """For each span (k0, k1) of steps, the reads per block (0..nb - 1)
+        over steps k0..k1 - 1: how many (request, step) pairs read each.
+        Null entries and blocks nb or more are not counted.  A bincount of
+        the steps' entries as they lie, a chunk at a time: no step number or
+        time per read (the read heatmap's cells are such counts per time
+        row: report --kind reads, docs/bench.md "Stop 33").  A generator."""
         at = np.concatenate([[0], np.cumsum(self.length)])[self.row_lo]  # each step's first
-        counts = np.zeros(nb + 1, np.int64)
-        scratch = np.empty(min(_CHUNK_READS, max(int(at[k1] - at[k0]), 0)), np.intp)
-        for a in range(int(at[k0]), int(at[k1]), _CHUNK_READS):
-            part = self.entries[a:min(a + _CHUNK_READS, int(at[k1]))]
-            # nulls (0 or below) to bin 0, blocks nb or more to bin nb: both dropped
-            np.clip(part, 0, nb, out=scratch[:len(part)])
-            counts += np.bincount(scratch[:len(part)], minlength=nb + 1)
-        counts[0] = 0
-        return counts[:nb]
+        scratch = np.empty(min(_CHUNK_READS, len(self.entries)), np.intp)
+        for k0, k1 in spans:
+            counts = np.zeros(nb + 1, np.int64)
+            for a in range(int(at[k0]), int(at[k1]), _CHUNK_READS):
+                part = self.entries[a:min(a + _CHUNK_READS, int(at[k1]))]
+                # nulls (0 or below) to bin 0, blocks nb or more to bin nb: both dropped
+                np.clip(part, 0, nb, out=scratch[:len(part)])
+                counts += np.bincount(scratch[:len(part)], minlength=nb + 1)
+            counts[0] = 0
+            yield counts[:nb]
 
     def scan(self, gen_block=(), gen_start_ns=(), max_blocks: int = MAX_BLOCKS) -> "ReadScan":
         """scan_reads() over these rows, without a step number per read."""

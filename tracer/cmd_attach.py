@@ -419,7 +419,6 @@ def cmd_output_path(args, live_view: bool):
         return None
     fd, path = tempfile.mkstemp(prefix="kvtrace-cmd-", suffix=".log")  # 0600
     os.close(fd)
-    args.cmd_output_made = True  # ours: _drop_if_empty may remove it
     return path
 
 
@@ -428,7 +427,7 @@ def _drop_if_empty(args):
     command wrote nothing there (it exited at once, or was never started):
     an empty file left in /tmp says nothing.  A file the user named stays."""
     path = getattr(args, "cmd_output_path", None)
-    if not path or not getattr(args, "cmd_output_made", False):
+    if not path or getattr(args, "cmd_output", None):  # none, or the user's
         return
     try:
         if os.stat(path).st_size == 0:

@@ -171,9 +171,9 @@ class Report:
             # (where the asked range is empty, [t0, t0), only steps at t0
             # are in the map's and all of them are out of the asked one)
             row = np.where((t >= t0) & (t < t1), (t - t0) * rows // (t1 - t0), -1)
-            edges = np.r_[0, np.flatnonzero(row[1:] != row[:-1]) + 1, len(st)]
-            for k0, k1 in zip(edges[:-1].tolist(), edges[1:].tolist()):
-                counts = group_rows.block_counts(k0, k1, nb)
+            edges = np.r_[0, np.flatnonzero(row[1:] != row[:-1]) + 1, len(st)].tolist()
+            spans = list(zip(edges[:-1], edges[1:]))
+            for (k0, _), counts in zip(spans, group_rows.block_counts(spans, nb)):
                 blocks = np.flatnonzero(counts)
                 yield np.full(len(blocks), t[k0]), blocks, counts[blocks]
 

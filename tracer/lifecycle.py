@@ -269,8 +269,8 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
         shown = first_seen[np.argsort(at)[:limit]]
         keep = np.isin(ev.req[starts], shown)
         starts, ends = starts[keep], ends[keep]
-        shown = set(shown.tolist())
-        requests = [r for r in requests if r[1] in shown]
+        shown_set = set(shown.tolist())
+        requests = [r for r in requests if r[1] in shown_set]
     if len(starts):
         # one entry per event (op row), its blocks together
         for s, e in zip(starts, ends):
