@@ -217,8 +217,13 @@ static __always_inline int submit_record(struct pt_regs *ctx, void *data, u64 si
 }
 
 #ifdef KVTRACE_WITH_STACKS
-BPF_STACK_TRACE(stacks, 16384);
+BPF_STACK_TRACE(stacks, KVTRACE_STACK_BUCKETS);
 BPF_HASH(stack_weights, struct kvtrace_stack_key, u64, 65536);
+/* stacks the stack map refused for a taken bucket (bpf/kvtrace.h): made as
+ * they come, as few ever do */
+BPF_F_TABLE("hash", struct kvtrace_stack, s32, collided_stacks, KVTRACE_COLLIDED_STACKS,
+	    BPF_F_NO_PREALLOC);
+BPF_PERCPU_ARRAY(stack_scratch, struct kvtrace_stack, 1);
 #endif
 
 #define BLOCK_MASK ((u64)KVTRACE_MAX_BLOCKS - 1)
@@ -305,6 +310,45 @@ static __always_inline void global_add(u32 idx, u64 n)
 	if (v)
 		__sync_fetch_and_add(v, n);
 }
+
+#ifdef KVTRACE_WITH_STACKS
+/*
+ * The id of the user stack: the stack map's, or, when another stack holds
+ * its hash bucket, collided_stacks' (bpf/kvtrace.h).  Negative if the stack
+ * could not be taken or kept.  The stack map's path is the common one and
+ * costs what it did; a collided stack pays for taking its frames twice and
+ * hashing all KVTRACE_STACK_DEPTH of them.
+ */
+static __always_inline s32 stack_id_of(struct pt_regs *ctx)
+{
+	s32 id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+	if (id != -EEXIST)
+		return id;
+	u32 zero = 0;
+	struct kvtrace_stack *s = stack_scratch.lookup(&zero);
+	if (!s)
+		return -ENOENT;
+	/* the key is the whole array: the frames past the stack's last are 0 */
+	__builtin_memset(s, 0, sizeof(*s));
+	long taken = bpf_get_stack(ctx, s->ip, sizeof(s->ip), BPF_F_USER_STACK);
+	if (taken < 0)
+		return taken;
+	s32 *known = collided_stacks.lookup(s);
+	if (known)
+		return *known;
+	u32 idx = KVTRACE_G_NEXT_STACK;
+	u64 *next = globals.lookup(&idx);
+	if (!next)
+		return -ENOENT;
+	s32 fresh = KVTRACE_STACK_COLLIDED + (s32)__sync_fetch_and_add(next, 1);
+	if (collided_stacks.insert(s, &fresh) == 0)
+		return fresh;
+	/* another CPU entered the same stack first (its number wins), or the
+	 * map is full */
+	known = collided_stacks.lookup(s);
+	return known ? *known : -E2BIG;
+}
+#endif
 
 /* A user-space u64 at addr; 0 if it cannot be read. */
 static __always_inline u64 read_u64(u64 addr)
@@ -697,7 +741,7 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 		__sync_fetch_and_add(h, 1);
 
 #ifdef KVTRACE_WITH_STACKS
-	ev->stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+	ev->stack_id = stack_id_of(ctx);
 	struct kvtrace_stack_key wkey = {.pid = ev->pid,
 					 .stack_id = ev->stack_id,
 					 .op = op,

@@ -72,7 +72,9 @@ enum kvtrace_global {
 				     * all the same) */
 	KVTRACE_G_REQUESTS_SEEN = 10, /* requests entered into `requests`: more
 				       * than it holds = some were evicted */
-	KVTRACE_NR_GLOBALS = 11,
+	KVTRACE_G_NEXT_STACK = 11,  /* next number for a collided stack
+				     * (KVTRACE_STACK_COLLIDED + n) */
+	KVTRACE_NR_GLOBALS = 12,
 };
 
 /* swap_blocks direction (same values as KVTRACE_SWAP_* in kvtrace_probes.h) */
@@ -369,6 +371,28 @@ struct kvtrace_read_row {
 
 /* op_log2: log2 histogram of items per op; bcc's bpf_log2l() gives 0-64 */
 #define KVTRACE_LOG2_SLOTS 65
+
+/*
+ * User stacks (-DKVTRACE_WITH_STACKS).  The kernel's stack map keeps one
+ * stack per hash bucket and answers -EEXIST for a second stack whose frames
+ * hash to a bucket another holds: with n stacks in 16384 buckets that is
+ * likely once n passes ~150 (a vLLM with its Python frames gets there), and
+ * kvsim's ~7 stacks met it in about one run in a thousand.  A stack it
+ * refuses is kept in collided_stacks instead, a hash map keyed by the frames
+ * themselves (a hash map chains, so it never refuses a stack for another's
+ * hash), under an id from KVTRACE_STACK_COLLIDED up: the id says which map
+ * holds the frames (bpf/kvtrace.bpf.c stack_id_of).
+ */
+#ifndef KVTRACE_STACK_BUCKETS
+#define KVTRACE_STACK_BUCKETS 16384 /* the stack map's size (--stack-storage-size) */
+#endif
+#define KVTRACE_STACK_DEPTH 127 /* frames; the kernel's perf_event_max_stack default */
+#define KVTRACE_STACK_COLLIDED 1073741824 /* 1 << 30: ids of collided_stacks */
+#define KVTRACE_COLLIDED_STACKS 4096 /* room in collided_stacks */
+
+struct kvtrace_stack {
+	__u64 ip[KVTRACE_STACK_DEPTH]; /* innermost first, 0 after the last */
+};
 
 /* stack_weights: folded-stack weights, exact (not from the perf buffer) */
 struct kvtrace_stack_key {

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from tracer import abi, tracefile
 from conftest import (KVSIM, KVSIM_LIB, Kvsim, WRITE_OPS, assert_matches_truth, kvsim_truth,
                       kvtrace_cmd, read_line, run_kvtrace, ROOT)
 
@@ -164,6 +165,41 @@ def folded(trace, *args):
         assert all(f.strip() for f in frames), line
         out.append((frames, int(m[2])))
     return out
+
+
+def test_stacks_the_stack_map_refuses_are_kept(tmp_path):
+    """The kernel's stack map keeps one stack per hash bucket.  With one
+    bucket, every stack but the first is refused (-EEXIST) and must come
+    from the second map (collided_stacks): the folded stacks are those of a
+    recording with the full map, frame for frame, and none is missing."""
+    def recorded(name, *tracer_args):
+        trace, truth = tmp_path / f"{name}.kvt", tmp_path / f"{name}.truth.json"
+        r = run_kvtrace("record", "-o", trace, *tracer_args, "--", KVSIM, "--workload",
+                        "swap", "--truth", truth, "--quiet")
+        assert r.returncode == 0, r.stderr
+        return trace, json.loads(truth.read_text())
+
+    full, truth = recorded("full")
+    one, one_truth = recorded("one", "--stack-storage-size", "1")
+    assert one_truth["ops"] == truth["ops"]  # kvsim is deterministic
+
+    def stacks(trace, t):  # process frame dropped: the pids differ
+        rows = folded(trace, "--by", "stack")
+        assert all(f[0] == f"kvsim-{t['pid']}" for f, _ in rows)
+        return sorted((tuple(f[1:]), w) for f, w in rows)
+
+    kept = stacks(one, one_truth)
+    assert kept == stacks(full, truth)
+    assert not any("[no stack]" in f for f, _ in kept)
+    # the function that issues each op is in its stack (kvsim.c)
+    issuer = {"cpu_attn_reshape_and_cache": "kv_write_slots [libkvsim_ops.so]",
+              "swap_blocks": "kv_swap_blocks [libkvsim_ops.so]",
+              "swap_blocks_batch": "kv_swap_blocks_batch [libkvsim_ops.so]"}
+    assert {f[-2] for f, _ in kept} == set(issuer)
+    assert all(f[-3] == issuer[f[-2]] for f, _ in kept)
+    # both maps held stacks: the first in the stack map, the rest beside it
+    ids = [int(k.split(":")[1]) for k in tracefile.read(str(one)).end["stacks"]]
+    assert min(ids) < abi.STACK_COLLIDED <= max(ids)
 
 
 def test_folded_both_ways_sum_to_the_totals(tmp_path):

@@ -115,6 +115,15 @@ def positive_int(text):
     return v
 
 
+def add_stack_storage_size(p):
+    p.add_argument("--stack-storage-size", type=positive_int, default=abi.STACK_BUCKETS,
+                   metavar="N", help="--folded and -o: distinct user stacks the kernel's "
+                   f"stack map holds (default {abi.STACK_BUCKETS}, about "
+                   f"{abi.STACK_BUCKETS >> 10} MiB of kernel memory); a stack it has no "
+                   "room for, or whose hash bucket another holds, is kept in a second "
+                   f"map of up to {abi.define('KVTRACE_COLLIDED_STACKS')}")
+
+
 def add_parser(sub):
     p = sub.add_parser(
         "attach", help="trace a vLLM process (or a command) live",
@@ -141,6 +150,7 @@ def add_parser(sub):
                    "slots written or pairs moved (flamegraph.pl, speedscope)")
     p.add_argument("-o", "--output", metavar="FILE", help="also record a trace file "
                    "for `report` and `export` (docs/trace-format.md)")
+    add_stack_storage_size(p)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no live view: only the summary at the end")
     p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
@@ -291,6 +301,7 @@ def run(args) -> int:
     try:
         tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
                         max_procs=args.max_procs, stacks=bool(args.folded or args.output),
+                        stack_buckets=args.stack_storage_size,
                         perf_pages=args.perf_pages, index_stream=index_stream(args),
                         transport=args.transport,
                         collector=residency.tap if residency else None,

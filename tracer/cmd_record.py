@@ -41,6 +41,7 @@ def add_parser(sub):
     p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
                    metavar="N", help=f"layers counted in the maps (default "
                    f"{abi.DEFAULT_MAX_CACHES})")
+    cmd_attach.add_stack_storage_size(p)
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and record it")
     p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0,

@@ -157,7 +157,7 @@ class Tracer:
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
                  max_caches: int = abi.DEFAULT_MAX_CACHES,
                  max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
-                 stacks: bool = False, perf_pages: int = 64, index_stream=None,
+                 stacks: bool = False, stack_buckets: int = abi.STACK_BUCKETS, perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  collector: stream.Collector = None, gen_fill: bool = False,
                  op_records: bool = None):
@@ -172,6 +172,8 @@ class Tracer:
                   f"-DKVTRACE_MAX_GROUPS={max_groups}"]
         if stacks:
             cflags.append("-DKVTRACE_WITH_STACKS")
+            if stack_buckets != abi.STACK_BUCKETS:
+                cflags.append(f"-DKVTRACE_STACK_BUCKETS={stack_buckets}")
         # the block generations' fill (--prometheus): a stage run more per write op
         self.gen_fill = gen_fill
         if gen_fill:
@@ -199,6 +201,7 @@ class Tracer:
         # (attach --prometheus: lifecycle.StreamTap)
         self.stream = (collector or stream.Collector()) if index_stream else None
         self.stacks = stacks
+        self._collided_stacks = {}  # stack id -> frames, from collided_stacks
         t0 = time.monotonic()
         # compiled once per program text, kernel and bcc (tracer/program.py);
         # a compile needs the kernel headers, a cached program does not
@@ -537,11 +540,18 @@ class Tracer:
         """Symbolized user frames of a stack, outermost first."""
         if stack_id < 0:
             return []
+        if stack_id >= abi.STACK_COLLIDED:  # refused by the stack map (bpf/kvtrace.h)
+            if stack_id not in self._collided_stacks:
+                self._collided_stacks = {
+                    v.value: [ip for ip in k.ip if ip]
+                    for k, v in self.bpf["collided_stacks"].items()}
+            addrs = self._collided_stacks.get(stack_id, [])
+        else:
+            try:
+                addrs = list(self.bpf["stacks"].walk(stack_id))
+            except KeyError:
+                return []
         frames = []
-        try:
-            addrs = list(self.bpf["stacks"].walk(stack_id))
-        except KeyError:
-            return []
         for addr in reversed(addrs):
             frames.append(self.bpf.sym(addr, pid, show_module=True).decode(errors="replace"))
         return frames
