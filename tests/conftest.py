@@ -6,9 +6,11 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -440,6 +442,29 @@ def assert_reads_match_truth(doc, truth):
     op = doc["ops"]["block_table"]
     assert (op["calls"], op["items"], op["slots"], op["padding"]) == (
         want["steps"], want["reads"], want["distinct"], want["null_entries"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory):
+    """A TMPDIR of the suite's own for every process it starts, removed at
+    the end.  vLLM, killed as the tests kill it, leaves its ZMQ sockets
+    (/tmp/UUID, 7 for one launch), file-store rendezvous files
+    (/tmp/vllm_dist_*) and torch's compile cache (/tmp/torchinductor_USER)
+    behind: the suite left over a hundred a run.  pytest's own directory is
+    fixed first, so it stays where --basetemp or the real TMPDIR put it."""
+    tmp_path_factory.getbasetemp()
+    saved = os.environ.get("TMPDIR")
+    path = tempfile.mkdtemp(prefix="kvtrace-tests-")  # 0700
+    os.environ["TMPDIR"] = tempfile.tempdir = path
+    try:
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import os
 import re
 import select
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -39,17 +40,18 @@ def test_cmd_output_dash_and_no_live_view_keep_the_terminal():
 
 def test_an_empty_cmd_output_file_is_not_left_behind():
     """With the live view, -- CMD's output goes to a new file; a command
-    that wrote nothing (kvsim --quiet) leaves no empty file in /tmp, and
-    the tracer says so instead of naming it."""
-    before = set(glob.glob("/tmp/kvtrace-cmd-*.log"))
+    that wrote nothing (kvsim --quiet) leaves no empty file in $TMPDIR,
+    and the tracer says so instead of naming it."""
+    logs = os.path.join(tempfile.gettempdir(), "kvtrace-cmd-*.log")
+    before = set(glob.glob(logs))
     rc, screen = run_in_a_terminal(kvtrace_cmd(
         "attach", "-i", "0.2", "--", KVSIM, "--workload", "default", "--quiet"))
     assert rc == 0, screen[-2000:]
-    m = re.search(r"kvsim's output goes to (/tmp/kvtrace-cmd-\S+\.log)", screen)
+    m = re.search(r"kvsim's output goes to (\S+/kvtrace-cmd-\S+\.log)", screen)
     assert m, screen[-2000:]
     assert not os.path.exists(m.group(1))
     assert "kvsim wrote no output" in screen and "output is in" not in screen
-    assert set(glob.glob("/tmp/kvtrace-cmd-*.log")) <= before
+    assert set(glob.glob(logs)) <= before
 
 
 def test_cmd_output_needs_a_command():
@@ -95,7 +97,7 @@ def test_live_view_sends_cmd_output_to_a_named_private_file():
         "attach", "-i", "0.2", "--", KVSIM, "--workload", "default", "--repeat", 400,
         "--step-delay-us", 20))
     assert rc == 0, screen
-    m = re.search(r"kvsim's output goes to (/tmp/kvtrace-cmd-\S+\.log)", screen)
+    m = re.search(r"kvsim's output goes to (\S+/kvtrace-cmd-\S+\.log)", screen)
     assert m, screen[-2000:]
     path = m.group(1)
     try:

@@ -181,7 +181,8 @@ def add_parser(sub):
     p.add_argument("--cmd-output", metavar="FILE",
                    help="-- CMD: where the command's stdout and stderr go, so its log "
                    "lines do not tear the live view (created 0600). Default: with the "
-                   "live view, a new file /tmp/kvtrace-cmd-*.log, named on screen "
+                   "live view, a new file $TMPDIR/kvtrace-cmd-*.log (TMPDIR: /tmp if unset), "
+                   "named on screen "
                    "(removed at exit if the command wrote nothing); otherwise, or "
                    "with '-', the tracer's own terminal")
     p.add_argument("--prometheus", nargs="?", metavar="[ADDR:]PORT",
