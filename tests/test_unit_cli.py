@@ -62,6 +62,9 @@ def test_subcommand_help(sub, example):
     # without a stream (-o, --prometheus) no per-op record is sent
     ["attach", "-p", NO_PID, "--perf-pages", "64"],
     ["attach", "-p", NO_PID, "--transport", "ring"],
+    # without --folded or -o no stack is taken
+    ["attach", "-p", NO_PID, "--stack-storage-size", "8"],
+    ["record", "-p", NO_PID, "-o", "x.kvt", "--stack-storage-size", str(2**18 + 1)],
     ["attach", "-p", "abc"],
     ["attach", "--no-such-flag", "-p", NO_PID],
     ["probes"],                              # neither PATH nor -p

@@ -115,10 +115,15 @@ def positive_int(text):
     return v
 
 
+MAX_STACK_BUCKETS = 1 << 18  # ~1 KiB of kernel memory a stack: 256 MiB
+
+
 def add_stack_storage_size(p):
-    p.add_argument("--stack-storage-size", type=positive_int, default=abi.STACK_BUCKETS,
-                   metavar="N", help="--folded and -o: distinct user stacks the kernel's "
-                   f"stack map holds (default {abi.STACK_BUCKETS}, about "
+    p.add_argument("--stack-storage-size", type=positive_int,
+                   metavar="N", help="user stacks, taken for folded stacks and trace files: "
+                   "the distinct stacks the kernel's stack map holds (at most "
+                   f"{MAX_STACK_BUCKETS}; default "
+                   f"{abi.STACK_BUCKETS}, about "
                    f"{abi.STACK_BUCKETS >> 10} MiB of kernel memory); a stack it has no "
                    "room for, or whose hash bucket another holds, is kept in a second "
                    f"map of up to {abi.define('KVTRACE_COLLIDED_STACKS')}")
@@ -212,6 +217,14 @@ def _validate(args):
     if args.max_layers * args.max_blocks > MAX_COUNTERS:
         raise UsageError(f"--max-layers x --max-blocks must be at most {MAX_COUNTERS} "
                          f"(2 GiB of counters); {args.max_layers} x {args.max_blocks} is more")
+    if args.stack_storage_size is not None:
+        if not (args.folded or args.output):
+            raise UsageError("--stack-storage-size goes with --folded or -o: without them, "
+                             "no stack is taken")
+        if args.stack_storage_size > MAX_STACK_BUCKETS:
+            raise UsageError(f"--stack-storage-size must be at most {MAX_STACK_BUCKETS}")
+    else:
+        args.stack_storage_size = abi.STACK_BUCKETS
     # `record` shares run() and has no --prometheus
     args.prometheus_at = prom.parse_endpoint(args.prometheus) \
         if getattr(args, "prometheus", None) else None
