@@ -19,11 +19,12 @@ from conftest import (KVSIM, KVSIM_LIB, Kvsim, WRITE_OPS, assert_matches_truth, 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
-def record(tmp_path, workload, *extra):
+def record(tmp_path, workload, *extra, tracer_args=()):
+    """extra: kvsim's arguments; tracer_args: record's."""
     trace = tmp_path / f"{workload}.kvt"
     truth = tmp_path / f"{workload}.truth.json"
-    r = run_kvtrace("record", "-o", trace, "--", KVSIM, "--workload", workload, *extra,
-                    "--truth", truth, "--quiet")
+    r = run_kvtrace("record", "-o", trace, *tracer_args, "--", KVSIM, "--workload", workload,
+                    *extra, "--truth", truth, "--quiet")
     assert r.returncode == 0, r.stderr
     assert "recorded" in r.stderr and "lost" not in r.stderr
     return trace, json.loads(truth.read_text())
@@ -172,15 +173,10 @@ def test_stacks_the_stack_map_refuses_are_kept(tmp_path):
     bucket, every stack but the first is refused (-EEXIST) and must come
     from the second map (collided_stacks): the folded stacks are those of a
     recording with the full map, frame for frame, and none is missing."""
-    def recorded(name, *tracer_args):
-        trace, truth = tmp_path / f"{name}.kvt", tmp_path / f"{name}.truth.json"
-        r = run_kvtrace("record", "-o", trace, *tracer_args, "--", KVSIM, "--workload",
-                        "swap", "--truth", truth, "--quiet")
-        assert r.returncode == 0, r.stderr
-        return trace, json.loads(truth.read_text())
-
-    full, truth = recorded("full")
-    one, one_truth = recorded("one", "--stack-storage-size", "1")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "one").mkdir()
+    full, truth = record(tmp_path / "full", "swap")
+    one, one_truth = record(tmp_path / "one", "swap", tracer_args=("--stack-storage-size", "1"))
     assert one_truth["ops"] == truth["ops"]  # kvsim is deterministic
 
     def stacks(trace, t):  # process frame dropped: the pids differ

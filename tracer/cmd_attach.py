@@ -122,11 +122,10 @@ def add_stack_storage_size(p):
     p.add_argument("--stack-storage-size", type=positive_int,
                    metavar="N", help="user stacks, taken for folded stacks and trace files: "
                    "the distinct stacks the kernel's stack map holds (at most "
-                   f"{MAX_STACK_BUCKETS}; default "
-                   f"{abi.STACK_BUCKETS}, about "
+                   f"{MAX_STACK_BUCKETS}; default {abi.STACK_BUCKETS}, about "
                    f"{abi.STACK_BUCKETS >> 10} MiB of kernel memory); a stack it has no "
                    "room for, or whose hash bucket another holds, is kept in a second "
-                   f"map of up to {abi.define('KVTRACE_COLLIDED_STACKS')}")
+                   f"map of up to {abi.COLLIDED_STACKS}")
 
 
 def add_parser(sub):
@@ -450,7 +449,7 @@ def cmd_output_path(args, live_view: bool):
 def _drop_if_empty(args):
     """Remove the file cmd_output_path made for -- CMD's output if the
     command wrote nothing there (it exited at once, or was never started):
-    an empty file left in /tmp says nothing.  A file the user named stays."""
+    an empty file left in $TMPDIR says nothing.  A file the user named stays."""
     path = getattr(args, "cmd_output_path", None)
     if not path or getattr(args, "cmd_output", None):  # none, or the user's
         return

@@ -389,10 +389,16 @@ class Map:
 
     def walk(self, stack_id: int):
         """The addresses of a stack-trace map's entry, innermost first."""
-        for ip in self[self.Key(stack_id)].ip:
-            if not ip:
-                return
-            yield ip
+        return stack_ips(self[self.Key(stack_id)].ip)
+
+
+def stack_ips(ips):
+    """A stack's addresses, innermost first: the array's entries up to its
+    first 0 (the kernel's stack map and collided_stacks both pad with 0)."""
+    for ip in ips:
+        if not ip:
+            return
+        yield ip
 
 
 class ProgramFd:

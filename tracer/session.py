@@ -157,7 +157,8 @@ class Tracer:
     def __init__(self, max_blocks: int = abi.DEFAULT_MAX_BLOCKS,
                  max_caches: int = abi.DEFAULT_MAX_CACHES,
                  max_procs: int = DEFAULT_MAX_PROCS, max_groups: int = abi.DEFAULT_MAX_GROUPS,
-                 stacks: bool = False, stack_buckets: int = abi.STACK_BUCKETS, perf_pages: int = 64, index_stream=None,
+                 stacks: bool = False, stack_buckets: int = abi.STACK_BUCKETS,
+                 perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  collector: stream.Collector = None, gen_fill: bool = False,
                  op_records: bool = None):
@@ -172,7 +173,7 @@ class Tracer:
                   f"-DKVTRACE_MAX_GROUPS={max_groups}"]
         if stacks:
             cflags.append("-DKVTRACE_WITH_STACKS")
-            if stack_buckets != abi.STACK_BUCKETS:
+            if stack_buckets != abi.STACK_BUCKETS:  # the default: the header's, same cache entry
                 cflags.append(f"-DKVTRACE_STACK_BUCKETS={stack_buckets}")
         # the block generations' fill (--prometheus): a stage run more per write op
         self.gen_fill = gen_fill
@@ -543,7 +544,7 @@ class Tracer:
         if stack_id >= abi.STACK_COLLIDED:  # refused by the stack map (bpf/kvtrace.h)
             if stack_id not in self._collided_stacks:
                 self._collided_stacks = {
-                    v.value: [ip for ip in k.ip if ip]
+                    v.value: list(program.stack_ips(k.ip))
                     for k, v in self.bpf["collided_stacks"].items()}
             addrs = self._collided_stacks.get(stack_id, [])
         else:
