@@ -304,3 +304,27 @@ def test_write_heatmap_holds_every_slot_of_its_range(tmp_path):
     # slots cycle through the blocks in order, BS to a block: 20..60 hold 41 of them
     assert views[50][2].cells.sum() == 41 * BS
     assert views[50][0].zoomed and views[50][0].total_blocks == blocks
+
+
+def test_write_json_is_json_that_the_standard_library_reads_back():
+    """report --format json's writer (orjson): numpy columns written as
+    lists, contiguous slices of them too, a NaN as null (json.dumps wrote
+    NaN, which no strict reader takes), number keys as strings, one line;
+    to a text stream, and to a binary one after text written first."""
+    from tracer.cmd_report import write_json
+    col = np.array([0.5, np.nan, 1e-05, 2.25])
+    doc = {"a": np.arange(5, dtype=np.int64)[1:4], "t": col[1:], "n": 7, 3: "x",
+           "s": [1.5, None, "é"], "u64": 2**64 - 1}
+    want = {"a": [1, 2, 3], "t": [None, 1e-05, 2.25], "n": 7, "3": "x",
+            "s": [1.5, None, "é"], "u64": 2**64 - 1}
+    text = io.StringIO()
+    write_json(doc, text)
+    assert text.getvalue().endswith("}\n") and text.getvalue().count("\n") == 1
+    assert json.loads(text.getvalue(), parse_constant=pytest.fail) == want
+    raw = io.BytesIO()
+    wrapped = io.TextIOWrapper(raw, encoding="utf-8")
+    wrapped.write("first\n")
+    write_json(doc, wrapped)
+    wrapped.flush()
+    head, body = raw.getvalue().decode().split("\n", 1)
+    assert head == "first" and json.loads(body, parse_constant=pytest.fail) == want

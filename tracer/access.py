@@ -719,7 +719,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     """Per request (its hash), what it wrote and read, from the plugin tier:
     each table row is the request step_reqs named at its place, and writes
     the tokens [seq_len - new_tokens, seq_len) of its row.  Returns
-    ({req: {"steps", "tokens_written", "block_reads", "blocks": {column: [...]}}},
+    ({req: {"steps", "tokens_written", "block_reads", "blocks": {column: array}}},
     {"steps": tables matched, "unmatched": tables of a process with
     step_reqs that no complete step_reqs op names}).
 
@@ -740,7 +740,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     for r, s, t, w in zip(ureq.tolist(), steps.tolist(), toks.tolist(), wanted.tolist()):
         if w:
             out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0,
-                      "blocks": {k: [] for k in BLOCK_COLUMNS}}
+                      "blocks": {k: np.zeros(0, _COLUMN_TYPES[k]) for k in BLOCK_COLUMNS}}
 
     # partial figures, merged per (request, group, block) at the end:
     # (request index, group, block, reads, first read, last read, tokens
@@ -801,23 +801,26 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     ri, gix, blk = ri[seg], gix[seg], blk[seg]
     gid = np.asarray(group_ids, np.int64)[gix]
 
-    def secs(t):  # seconds since t0, None where there is none; a step's
+    def secs(t):  # seconds since t0, NaN where there is none; a step's
         # time is shared by many blocks, so round each distinct one once
         uniq, at = np.unique(t, return_inverse=True)
-        s = np.array([None if v in (_NEVER, _EVER) else round((v - t0_ns) / 1e9, 6)
-                      for v in uniq.tolist()], object)
-        return s[at].tolist()
+        s = np.array([np.nan if v in (_NEVER, _EVER) else round((v - t0_ns) / 1e9, 6)
+                      for v in uniq.tolist()], np.float64)
+        return s[at]
 
     # each request's blocks in the order it first touched them, as columns:
-    # a list per figure, sliced per request, where a dict per block was
-    # 848k dicts on row 6's trace, most of the JSON report's time and of
-    # its document (docs/bench.md, "Stop 32")
+    # an array per figure, sliced per request (views: no Python object per
+    # value; the JSON writer takes arrays), where a dict per block was 848k
+    # dicts on row 6's trace, most of the JSON report's time and of its
+    # document (docs/bench.md, "Stop 32")
     by = _order_by(ri, np.unique(np.minimum(fw, fr), return_inverse=True)[1].reshape(-1),
                    gix, blk)
     reads_of = np.bincount(ri, weights=nreads, minlength=len(ureq)).astype(np.int64).tolist()
     columns = dict(zip(BLOCK_COLUMNS, (
-        gid[by].tolist(), blk[by].tolist(), tw[by].tolist(), secs(fw[by]), secs(lw[by]),
-        nreads[by].tolist(), secs(fr[by]), secs(lr[by]))))
+        gid[by], blk[by], tw[by], secs(fw[by]), secs(lw[by]), nreads[by], secs(fr[by]),
+        secs(lr[by]))))
+    for k, v in columns.items():
+        columns[k] = np.ascontiguousarray(v, _COLUMN_TYPES[k])
     edges = np.searchsorted(ri[by], np.arange(len(ureq) + 1)).tolist()
     for i, r in enumerate(ureq.tolist()):
         a, b = edges[i], edges[i + 1]
@@ -841,9 +844,11 @@ def _order_by(*keys) -> np.ndarray:
     return np.argsort(packed)
 
 
-# a request's per-block figures (request_access), in this order
+# a request's per-block figures (request_access), in this order, and their
+# types: a time is NaN where there is none (null in the report's JSON)
 BLOCK_COLUMNS = ("group", "block", "tokens_written", "first_write_s", "last_write_s", "reads",
                  "first_read_s", "last_read_s")
+_COLUMN_TYPES = {k: np.float64 if k.endswith("_s") else np.int64 for k in BLOCK_COLUMNS}
 _NEVER, _EVER = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # no first / last time
 
 
