@@ -11,6 +11,7 @@ per-block figures; what was left out is said (`exact`, `inexact_reasons`).
 import argparse
 import csv
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import orjson
@@ -81,9 +82,14 @@ def add_parser(sub):
 # -- from the stream to figures ------------------------------------------------
 
 class Report:
-    """Everything the views need, computed once from a trace."""
+    """Everything the views need, computed once from a trace.
 
-    def __init__(self, trace: tracefile.Trace, pid: int = None):
+    with_lifecycle: compute the plugin tier's figures (`lifecycle`; None
+    without the tier or when not asked), with the timelines and access of
+    the first `timelines` requests (None: all of them)."""
+
+    def __init__(self, trace: tracefile.Trace, pid: int = None, with_lifecycle: bool = True,
+                 timelines: int = None):
         self.trace = trace
         ops = trace.ops
         if pid is not None:
@@ -95,30 +101,36 @@ class Report:
                       (ops.ops["ts_ns"].min() if len(ops.ops) else 0))
         self.caches = [c for c in trace.caches if pid is None or c["pid"] == pid]
         self.layers = trace.layers()
-        # The generations first: their working set (about 110 bytes per
-        # slot write) is freed before the rows' table entries are kept, and
-        # on these VMs each GiB a process touches first costs seconds
-        # (docs/bench.md, "Stop 30").
-        self.gens = occupancy.by_cache(ops, trace.block_sizes())
         # reads: one Steps per KV-cache group, and every (request, block)
         # read of its complete steps as (step index, block)
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
         self.steps = access.steps_of(ops, self.groups)
         self.rows = [access.rows_of(ops, st) for st in self.steps]
-        # one pass over each group's reads: per-block figures, and the idle
-        # time before reuse of its process's first layer's generations
-        self.scans = []
-        for st, rows in zip(self.steps, self.rows):
-            gens = self.first_layer_gens(st.pid)
-            self.scans.append(rows.scan(*((gens.block, gens.start_ns) if gens is not None else ())))
-        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans, self.gens)
-        # what the generations were computed from (a live set may replace it)
-        self.occupancy_source = occupancy.FROM_WRITES
-        self.reasons = stream_reasons(ops, trace, self.agg)
         # the plugin tier's block events (empty without the plugin)
         self.life = lifecycle.events(ops)
         # and its step_reqs: whose each table row is (empty without it)
         self.step_reqs = access.step_requests(ops)
+        # The plugin tier's figures need only the above, and are computed on
+        # a thread beside the generations and the read scan: numpy lets go
+        # of the GIL in its passes, and the two take about as long (row 6's
+        # JSON report 7.5-8.3 -> 6.0-6.3 s for 0.4 GB more at its peak;
+        # docs/bench.md, "Stop 35").
+        with ThreadPoolExecutor(1) as beside:
+            figures = beside.submit(lifecycle_figures, self, timelines) if with_lifecycle \
+                else None
+            self.gens = occupancy.by_cache(ops, trace.block_sizes())
+            # one pass over each group's reads: per-block figures, and the idle
+            # time before reuse of its process's first layer's generations
+            self.scans = []
+            for st, rows in zip(self.steps, self.rows):
+                gens = self.first_layer_gens(st.pid)
+                self.scans.append(rows.scan(*((gens.block, gens.start_ns)
+                                              if gens is not None else ())))
+            self.lifecycle = figures.result() if figures is not None else None
+        self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans, self.gens)
+        # what the generations were computed from (a live set may replace it)
+        self.occupancy_source = occupancy.FROM_WRITES
+        self.reasons = stream_reasons(ops, trace, self.agg)
 
     def first_layer_gens(self, pid):
         """The block generations of pid's first layer (None without writes)."""
@@ -689,7 +701,7 @@ def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
         "heatmap": hm.to_json(),
         "occupancy": _occupancy_json(rep),
         "access": access_figures(rep),
-        "lifecycle": lifecycle_figures(rep),
+        "lifecycle": rep.lifecycle,
     }
 
 
@@ -925,7 +937,7 @@ def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int
     parts += [Text(f"{hm.what}: time (rows) x blocks (columns)", style="bold"),
               heatmap.render(hm)]
     parts += access_view(access_figures(rep), width)
-    parts += lifecycle_view(lifecycle_figures(rep, timelines=LIFE_SHOWN_REQUESTS), width)
+    parts += lifecycle_view(rep.lifecycle, width)
     parts += _occupancy_view(rep, layer, width)
     return Group(*parts)
 
@@ -957,7 +969,10 @@ def run(args) -> int:
     check_args(args)
     trace = tracefile.load(args.file, partial=args.partial,
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
-    rep = Report(trace, args.pid)
+    # the plugin tier's figures: every request's in JSON, the first few in
+    # the terminal, none in CSV (no table has them)
+    rep = Report(trace, args.pid, with_lifecycle=args.format != "csv",
+                 timelines=LIFE_SHOWN_REQUESTS if args.format == "text" else None)
     console = Console(highlight=False)
     width = min(console.width, 120)
     if args.resol:
