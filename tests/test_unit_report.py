@@ -328,3 +328,35 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
     wrapped.flush()
     head, body = raw.getvalue().decode().split("\n", 1)
     assert head == "first" and json.loads(body, parse_constant=pytest.fail) == want
+
+
+@pytest.mark.parametrize("where", ["rows_of", "events"])
+def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, where):
+    """Report computes the rows and the plugin tier's figures on a thread
+    beside the generations: an error there (damage found late, a bug) must
+    reach the caller as itself, not leave the report waiting for rows that
+    never come."""
+    import threading
+    from tracer import access, cmd_report, lifecycle, tracefile
+    path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20)
+    trace = tracefile.load(str(path))
+
+    def fail(*_):
+        raise ValueError(f"{where} failed")
+    if where == "rows_of":
+        monkeypatch.setattr(access, "steps_of", lambda ops, groups: [None])  # one group
+        monkeypatch.setattr(access, "rows_of", fail)
+    else:
+        monkeypatch.setattr(lifecycle, "events", fail)
+    raised = []
+
+    def build():
+        try:
+            cmd_report.Report(trace)
+        except ValueError as e:
+            raised.append(str(e))
+    t = threading.Thread(target=build, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "Report hung"
+    assert raised == [f"{where} failed"]

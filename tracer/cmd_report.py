@@ -11,7 +11,7 @@ per-block figures; what was left out is said (`exact`, `inexact_reasons`).
 import argparse
 import csv
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import orjson
@@ -105,28 +105,37 @@ class Report:
         # read of its complete steps as (step index, block)
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
         self.steps = access.steps_of(ops, self.groups)
-        self.rows = [access.rows_of(ops, st) for st in self.steps]
-        # the plugin tier's block events (empty without the plugin)
-        self.life = lifecycle.events(ops)
-        # and its step_reqs: whose each table row is (empty without it)
-        self.step_reqs = access.step_requests(ops)
-        # The plugin tier's figures need only the above, and are computed on
-        # a thread beside the generations and the read scan: numpy lets go
-        # of the GIL in its passes, and the two take about as long (row 6's
-        # JSON report 7.5-8.3 -> 6.0-6.3 s for 0.4 GB more at its peak;
-        # docs/bench.md, "Stop 35").
+        # Two sides, on two threads: numpy lets go of the GIL in its passes,
+        # and the sides take about as long (row 6's JSON report 10.0-10.7 ->
+        # 6.2 s for 0.4 GB more at its peak; docs/bench.md, "Stop 35").
+        # Beside: the rows, the plugin tier's events, step_reqs and figures.
+        # Here: the generations, then (once the rows are there) the read scan.
+        rows_ready = Future()
+
+        def plugin_side():
+            try:
+                self.rows = [access.rows_of(ops, st) for st in self.steps]
+            except BaseException as e:
+                rows_ready.set_exception(e)  # raised here too, not waited on
+                raise
+            rows_ready.set_result(self.rows)
+            # the plugin tier's block events (empty without the plugin), and
+            # its step_reqs: whose each table row is (empty without it)
+            self.life = lifecycle.events(ops)
+            self.step_reqs = access.step_requests(ops)
+            return lifecycle_figures(self, timelines) if with_lifecycle else None
+
         with ThreadPoolExecutor(1) as beside:
-            figures = beside.submit(lifecycle_figures, self, timelines) if with_lifecycle \
-                else None
+            figures = beside.submit(plugin_side)
             self.gens = occupancy.by_cache(ops, trace.block_sizes())
             # one pass over each group's reads: per-block figures, and the idle
             # time before reuse of its process's first layer's generations
             self.scans = []
-            for st, rows in zip(self.steps, self.rows):
+            for st, rows in zip(self.steps, rows_ready.result()):
                 gens = self.first_layer_gens(st.pid)
                 self.scans.append(rows.scan(*((gens.block, gens.start_ns)
                                               if gens is not None else ())))
-            self.lifecycle = figures.result() if figures is not None else None
+            self.lifecycle = figures.result()
         self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans, self.gens)
         # what the generations were computed from (a live set may replace it)
         self.occupancy_source = occupancy.FROM_WRITES
