@@ -63,10 +63,30 @@ def test_frame_names_cleaned():
 
 
 def test_no_stack_and_unknown_layer():
-    # stack id -1: the kernel could not take the stack; cache index 999: no layer
+    # stack id -1: no stack was taken; cache index 999: no layer
     lines = fold([(100, -1, "swap_blocks_batch", 999, 6), (300, -1, "copy_blocks", 0, 1)])
-    assert lines == ["[unknown]-300;[no stack];copy_blocks;all_layers 1",
-                     "vllm-100;[no stack];swap_blocks_batch;all_layers 6"]
+    assert lines == ["[unknown]-300;[no stack: not taken];copy_blocks;all_layers 1",
+                     "vllm-100;[no stack: not taken];swap_blocks_batch;all_layers 6"]
+    check_grammar(lines)
+
+
+def test_no_stack_says_why_and_each_reason_weighs_apart():
+    """A stack without frames is one frame that names why, from the id the
+    op record holds (bpf/kvtrace.bpf.c stack_id_of): the kernel could not
+    walk it (-EFAULT), both stack maps were full (-E2BIG), another error,
+    or an id whose frames the trace does not hold (99: not in FRAMES)."""
+    import errno
+    lines = fold([(100, -errno.EFAULT, "copy_blocks", 0, 2),
+                  (100, -errno.E2BIG, "copy_blocks", 0, 3),
+                  (100, -errno.E2BIG, "copy_blocks", 0, 4),
+                  (100, -errno.ENOENT, "copy_blocks", 0, 5),
+                  (100, 99, "copy_blocks", 0, 7),
+                  (100, 1, "copy_blocks", 0, 11)])
+    assert lines == ["vllm-100;[no stack: error 2];copy_blocks;layer_00 5",
+                     "vllm-100;[no stack: frames not kept];copy_blocks;layer_00 7",
+                     "vllm-100;[no stack: maps full];copy_blocks;layer_00 7",
+                     "vllm-100;[no stack: unreadable];copy_blocks;layer_00 2",
+                     "vllm-100;main;step;reshape;copy_blocks;layer_00 11"]
     check_grammar(lines)
 
 

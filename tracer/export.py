@@ -16,10 +16,26 @@ width per graph: block_0005 before block_0012, layer_02 before layer_10.
 The process frame carries the pid: vLLM's workers share one name.
 """
 
+import errno
 import re
 
-NO_STACK = "[no stack]"
 UNKNOWN = "[unknown]"
+# Why an op has no frames, from the stack id its record holds: -1 where no
+# stack is taken (ev->stack_id without stacks), else stack_id_of()'s errno
+# (bpf/kvtrace.bpf.c): -EFAULT where the kernel could not walk the user
+# stack, -E2BIG where the stack map refused it and collided_stacks was full.
+_NO_STACK_WHY = {-1: "not taken", -errno.EFAULT: "unreadable", -errno.E2BIG: "maps full"}
+
+
+def no_stack_frame(stack_id: int) -> str:
+    """The frame that stands for a stack without frames, saying why: each
+    reason weighs apart in the graph, so an operator sees how much of the
+    work lost its code path, and to what (docs/folded.md).  An id the
+    kernel gave whose frames are not known: the trace ended before its
+    stacks were kept, or none of its addresses could be read back."""
+    if stack_id >= 0:
+        return "[no stack: frames not kept]"
+    return f"[no stack: {_NO_STACK_WHY.get(stack_id, f'error {-stack_id}')}]"
 
 
 def clean_frame(name: str) -> str:
@@ -52,7 +68,7 @@ def folded_lines(stacks, frames_of, comm_of, layer_of, level: str = "layer") -> 
     width = digits(max([r[3] for r in rows if r[3] is not None] + [0]), 2)
     merged = {}
     for pid, stack_id, op, layer, weight in rows:
-        frames = [clean_frame(f) for f in frames_of(stack_id, pid)] or [NO_STACK]
+        frames = [clean_frame(f) for f in frames_of(stack_id, pid)] or [no_stack_frame(stack_id)]
         line = ";".join([process_frame(comm_of(pid), pid), *frames, op,
                          layer_frame(layer, width, level)])
         merged[line] = merged.get(line, 0) + weight
