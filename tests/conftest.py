@@ -451,10 +451,17 @@ def private_tmpdir(tmp_path_factory):
     (/tmp/UUID, 7 for one launch), file-store rendezvous files
     (/tmp/vllm_dist_*) and torch's compile cache (/tmp/torchinductor_USER)
     behind: the suite left over a hundred a run.  pytest's own directory is
-    fixed first, so it stays where --basetemp or the real TMPDIR put it."""
+    fixed first, so it stays where --basetemp or the real TMPDIR put it.
+    The name carries the suite's pid: a suite that was killed, not ended,
+    never removed its own, and the next one removes it."""
     tmp_path_factory.getbasetemp()
     saved = os.environ.get("TMPDIR")
-    path = tempfile.mkdtemp(prefix="kvtrace-tests-")  # 0700
+    for old in Path(tempfile.gettempdir()).glob("kvtrace-tests-*-*"):
+        pid = old.name.split("-")[2]  # kvtrace-tests-PID-random
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and \
+                old.stat().st_uid == os.geteuid():
+            shutil.rmtree(old, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"kvtrace-tests-{os.getpid()}-")  # 0700
     os.environ["TMPDIR"] = tempfile.tempdir = path
     try:
         yield path
