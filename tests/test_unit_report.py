@@ -310,8 +310,10 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
     """report --format json's writer (orjson): numpy columns written as
     lists, contiguous slices of them too, a NaN as null (json.dumps wrote
     NaN, which no strict reader takes), number keys as strings, one line;
-    to a text stream, and to a binary one after text written first."""
+    to a text stream, and as bytes to the CLI's stdout after text written
+    first; a full disk behind it is noted as the CLI's stdout's error."""
     from tracer.cmd_report import write_json
+    from tracer.files import WatchedStdout
     col = np.array([0.5, np.nan, 1e-05, 2.25])
     doc = {"a": np.arange(5, dtype=np.int64)[1:4], "t": col[1:], "n": 7, 3: "x",
            "s": [1.5, None, "é"], "u64": 2**64 - 1}
@@ -322,12 +324,18 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
     assert text.getvalue().endswith("}\n") and text.getvalue().count("\n") == 1
     assert json.loads(text.getvalue(), parse_constant=pytest.fail) == want
     raw = io.BytesIO()
-    wrapped = io.TextIOWrapper(raw, encoding="utf-8")
+    wrapped = WatchedStdout(io.TextIOWrapper(raw, encoding="utf-8"))
     wrapped.write("first\n")
     write_json(doc, wrapped)
     wrapped.flush()
     head, body = raw.getvalue().decode().split("\n", 1)
     assert head == "first" and json.loads(body, parse_constant=pytest.fail) == want
+    # past the file's buffer, so that the write itself meets the full disk
+    with open("/dev/full", "w") as full:
+        watched = WatchedStdout(full)
+        with pytest.raises(OSError) as e:
+            write_json({"a": np.arange(1 << 16)}, watched)
+        assert watched.error is e.value
 
 
 @pytest.mark.parametrize("where", ["rows_of", "events"])

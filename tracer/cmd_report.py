@@ -723,12 +723,11 @@ def write_json(doc: dict, out):
     JSON; dict keys that are numbers are strings, as json made them."""
     data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS |
                         orjson.OPT_APPEND_NEWLINE)
-    binary = getattr(out, "buffer", None)
-    if binary is None:  # a text stream only (io.StringIO)
+    write_bytes = getattr(out, "write_bytes", None)  # the CLI's stdout (files.WatchedStdout)
+    if write_bytes is None:
         out.write(data.decode())
     else:
-        out.flush()  # what was written as text first stays first
-        binary.write(data)
+        write_bytes(data)
 
 
 def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):

@@ -98,6 +98,16 @@ class WatchedStdout:
             self.error = e
             raise
 
+    def write_bytes(self, data: bytes):
+        """Bytes, after the text written so far (report's JSON: orjson makes
+        bytes, and decoding 66 MB only to encode it again is waste)."""
+        self.flush()
+        try:
+            return self._f.buffer.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
     def __getattr__(self, name):
         return getattr(self._f, name)
 
