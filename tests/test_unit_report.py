@@ -319,10 +319,10 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
            "s": [1.5, None, "é"], "u64": 2**64 - 1}
     want = {"a": [1, 2, 3], "t": [None, 1e-05, 2.25], "n": 7, "3": "x",
             "s": [1.5, None, "é"], "u64": 2**64 - 1}
-    text = io.StringIO()
-    write_json(doc, text)
-    assert text.getvalue().endswith("}\n") and text.getvalue().count("\n") == 1
-    assert json.loads(text.getvalue(), parse_constant=pytest.fail) == want
+    for text in (io.StringIO(), WatchedStdout(io.StringIO())):  # a text-only stdout too
+        write_json(doc, text)
+        assert text.getvalue().endswith("}\n") and text.getvalue().count("\n") == 1
+        assert json.loads(text.getvalue(), parse_constant=pytest.fail) == want
     raw = io.BytesIO()
     wrapped = WatchedStdout(io.TextIOWrapper(raw, encoding="utf-8"))
     wrapped.write("first\n")

@@ -24,6 +24,7 @@ from rich.text import Text
 from . import abi, access, heatmap, lifecycle, live, occupancy, stream, tracefile
 from .aggregate import Aggregate
 from .errors import UsageError
+from .files import WatchedStdout
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
 # 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
@@ -723,11 +724,10 @@ def write_json(doc: dict, out):
     JSON; dict keys that are numbers are strings, as json made them."""
     data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS |
                         orjson.OPT_APPEND_NEWLINE)
-    write_bytes = getattr(out, "write_bytes", None)  # the CLI's stdout (files.WatchedStdout)
-    if write_bytes is None:
-        out.write(data.decode())
+    if isinstance(out, WatchedStdout):  # the CLI's stdout
+        out.write_bytes(data)
     else:
-        write_bytes(data)
+        out.write(data.decode())
 
 
 def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):

@@ -100,10 +100,14 @@ class WatchedStdout:
 
     def write_bytes(self, data: bytes):
         """Bytes, after the text written so far (report's JSON: orjson makes
-        bytes, and decoding 66 MB only to encode it again is waste)."""
+        bytes, and decoding 66 MB only to encode it again is waste); as
+        text to a stream that only takes text (io.StringIO, in tests)."""
+        binary = getattr(self._f, "buffer", None)
+        if binary is None:
+            return self.write(data.decode())
         self.flush()
         try:
-            return self._f.buffer.write(data)
+            return binary.write(data)
         except OSError as e:
             self.error = e
             raise
