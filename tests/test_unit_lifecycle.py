@@ -113,6 +113,17 @@ def test_a_timeline_limit_keeps_the_first_requests_seen(seed):
                  str(rng.choice(["arrive", "finish"])), 1) for _ in range(60)]
     whole = lifecycle.timelines(ev, requests=requests)
     assert len(whole) > 12
+    # a plain reading: every event with its sort key, (time, a request
+    # event first, then the order fired or listed), grouped by request in
+    # the order each was first seen
+    keyed = [((ts, 1, i), req, [ts / 1e9, name.split("_")[1], group, blocks])
+             for i, (ts, name, req, group, blocks) in enumerate(events)]
+    keyed += [((ts, 0, i), req, [ts / 1e9, what, None, tokens])
+              for i, (ts, req, what, tokens) in enumerate(requests)]
+    want = {}
+    for _, req, entry in sorted(keyed, key=lambda k: k[0]):
+        want.setdefault(req, []).append(entry)
+    assert [(int(t["req"], 16), t["events"]) for t in whole] == list(want.items())
     for n in (0, 1, 5, 12, len(whole) + 3):
         assert lifecycle.timelines(ev, requests=requests, limit=n) == whole[:n], n
 

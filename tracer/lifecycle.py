@@ -251,7 +251,6 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
     block events as [seconds since t0, kind, group, [blocks]], and (from
     request_events) [seconds, "arrive" | "preempt" | "finish", None, tokens]."""
     names = names or {}
-    rows = []  # (ts, order, req, entry)
     starts = np.flatnonzero(np.r_[True, ev.event[1:] != ev.event[:-1]]) if len(ev) else \
         np.zeros(0, np.int64)
     ends = np.r_[starts[1:], len(ev)]
@@ -271,22 +270,36 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
         starts, ends = starts[keep], ends[keep]
         shown_set = set(shown.tolist())
         requests = [r for r in requests if r[1] in shown_set]
-    if len(starts):
-        # one entry per event (op row), its blocks together
-        for s, e in zip(starts, ends):
-            rows.append((int(ev.ts_ns[s]), int(ev.event[s]), int(ev.req[s]),
-                         [abi.LIFE[int(ev.kind[s])], int(ev.group[s]),
-                          ev.block[s:e].tolist()]))
-    for n, (ts, req, what, tokens) in enumerate(requests):
-        rows.append((ts, -1 - n, req, [what, None, tokens]))
-    rows.sort(key=lambda r: (r[0], r[1] if r[1] >= 0 else -1))
+    # one entry per event (op row), its blocks together, and one per
+    # request event; in time order, a request event first at a tie (its
+    # event number -1), then in event order, request events in list order
+    # (lexsort is stable).  Columns turned to lists once, and each distinct
+    # time rounded once: a numpy scalar per field, a key function per row
+    # and a round per event were 0.5 s of row 6's JSON report.
+    nb = len(starts)
+    ts = np.concatenate([ev.ts_ns[starts], np.array([r[0] for r in requests], np.int64)])
+    order = np.lexsort((np.concatenate([ev.event[starts], np.full(len(requests), -1)]), ts))
+    uniq, at = np.unique(ts, return_inverse=True)
+    secs = [round((t - t0_ns) / 1e9, 6) for t in uniq.tolist()]
+    at = at.reshape(-1).tolist()
+    reqs = ev.req[starts].tolist() + [r[1] for r in requests]
+    kinds = [abi.LIFE[k] for k in ev.kind[starts].tolist()]
+    groups = ev.group[starts].tolist()
+    first, last = starts.tolist(), ends.tolist()
+    blocks = ev.block.tolist() if nb else []
     out = {}
-    for ts, _, req, entry in rows:
+    for i in order.tolist():
+        req = reqs[i]
         if req not in out:
             if limit is not None and len(out) >= limit:
                 continue
             out[req] = {"req": f"{req:016x}", "id": names.get(req, ""), "events": []}
-        out[req]["events"].append([round((ts - t0_ns) / 1e9, 6), *entry])
+        if i < nb:
+            entry = [secs[at[i]], kinds[i], groups[i], blocks[first[i]:last[i]]]
+        else:
+            _, _, what, tokens = requests[i - nb]
+            entry = [secs[at[i]], what, None, tokens]
+        out[req]["events"].append(entry)
     return list(out.values())
 
 
