@@ -368,3 +368,24 @@ def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, wher
     t.join(60)
     assert not t.is_alive(), "Report hung"
     assert raised == [f"{where} failed"]
+
+
+def test_report_pauses_the_cycle_collector_and_restores_it(tmp_path, monkeypatch):
+    """The report runs with the cyclic collector paused (its full passes
+    over the JSON document's objects found nothing), and it is on again
+    after, whether the report ended well or not: a test process runs many."""
+    import contextlib
+    import gc
+    from tracer import cli, cmd_report
+    path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20)
+    seen = []
+    real = cmd_report.write_json
+    monkeypatch.setattr(cmd_report, "write_json",
+                        lambda doc, out: (seen.append(gc.isenabled()), real(doc, out)))
+    assert gc.isenabled()
+    for argv, code in ((["report", str(path), "--format", "json"], 0),
+                       (["report", str(tmp_path / "missing.kvt"), "--format", "json"], 4)):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main(argv) == code
+        assert gc.isenabled(), argv
+    assert seen == [False]
