@@ -737,10 +737,15 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     toks = np.bincount(inv, weights=sr.tokens, minlength=len(ureq))
     wanted = np.ones(len(ureq), bool) if only is None else \
         np.isin(ureq, np.fromiter(only, np.uint64))
+    # a request that read and wrote no block: empty columns, made once and
+    # shared (read-only), where most requests get their own below
+    none = {k: np.zeros(0, _COLUMN_TYPES[k]) for k in BLOCK_COLUMNS}
+    for v in none.values():
+        v.flags.writeable = False
     for r, s, t, w in zip(ureq.tolist(), steps.tolist(), toks.tolist(), wanted.tolist()):
         if w:
             out[r] = {"steps": int(s), "tokens_written": int(t), "block_reads": 0,
-                      "blocks": {k: np.zeros(0, _COLUMN_TYPES[k]) for k in BLOCK_COLUMNS}}
+                      "blocks": dict(none)}
 
     # partial figures, merged per (request, group, block) at the end:
     # (request index, group, block, reads, first read, last read, tokens

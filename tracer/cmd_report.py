@@ -726,10 +726,9 @@ def write_json(doc: dict, out):
     JSON; dict keys that are numbers are strings, as json made them."""
     data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS |
                         orjson.OPT_APPEND_NEWLINE)
-    if isinstance(out, WatchedStdout):  # the CLI's stdout
-        out.write_bytes(data)
-    else:
-        out.write(data.decode())
+    # the CLI's stdout notes a failed write; WatchedStdout also knows how to
+    # put bytes on any text stream (to its buffer, or decoded without one)
+    (out if isinstance(out, WatchedStdout) else WatchedStdout(out)).write_bytes(data)
 
 
 def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
