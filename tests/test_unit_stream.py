@@ -240,3 +240,21 @@ def test_chunks_cover_every_item_whole_in_order():
     assert stream.chunks(lengths, 5) == [(0, 3), (3, 4), (4, 6), (6, 9)]
     assert stream.chunks(lengths, 100) == [(0, 9)]
     assert stream.chunks([0, 0], 5) == [] and stream.chunks([], 5) == []
+
+
+@pytest.mark.parametrize("mean", [1, 63, 64, 700])
+def test_gather_is_the_ranges_values_whichever_way_it_takes(mean):
+    # short ranges go through an index, long ones through slices (mean
+    # length 64 and up): both must give each range's values in order,
+    # empty ranges and ranges out of order included
+    rng = np.random.default_rng(mean)
+    values = rng.integers(-5, 1 << 40, 200_000, dtype=np.int64)
+    lengths = rng.integers(0, 2 * mean + 1, 100)
+    lengths[::7] = 0
+    starts = rng.integers(0, len(values) - lengths.max(), 100).astype(np.uint64)
+    want = np.array([v for a, n in zip(starts.tolist(), lengths.tolist())
+                     for v in values[a:a + n].tolist()], np.int64)
+    got = stream.gather(values, starts, lengths)
+    assert got.dtype == values.dtype and got.tolist() == want.tolist()
+    assert len(stream.gather(values, starts[:0], lengths[:0])) == 0
+    assert stream.gather(values, starts[:3], [0, 0, 0]).tolist() == []

@@ -312,7 +312,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
 
     def values_of(mask):
         idx = np.flatnonzero(mask)
-        return values[stream.ranges(o["start"][idx], o["stop"][idx] - o["start"][idx])]
+        return stream.gather(values, o["start"][idx], o["stop"][idx] - o["start"][idx])
 
     for c in caches:
         mine = (o["pid"] == c["pid"]) & (o["cache_id"] == c["cache_id"])

@@ -243,7 +243,7 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     has = w_len > 0
     w_idx, w_start, w_len = w_idx[has], w_start[has], w_len[has]
     op_at = np.cumsum(w_len) - w_len  # each op's first slot among slots
-    slots = cache_ops.values[stream.ranges(w_start, w_len)]
+    slots = stream.gather(cache_ops.values, w_start, w_len)
     if bs & (bs - 1) == 0:  # a power of two, as block sizes are: a mask, 6x a %
         offs = slots & (bs - 1)  # (the same for negative slots, as % rounds down)
     else:
@@ -417,7 +417,7 @@ def _shape(cache_ops: stream.OpStream, block_size: int) -> bytes:
 def _values_digest(cache_ops: stream.OpStream) -> bytes:
     """The rest of what generations() depends on: the ops' values, in order."""
     ops = cache_ops.ops
-    values = cache_ops.values[stream.ranges(ops["start"], ops["stop"] - ops["start"])]
+    values = stream.gather(cache_ops.values, ops["start"], ops["stop"] - ops["start"])
     return hashlib.blake2b(values, digest_size=16).digest()
 
 

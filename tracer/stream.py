@@ -259,6 +259,24 @@ def ranges(starts, lengths) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - first, n) + np.arange(int(n.sum()))
 
 
+def gather(values: np.ndarray, starts, lengths) -> np.ndarray:
+    """values[ranges(starts, lengths)]: the values of several ops (or rows),
+    in order.  Where the ranges are long (a prefill's slot mapping is
+    hundreds of slots), one slice each and one concatenate: no index per
+    value to build and read back (the write ops' slots of one of row 6's
+    layers: 13M values in 9.4k ops, 0.10-0.18 -> 0.03 s)."""
+    n = np.asarray(lengths, dtype=np.int64)
+    if len(n) and int(n.sum()) >= _LONG_RANGE * len(n) and int(n.min()) >= 0:
+        return np.concatenate([values[a:a + k] for a, k in
+                               zip(np.asarray(starts, dtype=np.int64).tolist(), n.tolist())])
+    return values[ranges(starts, n)]
+
+
+# the mean length from which gather() takes slices: a slice and its place
+# in concatenate's list cost about what 64 values' index does
+_LONG_RANGE = 64
+
+
 def chunks(lengths, per_chunk: int) -> list:
     """[(i0, i1), ...]: consecutive items (ops, rows) of the given lengths in
     spans of about per_chunk values each, items whole (one longer than
