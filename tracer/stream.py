@@ -240,7 +240,7 @@ _PARALLEL_VALUES = 1 << 22
 
 def on_cpus(fn, items) -> list:
     """[fn(item) for item in items], in order, on every CPU this process
-    may use: for work that lets go of the GIL (numpy's copies, zlib.crc32)."""
+    may use: for work that lets go of the GIL (numpy's copies, crc32)."""
     items = list(items)
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if workers < 2 or len(items) < 2:

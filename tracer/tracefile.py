@@ -24,10 +24,14 @@ import platform
 import socket
 import struct
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+# zlib-ng's crc32 is zlib's CRC-32 (the file format's checksum, unchanged)
+# with the CPU's carry-less multiply: 1.5 -> 8.7 GB/s on this VM, where
+# checking row 6's 1.16 GB trace was 0.41 s of every report, on both CPUs,
+# before anything else could start (docs/bench.md, "Stop 36")
+from zlib_ng.zlib_ng import crc32
 
 from . import __version__, abi, occupancy, stream
 from .aggregate import probed_ops
@@ -106,9 +110,9 @@ class TraceWriter:
         """One frame whose payload is the parts, written without joining them."""
         crc = 0
         for p in parts:
-            crc = zlib.crc32(p, crc)
+            crc = crc32(p, crc)
         head = _FRAME.pack(_FRAME_MAGIC, kind, sum(len(p) for p in parts), crc)
-        self._write(head + struct.pack("<I", zlib.crc32(head)))
+        self._write(head + struct.pack("<I", crc32(head)))
         for p in parts:
             self._write(p)
 
@@ -484,7 +488,7 @@ def _frames(data, view, pos) -> tuple:
             return frames, (pos, f"truncated at byte {pos} (a frame header cut short)")
         magic, kind, length, crc = _FRAME.unpack_from(data, pos)
         (head_crc,) = struct.unpack_from("<I", data, pos + _FRAME.size)
-        if magic != _FRAME_MAGIC or zlib.crc32(data[pos:pos + _FRAME.size]) != head_crc:
+        if magic != _FRAME_MAGIC or crc32(data[pos:pos + _FRAME.size]) != head_crc:
             return frames, (pos, f"damaged frame header at byte {pos}")
         start = pos + _FRAME_SIZE
         if length > _MAX_FRAME or start + length > len(data):
@@ -496,11 +500,11 @@ def _frames(data, view, pos) -> tuple:
 
 
 def _checksums(payloads) -> list:
-    """zlib.crc32 of each payload, in order, on every CPU the process may
-    use: zlib lets go of the GIL for the length of a large buffer, and the
-    checksums were 0.5 s of reading row 6's trace (0.63 -> 0.36 s,
-    docs/bench.md "Stop 33")."""
-    return stream.on_cpus(zlib.crc32, payloads)
+    """crc32 of each payload, in order, on every CPU the process may use:
+    zlib-ng lets go of the GIL for a large buffer, as zlib does, and the
+    checksums were most of reading row 6's trace (zlib's, on one CPU 0.5 s;
+    on two 0.36 s, docs/bench.md "Stop 33")."""
+    return stream.on_cpus(crc32, payloads)
 
 
 def reuse_freed_memory():
