@@ -258,3 +258,22 @@ def test_gather_is_the_ranges_values_whichever_way_it_takes(mean):
     assert got.dtype == values.dtype and got.tolist() == want.tolist()
     assert len(stream.gather(values, starts[:0], lengths[:0])) == 0
     assert stream.gather(values, starts[:3], [0, 0, 0]).tolist() == []
+
+
+def test_order_by_is_lexsorts_order():
+    # packed into one key where the keys fit (any order at a tie unless
+    # stable), lexsort itself where one is negative or they do not fit
+    rng = np.random.default_rng(3)
+    a, b, c = (rng.integers(0, m, 5000) for m in (7, 50, 3))
+    want = np.lexsort((np.arange(5000), c, b, a))  # ties in their order
+    assert stream.order_by(a, b, c, stable=True).tolist() == want.tolist()
+    got = stream.order_by(a, b, c)
+    keys = np.stack([a, b, c], axis=1)
+    assert (keys[got] == keys[want]).all()  # sorted alike, ties in any order
+    neg = b - 25
+    assert stream.order_by(a, neg, stable=True).tolist() == \
+        np.lexsort((np.arange(5000), neg, a)).tolist()
+    big = rng.integers(0, 1 << 40, 5000)
+    assert stream.order_by(big, big[::-1].copy(), stable=True).tolist() == \
+        np.lexsort((np.arange(5000), big[::-1], big)).tolist()
+    assert len(stream.order_by(np.zeros(0, np.int64))) == 0

@@ -793,7 +793,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     gix = np.concatenate([np.full(len(p[0]), group_ids.index(p[8])) for p in parts])
     ri, blk = cols[0], cols[1]
     # one segment per (request, group, block)
-    order = _order_by(ri, gix, blk)
+    order = stream.order_by(ri, gix, blk)
     ri, gix, blk = ri[order], gix[order], blk[order]
     seg = np.flatnonzero(np.r_[True, (ri[1:] != ri[:-1]) | (gix[1:] != gix[:-1])
                                 | (blk[1:] != blk[:-1])])
@@ -818,7 +818,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     # value; the JSON writer takes arrays), where a dict per block was 848k
     # dicts on row 6's trace, most of the JSON report's time and of its
     # document (docs/bench.md, "Stop 32")
-    by = _order_by(ri, np.unique(np.minimum(fw, fr), return_inverse=True)[1].reshape(-1),
+    by = stream.order_by(ri, np.unique(np.minimum(fw, fr), return_inverse=True)[1].reshape(-1),
                    gix, blk)
     reads_of = np.bincount(ri, weights=nreads, minlength=len(ureq)).astype(np.int64).tolist()
     columns = dict(zip(BLOCK_COLUMNS, (
@@ -834,19 +834,6 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
             fig["block_reads"] = reads_of[i]
             fig["blocks"] = {k: v[a:b] for k, v in columns.items()}
     return out, stats
-
-
-def _order_by(*keys) -> np.ndarray:
-    """The order that sorts by keys, nonnegative integer arrays, the first
-    the most significant; equal keys in any order.  One argsort of the keys
-    packed into one integer, where they fit in one: lexsort's stable pass
-    per key took three times as long (request_access on row 6's trace)."""
-    dims = [int(k.max()) + 1 if len(k) else 1 for k in keys]
-    try:
-        packed = np.ravel_multi_index(keys, dims)
-    except ValueError:  # the keys' product is beyond an int64
-        return np.lexsort(keys[::-1])
-    return np.argsort(packed)
 
 
 # a request's per-block figures (request_access), in this order, and their
@@ -913,8 +900,8 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
             np.repeat(order[new], n[new] - before[new])
         return row
 
-    first_row = covering(_order_by(ri, rank))
-    last_row = covering(_order_by(ri, len(ts) - 1 - rank))
+    first_row = covering(stream.order_by(ri, rank))
+    last_row = covering(stream.order_by(ri, len(ts) - 1 - rank))
     req_of = np.repeat(np.arange(nreq), width)
     place = np.arange(nbins) - first_bin[req_of]
     held = entries[start[first_row] + place]  # what the earliest row holds
@@ -970,7 +957,7 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
                 r, b = np.divmod(pair[seg], dims[1])
                 first, last = packed[seg] % dims[2], packed[np.r_[seg[1:], n] - 1] % dims[2]
             else:
-                by = _order_by(r, b)
+                by = stream.order_by(r, b)
                 r, b, k = r[by], b[by], k[by]
                 seg = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (b[1:] != b[:-1])])
                 first, last = np.minimum.reduceat(k, seg), np.maximum.reduceat(k, seg)

@@ -277,6 +277,21 @@ def gather(values: np.ndarray, starts, lengths) -> np.ndarray:
 _LONG_RANGE = 64
 
 
+def order_by(*keys, stable: bool = False) -> np.ndarray:
+    """The order that sorts by keys (integer arrays of one length, the first
+    the most significant): np.lexsort(keys[::-1]), by one argsort of the
+    keys packed into one integer where they are non-negative and their
+    product fits one (lexsort's pass per key took three times as long).
+    stable: equal keys keep their order, as lexsort's do; else any order."""
+    if not len(keys[0]):
+        return np.zeros(0, np.intp)
+    try:
+        packed = np.ravel_multi_index(keys, [int(k.max()) + 1 for k in keys])
+    except (ValueError, TypeError):  # a negative key, or a product beyond an int64
+        return np.lexsort(keys[::-1])
+    return np.argsort(packed, kind="stable" if stable else None)
+
+
 def chunks(lengths, per_chunk: int) -> list:
     """[(i0, i1), ...]: consecutive items (ops, rows) of the given lengths in
     spans of about per_chunk values each, items whole (one longer than
