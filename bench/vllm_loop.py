@@ -72,14 +72,18 @@ def main():
     print(f"READY {os.getpid()}", file=sys.stderr, flush=True)
 
     for _ in sys.stdin:
-        tokens = 0
+        tokens, each = 0, []
         t0 = time.perf_counter()
         for _ in range(args.repeat):
+            t = time.perf_counter()
             for out in llm.generate(prompts, params, use_tqdm=False):
                 tokens += len(out.outputs[0].token_ids)
+            each.append(round(time.perf_counter() - t, 4))
         dt = time.perf_counter() - t0
-        print(json.dumps({"generate_s": round(dt, 4), "generated_tokens": tokens}),
-              flush=True)
+        # each: every repetition's own time (the first after an idle spell
+        # is the slow one: docs/bench.md, "Stop 36")
+        print(json.dumps({"generate_s": round(dt, 4), "generated_tokens": tokens,
+                          "each_s": each}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM's worker processes re-import this file
