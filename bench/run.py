@@ -1261,6 +1261,10 @@ def table_rows(res):
             if key in s:  # probes on, Python side, per row of a 64-row step
                 add(f"10 plugin traced step: {label}", {"min": s[key], "median": s[key],
                                                         "max": s[key]}, "ns/row")
+        if "cold_step_us" in s:  # the same, once a step after the caches were evicted
+            add(f"10 plugin traced step, cold, {s['cold_step_rows']} rows",
+                {"min": s["cold_step_us"], "median": s["cold_step_us"],
+                 "max": s["cold_step_us"]}, "us")
         if "untraced_ratio" in s:
             add("10 vLLM tokens/s, plugin / none, untraced", s["untraced_ratio"], "x",
                 "plugin.untraced_ratio")

@@ -85,6 +85,21 @@ def test_so_carries_the_plugin_tier_probes_with_semaphores(probes_so):
         assert symbols.get(f"vllm_{name}_semaphore") == addr, name
 
 
+def test_every_probe_argument_is_one_the_tracer_reads(probes_so):
+    """Each argument a register, a stack slot or a constant: a global's
+    `8@sym(%rip)` (the compiler's choice for a static buffer) would get the
+    probe skipped.  Read with readelf, checked against the forms the SDT
+    notes allow the tracer to decode."""
+    out = subprocess.run(["readelf", "-n", probes_so], check=True, capture_output=True,
+                         text=True).stdout
+    args = re.findall(r"Name: (\S+)\n.*\n\s+Arguments: ([^\n]*)", out)
+    assert sorted(n for n, _ in args) == sorted(header_plugin_tier_probes())
+    form = re.compile(r"-?\d+@(%\w+|-?\d*\(%(rsp|rbp)\)|\$-?\d+)$")
+    for name, spec in args:
+        bad = [a for a in spec.split() if not form.match(a)]
+        assert not bad, (name, spec)
+
+
 def fnv1a64(data: bytes) -> int:
     h = 0xCBF29CE484222325
     for b in data:

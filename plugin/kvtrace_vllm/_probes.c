@@ -8,9 +8,10 @@
  * the header's vllm_<name>_semaphore, which the kernel increments while a
  * tracer is attached), so that with no tracer a hook never calls in here.
  *
- * Block id lists and block tables are Python buffers of int32 (numpy int32
- * arrays, array('i')): the probe gets a pointer to the buffer's memory,
- * valid for the duration of the call, which is all a uprobe needs.
+ * Block id lists are Python buffers of int32 (array('i')): the probe gets a
+ * pointer to the buffer's memory, valid for the duration of the call, which
+ * is all a uprobe needs.  The step's tables are built here from vLLM's own
+ * lists (below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -186,87 +187,254 @@ static PyObject *probe_req_finish(PyObject *self, PyObject *const *args,
 	Py_RETURN_NONE;
 }
 
-/* ---- block_table(table2d, seq_lens, block_size, group_id, num_blocks) ---- */
+/* ---- the step's tables: built here from vLLM's own lists ------------------
+ *
+ * The scheduler fires step_reqs and block_table once a step, with its CPU
+ * caches cold: the worker's compute evicts them between steps.  Built in
+ * Python with numpy, the two took 87 us a step of 8 requests so (10 us
+ * hot), and that time came out of vLLM's throughput; built here they touch
+ * a few lines of C (docs/plugin.md, "What a traced step costs").  The
+ * buffers are this module's, reused step after step: the GIL serialises
+ * the calls, and a uprobe reads them during the probe only.
+ */
 
+/* A probe's argument must be a register or a stack slot: handed a global
+ * (table_buf), the compiler names it `8@table_buf(%rip)`, which no tracer
+ * here decodes.  Taking the pointer through an empty asm puts it in a
+ * register first. */
+#define IN_REGISTER(p) __asm__ volatile("" : "+r"(p))
+
+static uint64_t *step_buf;
+static int32_t *table_buf, *seq_buf;
+static size_t step_cap, table_cap, seq_cap;
+static Py_ssize_t table_rows, table_width; /* the last table fired */
+static PyObject *block_id_name;             /* "block_id", interned */
+
+/* Room for `need` items of `size` bytes in *buf.  0, or -1 with
+ * MemoryError set. */
+static int reserve(void **buf, size_t *cap, size_t need, size_t size)
+{
+	size_t n = *cap ? *cap : 256;
+	void *p;
+	if (need <= *cap)
+		return 0;
+	while (n < need)
+		n *= 2;
+	if (n > PY_SSIZE_T_MAX / size) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	p = PyMem_Realloc(*buf, n * size);
+	if (!p) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	*buf = p;
+	*cap = n;
+	return 0;
+}
+
+static uint64_t fnv1a(const unsigned char *p, Py_ssize_t len)
+{
+	uint64_t h = 0xcbf29ce484222325ULL;
+	for (Py_ssize_t i = 0; i < len; i++) {
+		h ^= p[i];
+		h *= 0x100000001b3ULL;
+	}
+	return h;
+}
+
+/* FNV-1a 64 of a str's UTF-8 (the request hash).  0, or -1 with an
+ * exception set. */
+static int str_hash(PyObject *o, uint64_t *out)
+{
+	Py_ssize_t len;
+	const char *p;
+	if (!PyUnicode_Check(o)) {
+		PyErr_SetString(PyExc_TypeError, "a request id must be a str");
+		return -1;
+	}
+	p = PyUnicode_AsUTF8AndSize(o, &len);
+	if (!p)
+		return -1;
+	*out = fnv1a((const unsigned char *)p, len);
+	return 0;
+}
+
+/* step_reqs(req_ids, tokens): the step's request ids (str) and the tokens
+ * each computes in it (int), in the order of the step's block tables */
+static PyObject *probe_step_reqs(PyObject *self, PyObject *const *args,
+				 Py_ssize_t nargs)
+{
+	PyObject *ids = NULL, *toks = NULL;
+	Py_ssize_t n;
+	(void)self;
+	if (check_nargs("step_reqs", nargs, 2) < 0)
+		return NULL;
+	ids = PySequence_Fast(args[0], "step_reqs: request ids must be a sequence");
+	toks = ids ? PySequence_Fast(args[1], "step_reqs: tokens must be a sequence") : NULL;
+	if (!toks)
+		goto fail;
+	n = PySequence_Fast_GET_SIZE(ids);
+	if (PySequence_Fast_GET_SIZE(toks) != n) {
+		PyErr_SetString(PyExc_ValueError, "step_reqs: one token count per request");
+		goto fail;
+	}
+	if (reserve((void **)&step_buf, &step_cap, 2 * (size_t)n, 8) < 0)
+		goto fail;
+	for (Py_ssize_t i = 0; i < n; i++) {
+		int64_t t;
+		if (str_hash(PySequence_Fast_GET_ITEM(ids, i), &step_buf[i]) < 0 ||
+		    get_i64(PySequence_Fast_GET_ITEM(toks, i), &t) < 0)
+			goto fail;
+		step_buf[n + i] = (uint64_t)t;
+	}
+	{
+		uint64_t *rows = step_buf;
+		IN_REGISTER(rows);
+		KVTRACE_STEP_REQS(rows, (int64_t)n);
+	}
+	Py_DECREF(ids);
+	Py_DECREF(toks);
+	Py_RETURN_NONE;
+fail:
+	Py_XDECREF(ids);
+	Py_XDECREF(toks);
+	return NULL;
+}
+
+/* The blocks of request `rid` in `owners` ({req id: [KVCacheBlock]}):
+ * borrowed, NULL if it has none (*err set with an exception). */
+static PyObject *blocks_of(PyObject *owners, PyObject *rid, int *err)
+{
+	PyObject *blocks = PyDict_GetItemWithError(owners, rid);
+	*err = 0;
+	if (!blocks) {
+		*err = PyErr_Occurred() != NULL;
+		return NULL;
+	}
+	if (!PyList_Check(blocks)) {
+		PyErr_SetString(PyExc_TypeError, "block_table: a request's blocks must be a list");
+		*err = 1;
+		return NULL;
+	}
+	return blocks;
+}
+
+/* block_table(req_to_blocks, req_ids, seq_lens, block_size, group_id,
+ * num_blocks): row i of the table holds the block_id of each block of
+ * req_to_blocks[req_ids[i]] (none: an empty row), 0-padded to the longest
+ * row, as vLLM's own table; nothing fires if every row is empty. */
 static PyObject *probe_block_table(PyObject *self, PyObject *const *args,
 				   Py_ssize_t nargs)
 {
-	Py_buffer t, s;
-	int64_t bsize, nblocks, stride, nreqs;
+	PyObject *owners, *ids = NULL, *seqs = NULL;
+	int64_t bsize, nblocks;
 	uint64_t group;
+	Py_ssize_t n, width = 0;
+	int err;
 	(void)self;
-	if (check_nargs("block_table", nargs, 5) < 0 ||
-	    get_i64(args[2], &bsize) < 0 || get_u64(args[3], &group) < 0 ||
-	    get_i64(args[4], &nblocks) < 0)
+	if (check_nargs("block_table", nargs, 6) < 0 ||
+	    get_i64(args[3], &bsize) < 0 || get_u64(args[4], &group) < 0 ||
+	    get_i64(args[5], &nblocks) < 0)
 		return NULL;
-	if (PyObject_GetBuffer(args[0], &t, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
-		return NULL;
-	if (!is_int32_format(&t) || t.ndim != 2 || t.strides[1] != 4 ||
-	    t.strides[0] < 0 || t.strides[0] % 4 != 0) {
-		PyErr_SetString(PyExc_TypeError,
-				"block_table: a 2-D int32 table with contiguous "
-				"rows is needed");
-		PyBuffer_Release(&t);
+	owners = args[0];
+	if (!PyDict_Check(owners)) {
+		PyErr_SetString(PyExc_TypeError, "block_table: req_to_blocks must be a dict");
 		return NULL;
 	}
-	nreqs = t.shape[0];
-	stride = t.strides[0] / 4;
-	if (get_int32_vector(args[1], &s, "block_table seq_lens") < 0) {
-		PyBuffer_Release(&t);
-		return NULL;
+	ids = PySequence_Fast(args[1], "block_table: request ids must be a sequence");
+	seqs = ids ? PySequence_Fast(args[2], "block_table: seq_lens must be a sequence") : NULL;
+	if (!seqs)
+		goto fail;
+	n = PySequence_Fast_GET_SIZE(ids);
+	if (PySequence_Fast_GET_SIZE(seqs) != n) {
+		PyErr_SetString(PyExc_ValueError, "block_table: one seq_len per request");
+		goto fail;
 	}
-	if (s.len / 4 < nreqs) {
-		PyErr_SetString(PyExc_ValueError,
-				"block_table: fewer seq_lens than table rows");
-		PyBuffer_Release(&s);
-		PyBuffer_Release(&t);
-		return NULL;
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *blocks = blocks_of(owners, PySequence_Fast_GET_ITEM(ids, i), &err);
+		if (err)
+			goto fail;
+		if (blocks && PyList_GET_SIZE(blocks) > width)
+			width = PyList_GET_SIZE(blocks);
 	}
-	KVTRACE_BLOCK_TABLE(t.buf, stride, nreqs, s.buf, bsize, group, nblocks,
-			    (uint64_t)0);
-	PyBuffer_Release(&s);
-	PyBuffer_Release(&t);
+	if (width == 0)
+		goto done;
+	if ((size_t)n > PY_SSIZE_T_MAX / (size_t)width ||
+	    reserve((void **)&table_buf, &table_cap, (size_t)n * (size_t)width, 4) < 0 ||
+	    reserve((void **)&seq_buf, &seq_cap, (size_t)n, 4) < 0)
+		goto fail;
+	for (Py_ssize_t i = 0; i < n; i++) {
+		int32_t *row = table_buf + i * width;
+		PyObject *blocks = blocks_of(owners, PySequence_Fast_GET_ITEM(ids, i), &err);
+		Py_ssize_t len = blocks ? PyList_GET_SIZE(blocks) : 0;
+		int64_t seq;
+		if (err)
+			goto fail;
+		if (len > width) { /* grown meanwhile: only Python code could */
+			PyErr_SetString(PyExc_RuntimeError, "block_table: a row grew while read");
+			goto fail;
+		}
+		for (Py_ssize_t j = 0; j < len; j++) {
+			PyObject *id = PyObject_GetAttr(PyList_GET_ITEM(blocks, j), block_id_name);
+			long long v = id ? PyLong_AsLongLong(id) : -1;
+			Py_XDECREF(id);
+			if (v == -1 && PyErr_Occurred())
+				goto fail;
+			if (v < 0 || v > INT32_MAX) {
+				PyErr_Format(PyExc_ValueError, "block_table: block id %lld", v);
+				goto fail;
+			}
+			row[j] = (int32_t)v;
+		}
+		memset(row + len, 0, (size_t)(width - len) * 4);
+		if (get_i64(PySequence_Fast_GET_ITEM(seqs, i), &seq) < 0)
+			goto fail;
+		if (seq < 0 || seq > INT32_MAX) {
+			PyErr_Format(PyExc_ValueError, "block_table: seq_len %lld", (long long)seq);
+			goto fail;
+		}
+		seq_buf[i] = (int32_t)seq;
+	}
+	{
+		int32_t *table = table_buf, *seq_lens = seq_buf;
+		IN_REGISTER(table);
+		IN_REGISTER(seq_lens);
+		KVTRACE_BLOCK_TABLE(table, (int64_t)width, (int64_t)n, seq_lens, bsize, group,
+				    nblocks, (uint64_t)0);
+	}
+	table_rows = n;
+	table_width = width;
+done:
+	Py_DECREF(ids);
+	Py_DECREF(seqs);
 	Py_RETURN_NONE;
+fail:
+	Py_XDECREF(ids);
+	Py_XDECREF(seqs);
+	return NULL;
 }
 
-/* ---- step_reqs(rows_uint64): the step's requests, then their new tokens - */
-
-static PyObject *probe_step_reqs(PyObject *self, PyObject *arg)
+/* last_table() -> (rows, width, table bytes, seq_lens bytes): the last
+ * block table fired, as the probe got it (KVTRACE_PLUGIN_RECORD records
+ * it) */
+static PyObject *last_table(PyObject *self, PyObject *unused)
 {
-	Py_buffer v;
 	(void)self;
-	if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0)
-		return NULL;
-	if (v.itemsize != 8 || v.len % 16 != 0) {
-		PyErr_SetString(PyExc_TypeError,
-				"step_reqs: 2 * num_reqs uint64 are needed");
-		PyBuffer_Release(&v);
-		return NULL;
-	}
-	KVTRACE_STEP_REQS(v.buf, (int64_t)(v.len / 16));
-	PyBuffer_Release(&v);
-	Py_RETURN_NONE;
+	(void)unused;
+	return Py_BuildValue("nny#y#", table_rows, table_width, (const char *)table_buf,
+			     table_rows * table_width * 4, (const char *)seq_buf, table_rows * 4);
 }
 
 /* ---- req_hash(str) -> int: FNV-1a 64 of the UTF-8 bytes ------------------ */
 
 static PyObject *req_hash(PyObject *self, PyObject *arg)
 {
-	Py_ssize_t len, i;
-	const unsigned char *p;
-	uint64_t h = 0xcbf29ce484222325ULL;
+	uint64_t h;
 	(void)self;
-	if (!PyUnicode_Check(arg)) {
-		PyErr_SetString(PyExc_TypeError, "req_hash: a str is needed");
+	if (str_hash(arg, &h) < 0)
 		return NULL;
-	}
-	p = (const unsigned char *)PyUnicode_AsUTF8AndSize(arg, &len);
-	if (!p)
-		return NULL;
-	for (i = 0; i < len; i++) {
-		h ^= p[i];
-		h *= 0x100000001b3ULL;
-	}
 	return PyLong_FromUnsignedLongLong(h);
 }
 
@@ -350,11 +518,12 @@ static PyMethodDef methods[] = {
 	FAST(request, "request(req, id_str, prompt_tokens)"),
 	FAST(req_preempt, "req_preempt(req, computed_tokens)"),
 	FAST(req_finish, "req_finish(req, output_tokens)"),
-	FAST(block_table, "block_table(table2d_int32, seq_lens_int32, block_size, "
-			  "group_id, num_blocks): layer_id 0"),
-	{"step_reqs", probe_step_reqs, METH_O,
-	 "step_reqs(rows_uint64): the step's request hashes, then their new "
-	 "tokens"},
+	FAST(block_table, "block_table(req_to_blocks, req_ids, seq_lens, block_size, "
+			  "group_id, num_blocks): the table of req_ids' blocks; layer_id 0"),
+	FAST(step_reqs, "step_reqs(req_ids, tokens): the step's requests and "
+			"the tokens each computes"),
+	{"last_table", last_table, METH_NOARGS,
+	 "last_table() -> (rows, width, table_int32_bytes, seq_lens_int32_bytes)"},
 	{"req_hash", req_hash, METH_O, "req_hash(str) -> FNV-1a 64 of its UTF-8"},
 	{"semaphores", semaphores, METH_NOARGS,
 	 "{name: (address, memoryview of 2 bytes)} of each probe's semaphore"},
@@ -371,5 +540,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__probes(void)
 {
+	block_id_name = PyUnicode_InternFromString("block_id");
+	if (!block_id_name)
+		return NULL;
 	return PyModule_Create(&module);
 }

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 from array import array
-from itertools import chain
+from operator import add
 
 log = logging.getLogger("vllm.plugins.kvtrace")
 
@@ -81,14 +81,16 @@ class _Recorder:
             elif name in ("req_preempt", "req_finish"):
                 self._write(name, req=args[0], tokens=args[1])
             elif name == "step_reqs":
-                n = len(args[0]) // 2
-                self._write(name, reqs=args[0][:n].tolist(), tokens=args[0][n:].tolist())
-            elif name == "block_table":
-                table, seq_lens, bsize, group, nblocks = args
-                n = table.shape[0]
-                self._write(name, rows=table.tolist(), seq_lens=seq_lens[:n].tolist(),
-                            block_size=bsize, group=group, num_blocks=nblocks,
-                            row_stride=table.strides[0] // 4)
+                self._write(name, reqs=[self._probes.req_hash(r) for r in args[0]],
+                            tokens=list(args[1]))
+            elif name == "block_table" and any(args[0].get(r) for r in args[1]):
+                # the table as the probe got it (nothing fired for empty rows)
+                _owners, _rids, _seq, bsize, group, nblocks = args
+                n, width, table, seq_lens = self._probes.last_table()
+                table = array("i", table).tolist()
+                self._write(name, rows=[table[i * width:(i + 1) * width] for i in range(n)],
+                            seq_lens=array("i", seq_lens).tolist(), block_size=bsize,
+                            group=group, num_blocks=nblocks, row_stride=width)
         setattr(self, name, call)
         return call
 
@@ -351,102 +353,43 @@ _preempt_request = _fire_before("req_preempt", "num_computed_tokens")
 _free_request = _fire_before("req_finish", "num_output_tokens")
 
 
-class _TableMirror:
-    """One reusable int32 table per KV-cache group (rows: the step's
-    requests; grown, never shrunk) and one seq_lens vector."""
-
-    def __init__(self, np):
-        self.np = np
-        self.tables = {}
-        self.seq = np.zeros(64, np.int32)
-        self.arange = np.arange(64)
-        self.step = np.zeros(128, np.uint64)
-
-    def table(self, group, rows, width):
-        t = self.tables.get(group)
-        if t is None or t.shape[0] < rows or t.shape[1] < width:
-            old_rows, old_width = (32, 16) if t is None else t.shape
-            t = self.np.zeros((max(rows, 2 * old_rows if rows > old_rows else old_rows),
-                               max(width, 2 * old_width if width > old_width else old_width)),
-                              self.np.int32)
-            self.tables[group] = t
-        return t
-
-    def cols(self, width):
-        if self.arange.shape[0] < width:
-            self.arange = self.np.arange(max(width, 2 * self.arange.shape[0]))
-        return self.arange[:width]
-
-    def step_rows(self, n):
-        """A contiguous uint64 vector of 2 * n (step_reqs' rows)."""
-        if self.step.shape[0] < 2 * n:
-            self.step = self.np.zeros(max(2 * n, 2 * self.step.shape[0]), self.np.uint64)
-        return self.step[:2 * n]
-
-    def seq_lens(self, n):
-        if self.seq.shape[0] < n:
-            self.seq = self.np.zeros(max(n, 2 * self.seq.shape[0]), self.np.int32)
-        return self.seq
-
-
-def fire_block_tables(scheduler, out, mirror):
+def fire_block_tables(scheduler, out):
     """step_reqs, then block_table once per KV-cache group, for the step out
     describes: one row per scheduled request (its block ids in that group,
     0-padded), and seq_len = tokens computed before the step + tokens
     scheduled in it.  step_reqs names each row's request and its scheduled
-    tokens (what it writes), in the same order."""
-    reqs = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+    tokens (what it writes), in the same order.  The probes build the
+    tables in C from vLLM's lists: this runs once a step with cold caches,
+    where numpy here cost 87 us a step (docs/plugin.md)."""
     cached = out.scheduled_cached_reqs
-    reqs.extend(zip(cached.req_ids, cached.num_computed_tokens))
-    n = len(reqs)
-    if not n:
+    rids, computed = cached.req_ids, cached.num_computed_tokens
+    new = out.scheduled_new_reqs
+    if new:
+        rids = [r.req_id for r in new] + list(rids)
+        computed = [r.num_computed_tokens for r in new] + list(computed)
+    if not rids:
         return
-    np = mirror.np
-    nsched = out.num_scheduled_tokens
+    tokens = list(map(out.num_scheduled_tokens.__getitem__, rids))
     if SEM["step_reqs"][0]:
-        rows = mirror.step_rows(n)
-        rids = [rid for rid, _ in reqs]
-        rows[:n] = list(map(req_hash, rids))  # map over C callables: no Python frame a row
-        rows[n:] = list(map(nsched.__getitem__, rids))
-        P.step_reqs(rows)
+        P.step_reqs(rids, tokens)
     if not SEM["block_table"][0]:
         return
-    seq = mirror.seq_lens(n)
-    seq[:n] = np.fromiter((c + nsched[rid] for rid, c in reqs), np.int32, n)
+    seq_lens = list(map(add, computed, tokens))
     manager = scheduler.kv_cache_manager
-    ids = [manager.get_block_ids(rid) for rid, _ in reqs]
     nblocks = manager.block_pool.num_gpu_blocks
     for stm in manager.coordinator.single_type_managers:
-        g = stm.kv_cache_group_id
-        rows = [per_group[g] for per_group in ids]
-        width = max(map(len, rows))
-        if width == 0:
-            continue
-        t = mirror.table(g, n, width)
-        view = t[:n, :width]
-        lens = np.fromiter(map(len, rows), np.int64, n)
-        flat = np.fromiter(chain.from_iterable(rows), np.int32, int(lens.sum()))
-        if lens.min() == width:
-            view[:] = flat.reshape(n, width)
-        else:  # rows of different lengths: 0-padded (the null block)
-            view[:] = 0
-            view[mirror.cols(width) < lens[:, None]] = flat
-        P.block_table(view, seq, stm.block_size, g, nblocks)
+        P.block_table(stm.req_to_blocks, rids, seq_lens, stm.block_size,
+                      stm.kv_cache_group_id, nblocks)
 
 
 def _schedule(orig):
     s, r = SEM["block_table"], SEM["step_reqs"]
-    state = {}
 
     def schedule(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         if s[0] or r[0]:
             try:
-                mirror = state.get(id(self))
-                if mirror is None:
-                    import numpy
-                    mirror = state[id(self)] = _TableMirror(numpy)
-                fire_block_tables(self, out, mirror)
+                fire_block_tables(self, out)
             except Exception:
                 _failed()
         return out
@@ -467,7 +410,6 @@ _METHODS = [
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", ("request",)),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "free", ("request",)),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "pop_blocks_for_free", ("request",)),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_block_ids", ("request_id",)),
     ("vllm.v1.core.block_pool", "BlockPool", "get_new_blocks", ("num_blocks",)),
     ("vllm.v1.core.block_pool", "BlockPool", "touch", ("blocks",)),
     ("vllm.v1.core.block_pool", "BlockPool", "_maybe_evict_cached_block", ("block",)),
