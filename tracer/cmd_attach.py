@@ -44,6 +44,15 @@ examples:
 FOLLOW_INTERVAL = 0.25
 FOLLOW_INTERVAL_QUIET = 1.0
 FOLLOW_QUIET_AFTER = 10.0  # seconds without a change
+# How long the tracing loop waits between its duties (a scan, a refresh,
+# the end of --duration).  While it reads op records (-o, --prometheus),
+# POLL_S: what waits in the buffers is read at least that often.  Without,
+# it sleeps until the next duty, up to IDLE_POLL_S, on the target's pidfd
+# and a pipe the signal handlers write to: the target's exit and Ctrl-C end
+# the wait at once, and an idle tracer wakes once a scan (every wake-up
+# costs CPU time on a VM: docs/bench.md, row 9).  POLL_S without a pidfd.
+POLL_S = 0.1
+IDLE_POLL_S = 1.0
 
 
 # The per-block counters are one BPF array of --max-layers rows of
@@ -609,9 +618,17 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
         return stop["reason"] is not None or recorder_failed()
 
     tracer.during_poll = during_poll
+    wakeup = _SignalWakeup()
+    wake_fds = [wakeup.fd] + ([target.exit_fd] if target.exit_fd is not None else [])
+    longest = IDLE_POLL_S if target.exit_fd is not None and not tracer.polls_records \
+        else POLL_S
     try:
         while stop["reason"] is None:
-            tracer.poll(100)
+            due = min(next_scan, deadline if deadline is not None else math.inf,
+                      next_refresh if live_ctx or on_refresh else math.inf)
+            wait = min(max(due - time.monotonic(), 0.0), longest)
+            tracer.poll(math.ceil(wait * 1000), wake_fds)
+            wakeup.drain()
             if on_poll:
                 on_poll()
             now = time.monotonic()
@@ -639,9 +656,32 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
                 if live_ctx:
                     live_ctx.update(view(), refresh=True)
     finally:
+        wakeup.close()
         tracer.during_poll = None  # the drain after detach keeps everything
         if live_ctx:
             live_ctx.stop()
+
+
+class _SignalWakeup:
+    """A pipe that Python's signal handling writes a byte to when a signal
+    arrives (signal.set_wakeup_fd): a wait on it ends at SIGINT or SIGTERM,
+    where a sleep would resume after the handler ran (PEP 475)."""
+
+    def __init__(self):
+        self.fd, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._old = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+
+    def drain(self):
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self):
+        signal.set_wakeup_fd(self._old)
+        os.close(self.fd)
+        os.close(self._w)
 
 
 def _finish(args, tracer, target, reason, recorder=None) -> int:

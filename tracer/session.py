@@ -11,6 +11,7 @@ guessed.
 import ctypes
 import mmap
 import os
+import select
 import struct
 import time
 from dataclasses import dataclass, field
@@ -313,9 +314,18 @@ class Tracer:
         # per loss on stderr
         pass
 
-    def poll(self, timeout_ms: int):
+    @property
+    def polls_records(self) -> bool:
+        """Whether poll() reads op records (it then returns as they come)."""
+        return self._poll_fns is not None
+
+    def poll(self, timeout_ms: int, wake_fds=()):
+        """Read the op records waiting, waiting up to timeout_ms for them.
+        Without records, sleep that long, or until one of wake_fds (the
+        target's exit, a signal) is readable."""
         if self._poll_fns is None:
-            time.sleep(timeout_ms / 1000)
+            if timeout_ms > 0:
+                select.select(wake_fds, [], [], timeout_ms / 1000)
             return
         poll, consume = self._poll_fns
         self._shedding = False

@@ -18,14 +18,23 @@ class Target:
     def __init__(self, pid: int, child: bool):
         self.pid, self.child = pid, child
         self.status = None  # exit status once known (children only)
+        # readable once the process has exited: exited() polls it, and the
+        # tracing loop sleeps on it (exit_fd).  A child's too: its status
+        # still comes from waitpid
         self._pidfd = None
-        if not child:
-            try:
-                self._pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            if not child:
                 raise TargetError(f"no process with pid {pid}") from None
-            except OSError:
-                self._pidfd = None  # old kernel: fall back to kill(0)
+        except OSError:
+            self._pidfd = None  # old kernel: fall back to kill(0), waitpid
+
+    @property
+    def exit_fd(self):
+        """A descriptor that polls readable once the target has exited, or
+        None (a kernel without pidfd_open)."""
+        return self._pidfd
 
     def exited(self) -> bool:
         if self.child:
