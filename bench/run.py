@@ -17,11 +17,9 @@ speed (record/report/export), 7 the tracer's own footprint (from row 2),
 """
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import struct
@@ -34,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tracer import abi, discover  # noqa: E402
+from tracer import abi, discover, files  # noqa: E402
 
 BENCH = ROOT / "bench"
 KVBENCH = BENCH / "kvbench"
@@ -1353,27 +1351,10 @@ def main():
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "machine": {"kernel": platform.release(), "cpus": os.cpu_count(),
                        "cpu": _cpu_model(), "load_avg_at_start": os.getloadavg()}}
-    with private_tmpdir():
+    # every process the bench starts gets a TMPDIR of its own, removed at
+    # the end: vLLM, ended as rows 3 and 10 end it, leaves its sockets
+    with files.private_tmpdir("kvtrace-bench"):
         run_rows(args, rows, quick, res)
-
-
-@contextlib.contextmanager
-def private_tmpdir():
-    """A TMPDIR of the bench's own for every process it starts, removed at
-    the end: vLLM, ended as rows 3 and 10 end it, leaves its ZMQ sockets
-    (/tmp/UUID) behind, 7-14 a run (tests/conftest.py does the same)."""
-    saved = os.environ.get("TMPDIR")
-    path = tempfile.mkdtemp(prefix=f"kvtrace-bench-{os.getpid()}-")  # 0700
-    os.environ["TMPDIR"] = tempfile.tempdir = path
-    try:
-        yield path
-    finally:
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
-        tempfile.tempdir = None
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_rows(args, rows, quick, res):

@@ -6,11 +6,9 @@ import json
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -447,31 +445,14 @@ def assert_reads_match_truth(doc, truth):
 @pytest.fixture(scope="session", autouse=True)
 def private_tmpdir(tmp_path_factory):
     """A TMPDIR of the suite's own for every process it starts, removed at
-    the end.  vLLM, killed as the tests kill it, leaves its ZMQ sockets
-    (/tmp/UUID, 7 for one launch), file-store rendezvous files
-    (/tmp/vllm_dist_*) and torch's compile cache (/tmp/torchinductor_USER)
-    behind: the suite left over a hundred a run.  pytest's own directory is
-    fixed first, so it stays where --basetemp or the real TMPDIR put it.
-    The name carries the suite's pid: a suite that was killed, not ended,
-    never removed its own, and the next one removes it."""
+    the end (tracer.files.private_tmpdir: the suite's vLLMs left over a
+    hundred files in /tmp a run).  pytest's own directory is fixed first,
+    so it stays where --basetemp or the real TMPDIR put it."""
+    from tracer import files
+
     tmp_path_factory.getbasetemp()
-    saved = os.environ.get("TMPDIR")
-    for old in Path(tempfile.gettempdir()).glob("kvtrace-tests-*-*"):
-        pid = old.name.split("-")[2]  # kvtrace-tests-PID-random
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and \
-                old.stat().st_uid == os.geteuid():
-            shutil.rmtree(old, ignore_errors=True)
-    path = tempfile.mkdtemp(prefix=f"kvtrace-tests-{os.getpid()}-")  # 0700
-    os.environ["TMPDIR"] = tempfile.tempdir = path
-    try:
+    with files.private_tmpdir("kvtrace-tests") as path:
         yield path
-    finally:
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
-        tempfile.tempdir = None
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

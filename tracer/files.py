@@ -2,10 +2,14 @@
 and written so that a failed write (a full disk, an I/O error) is one line
 with its exit code, never a traceback, and costs only that one output."""
 
+import contextlib
 import errno
+import glob
 import os
+import shutil
 import stat
 import sys
+import tempfile
 
 from .errors import OutputError, UsageError
 
@@ -157,3 +161,30 @@ def write_file(path: str, text: str):
             f.write(text)
     except OSError as e:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def private_tmpdir(prefix: str):
+    """A TMPDIR of one run's own (the test suite's, the bench's) for every
+    process it starts, removed at the end: vLLM, killed as they kill it,
+    leaves its ZMQ sockets (/tmp/UUID), file-store rendezvous files
+    (/tmp/vllm_dist_*) and torch's compile cache behind, a hundred a test
+    run.  Named PREFIX-PID-random: a run that was killed, not ended, never
+    removed its own, and the next run with that prefix removes it."""
+    saved = os.environ.get("TMPDIR")
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}-*-*")):
+        pid = os.path.basename(old)[len(prefix) + 1:].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and \
+                os.stat(old).st_uid == os.geteuid():
+            shutil.rmtree(old, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-")  # 0700
+    os.environ["TMPDIR"] = tempfile.tempdir = path
+    try:
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
+        shutil.rmtree(path, ignore_errors=True)
