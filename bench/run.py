@@ -263,8 +263,7 @@ def entry_costs(ops, reps):
         entry = {sym.name[len("kvbench_entry_"):]: discover.vaddr_to_offset(elf, sym["st_value"])
                  for sym in elf.get_section_by_name(".symtab").iter_symbols()
                  if sym.name.startswith("kvbench_entry_")}
-        f.seek(entry["realigned"])
-        picked = entry["realigned"] + catalog.entry_site(f.read(16)).skip
+        picked = entry["realigned"] + catalog.entry_site_at(f, entry["realigned"]).skip
     sites = {"nop": ("nop", entry["nop"]), "lea": ("realigned", entry["realigned"]),
              "picked": ("realigned", picked)}
     out = {name: [] for name in sites}

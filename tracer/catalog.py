@@ -116,6 +116,13 @@ def entry_site(code: bytes) -> EntrySite:
     return EntrySite()
 
 
+def entry_site_at(f, offset: int) -> EntrySite:
+    """entry_site of the function at file offset `offset` of the open ELF
+    file f: its first 16 bytes, more than the prologue matched."""
+    f.seek(offset)
+    return entry_site(f.read(16))
+
+
 @dataclass(frozen=True)
 class StockOp:
     op: str          # probe name (abi.OPS)
@@ -274,10 +281,7 @@ def stock_sites(path: str) -> list:
     try:
         symbols = _function_symbols(path, patterns)
         with open(path, "rb") as f:
-            starts = {}
-            for name, offset in symbols.items():
-                f.seek(offset)
-                starts[name] = entry_site(f.read(16))
+            starts = {name: entry_site_at(f, offset) for name, offset in symbols.items()}
     except (OSError, ELFError, ValueError):
         return []
     sites = []
