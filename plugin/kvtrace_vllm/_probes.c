@@ -207,7 +207,7 @@ static PyObject *probe_req_finish(PyObject *self, PyObject *const *args,
 static uint64_t *step_buf;
 static int32_t *table_buf, *seq_buf;
 static size_t step_cap, table_cap, seq_cap;
-static Py_ssize_t table_rows, table_width; /* the last table fired */
+static Py_ssize_t table_rows, table_width; /* this call's table: 0 rows if none fired */
 static PyObject *block_id_name;             /* "block_id", interned */
 
 /* Room for `need` items of `size` bytes in *buf.  0, or -1 with
@@ -338,6 +338,7 @@ static PyObject *probe_block_table(PyObject *self, PyObject *const *args,
 	    get_i64(args[3], &bsize) < 0 || get_u64(args[4], &group) < 0 ||
 	    get_i64(args[5], &nblocks) < 0)
 		return NULL;
+	table_rows = table_width = 0;
 	owners = args[0];
 	if (!PyDict_Check(owners)) {
 		PyErr_SetString(PyExc_TypeError, "block_table: req_to_blocks must be a dict");
@@ -416,9 +417,9 @@ fail:
 	return NULL;
 }
 
-/* last_table() -> (rows, width, table bytes, seq_lens bytes): the last
- * block table fired, as the probe got it (KVTRACE_PLUGIN_RECORD records
- * it) */
+/* last_table() -> (rows, width, table bytes, seq_lens bytes): the table
+ * the last block_table call fired, as the probe got it, or 0 rows if it
+ * fired none (KVTRACE_PLUGIN_RECORD records it) */
 static PyObject *last_table(PyObject *self, PyObject *unused)
 {
 	(void)self;

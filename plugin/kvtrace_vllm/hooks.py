@@ -83,14 +83,16 @@ class _Recorder:
             elif name == "step_reqs":
                 self._write(name, reqs=[self._probes.req_hash(r) for r in args[0]],
                             tokens=list(args[1]))
-            elif name == "block_table" and any(args[0].get(r) for r in args[1]):
-                # the table as the probe got it (nothing fired for empty rows)
-                _owners, _rids, _seq, bsize, group, nblocks = args
+            elif name == "block_table":
+                # the table as the probe got it, if it fired one
                 n, width, table, seq_lens = self._probes.last_table()
-                table = array("i", table).tolist()
-                self._write(name, rows=[table[i * width:(i + 1) * width] for i in range(n)],
-                            seq_lens=array("i", seq_lens).tolist(), block_size=bsize,
-                            group=group, num_blocks=nblocks, row_stride=width)
+                if n:
+                    _owners, _rids, _seq, bsize, group, nblocks = args
+                    table = array("i", table).tolist()
+                    self._write(name, rows=[table[i * width:(i + 1) * width]
+                                            for i in range(n)],
+                                seq_lens=array("i", seq_lens).tolist(), block_size=bsize,
+                                group=group, num_blocks=nblocks, row_stride=width)
         setattr(self, name, call)
         return call
 
