@@ -19,8 +19,8 @@ from tracer.cmd_doctor import (FAIL, PASS, Check, config_state, exit_code,
 
 EXIT_OK, EXIT_ENV, EXIT_TARGET = 0, 2, 3
 ENVIRONMENT_CHECKS = ("architecture", "kernel config", "uprobe PMU", "BPF program load",
-                      "BPF callbacks", "privileges", "bcc privileges", "bcc", "kernel headers", "program cache",
-                      "tracefs", "perf_event_paranoid")
+                      "BPF callbacks", "uprobe links", "privileges", "bcc privileges", "bcc",
+                      "kernel headers", "program cache", "tracefs", "perf_event_paranoid")
 LINE = re.compile(r"(PASS|WARN|FAIL|SKIP|INFO)  (\S+(?: \S+)*) {2,}(.*)")
 NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
 
@@ -61,6 +61,9 @@ def test_doctor_as_root_passes(bpf_env):
     # root may load BPF: the trial load ran and succeeded, not skipped
     assert checks["BPF program load"][0] == "PASS"
     assert checks["BPF callbacks"][0] == "PASS"
+    # a kernel from 6.6 on makes uprobe_multi links (the tracer's default)
+    release = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    assert checks["uprobe links"][0] == ("PASS" if release >= (6, 6) else "WARN")
     assert checks["privileges"][0] == "PASS" and "euid 0" in checks["privileges"][1]
     # the config source named is the one this machine has
     config = checks["kernel config"]
@@ -142,6 +145,7 @@ def test_doctor_as_nobody_fails_privileges():
     assert "root" in fix
     assert checks["BPF program load"] == ("SKIP", "skipped: needs privileges (see below)", "")
     assert checks["BPF callbacks"] == ("SKIP", "skipped: needs privileges (see below)", "")
+    assert checks["uprobe links"] == ("SKIP", "skipped: needs privileges (see below)", "")
 
 
 def test_doctor_root_without_capabilities_fails_privileges(bpf_env):
@@ -153,6 +157,7 @@ def test_doctor_root_without_capabilities_fails_privileges(bpf_env):
     assert fix
     assert checks["BPF program load"][0] == "SKIP"
     assert checks["BPF callbacks"][0] == "SKIP"
+    assert checks["uprobe links"][0] == "SKIP"
 
 
 def doctor_vllm(tmp_path, model):

@@ -55,6 +55,56 @@ def test_attach_pid_matches_truth(tmp_path, workload):
         sim.kill()
 
 
+def _attachments(pid):
+    """The uprobe_multi links (fdinfo fields) and the perf events a process holds."""
+    links, perf_events = [], 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                info = f.read()
+        except OSError:
+            continue  # closed meanwhile
+        if target == "anon_inode:[perf_event]":
+            perf_events += 1
+        elif "link_type:\tuprobe_multi" in info:
+            links.append(dict(line.split(":\t", 1) for line in info.splitlines()
+                              if ":\t" in line))
+    return links, perf_events
+
+
+@pytest.mark.parametrize("perf_uprobes", (False, True), ids=("links", "perf-events"))
+def test_attach_by_links_or_perf_events_exact(tmp_path, perf_uprobes):
+    """Where the kernel has uprobe_multi links (6.6+, as here), one link per
+    traced file and process carries all its probes, and no perf event is
+    open; KVTRACE_PERF_UPROBES=1 attaches as on older kernels, one perf event
+    per probe.  Both count exactly, and turn the semaphores on and off."""
+    sim = Kvsim(tmp_path, "prefix")
+    env = dict(os.environ, KVTRACE_PERF_UPROBES="1" if perf_uprobes else "0")
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "--json", tmp_path / "agg.json", env=env)
+        tracer.wait_attached()
+        probes = int(re.search(r"(\d+) probes in 1 processes", tracer.early_err).group(1))
+        assert probes == len(semaphore_values(sim.pid)) > 10
+        assert set(semaphore_values(sim.pid).values()) == {1}
+        links, perf_events = _attachments(tracer.proc.pid)
+        if perf_uprobes:
+            assert (len(links), perf_events) == (0, probes)
+        else:
+            assert (len(links), perf_events) == (1, 0)
+            assert links[0]["pid"].strip() == str(sim.pid)
+            assert int(links[0]["uprobe_cnt"]) == probes
+        sim.go()
+        assert sim.wait() == 0
+        rc, out, err = tracer.finish()
+        assert rc == 0, err
+        doc = json.loads((tmp_path / "agg.json").read_text())
+        assert_matches_truth(doc, sim.truth())
+        assert_reads_match_truth(doc, sim.truth())
+    finally:
+        sim.kill()
+
+
 def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
     """Exact counters never depend on the perf buffer; what it drops is counted.
     The per-op records go with a stream (-o), which floods a one-page buffer."""

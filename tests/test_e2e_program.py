@@ -120,15 +120,10 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
                 struct.pack_into("<i", insns, at * 8 + 4, fds[m])
             log = ctypes.create_string_buffer(1 << 16)
             buf = (ctypes.c_char * len(insns)).from_buffer(insns)
-            if prog.get("subprogs"):  # 4: the statistics
-                fd = program._load_with_subprogs(prog["name"][:15].encode(), buf, len(insns),
-                                                 entry["license"].encode(),
-                                                 entry["kern_version"], fds[-1],
-                                                 prog["subprogs"], log, 4)
-            else:
-                fd = lib.bcc_prog_load(program.BPF_PROG_TYPE_KPROBE, prog["name"][:15].encode(),
-                                       buf, len(insns), entry["license"].encode(),
-                                       entry["kern_version"], 4, log, len(log))
+            # as the tracer loads it; log level 4: the statistics
+            fd = program._load_prog(prog["name"][:15].encode(), buf, len(insns),
+                                    entry["license"].encode(), entry["kern_version"], fds[-1],
+                                    prog.get("subprogs") or [], log, 4, program.attach_type())
             assert fd >= 0, prog["name"]
             os.close(fd)
             said[prog["name"]] = int(re.search(rb"processed (\d+) insns", log.value).group(1))

@@ -99,14 +99,15 @@ def test_programs_load_costliest_to_verify_first(monkeypatch):
     that the compile measured, highest first (an entry without it last), so
     that the longest verification does not start when the others are done."""
     class FakeLib:
-        loads = []
-
         def bcc_create_map(self, *args):
             return 3
 
-        def bcc_prog_load(self, _type, name, *args):
-            self.loads.append(name.decode())
-            return 10 + len(self.loads)
+    loads, kinds = [], set()
+
+    def fake_load(name, *args):
+        loads.append(name.decode())
+        kinds.add(args[-1])  # the expected_attach_type
+        return 10 + len(loads)
 
     e = entry()
     exit_insn = e["progs"][0]["insns"]
@@ -115,10 +116,15 @@ def test_programs_load_costliest_to_verify_first(monkeypatch):
                        **({} if c is None else {"verified_insns": c}))
                   for n, c in costs.items()]
     monkeypatch.setattr(program, "libbcc_bpf", FakeLib)
+    monkeypatch.setattr(program, "_load_prog", fake_load)
+    monkeypatch.setattr(program, "attach_type", lambda: 48)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one loader: a strict order
     loaded = program.LoadedProgram(e)
-    assert FakeLib.loads == ["b", "e", "d", "a", "c"]
+    assert loads == ["b", "e", "d", "a", "c"]
     assert sorted(loaded._progs) == sorted(costs)
+    # every program with the one attach type: the kernel refuses a tail call
+    # between programs of different attach types
+    assert kinds == {48}
 
 
 def insn(code, dst=0, src=0, off=0, imm=0):

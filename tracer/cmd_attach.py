@@ -511,7 +511,7 @@ def _announce(args, tracer, target, follower, t_start):
     for proc in tracer.procs.values():
         for probe, why in proc.skipped:
             _say(f"skipped {probe.qualified} in {probe.path}: {why}")
-    probes = sum(len(p.uprobes) for p in tracer.procs.values())
+    probes = sum(len(u.offsets) for p in tracer.procs.values() for u in p.uprobes)
     _say(f"{probes} probes in {sum(1 for p in tracer.procs.values() if p.uprobes)} "
          f"processes; ready after {time.monotonic() - t_start:.1f}s (BPF program "
          f"{tracer.program_source} in {tracer.compile_seconds:.1f}s). Ctrl-C to stop.")

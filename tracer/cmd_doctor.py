@@ -229,6 +229,19 @@ def check_bpf_callbacks(privileged: bool) -> Check:
                      "tables in a bpf_loop() callback (docs/design.md)")
 
 
+def check_uprobe_links(privileged: bool) -> Check:
+    name = "uprobe links"
+    if not privileged:
+        return Check(name, SKIP, "skipped: needs privileges (see below)")
+    ok, why = uprobe_pmu.trial_link(program.attach_type())
+    if ok:
+        return Check(name, PASS, "a uprobe_multi link opened and closed: one link per "
+                                 "traced file, no perf event per probe")
+    return Check(name, WARN, f"no uprobe_multi link ({why}): one perf event per probe, "
+                             "which costs the target at every context switch",
+                 fix="Linux >= 6.6 (docs/design.md, \"One link per file\")")
+
+
 # -- privileges, bcc, headers ----------------------------------------------------
 
 def check_privileges(caps: set) -> list:
@@ -315,7 +328,7 @@ def check_tracefs() -> Check:
     # debugfs mounts tracefs under itself on its own
     found = [d for d in TRACEFS_DIRS if d in mounted or os.path.exists(f"{d}/uprobe_events")]
     # tracefs is where uprobes someone left registered show (uprobe_events)
-    why = ("informational: the tracer attaches through the perf_event uprobe PMU, not "
+    why = ("informational: the tracer attaches through uprobe_multi links or the uprobe PMU, not "
            "tracefs text entries")
     if found:
         return Check("tracefs", PASS, f"mounted at {found[0]} ({why})")
@@ -468,6 +481,7 @@ def run_checks(pid=None, debug: bool = False) -> list:
             ("uprobe PMU", check_uprobe_pmu),
             ("BPF program load", check_bpf_load, privileged),
             ("BPF callbacks", check_bpf_callbacks, privileged),
+            ("uprobe links", check_uprobe_links, privileged),
             ("privileges", check_privileges, caps),
             ("bcc", check_bcc),
             ("kernel headers", check_kernel_headers),

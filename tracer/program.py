@@ -17,9 +17,10 @@ program text, kernel and bcc, in a short-lived child process
   link_callbacks does it, and the loader gives the kernel the BTF function
   info that a program with callbacks needs).
 
-A tracer then creates the maps, writes its own fds into those instructions and
-loads the programs through libbcc_bpf, bcc's loader library, which links no
-LLVM.  Why a cache of bcc's output and not a prebuilt libbpf object:
+A tracer then creates the maps through libbcc_bpf, bcc's loader library,
+which links no LLVM, writes its own fds into those instructions and loads the
+programs (BPF_PROG_LOAD, here: each with the attach type that uprobe_multi
+links need, attach_type()).  Why a cache of bcc's output and not a prebuilt libbpf object:
 docs/design.md, "Compile once".
 
 The entries live in the tracer's cache directory (cache.py), which only its
@@ -129,11 +130,9 @@ def libbcc_bpf():
             raise EnvironmentProblem(
                 f"bcc's loader library is missing ({e}): install libbpfcc "
                 "(`make setup` does)") from None
-        vp, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+        vp, i = ctypes.c_void_p, ctypes.c_int
         for name, res, args in (
                 ("bcc_create_map", i, [i, ctypes.c_char_p, i, i, i, i]),
-                ("bcc_prog_load", i, [i, ctypes.c_char_p, vp, i, ctypes.c_char_p, u, i,
-                                      ctypes.c_char_p, u]),
                 ("bpf_lookup_elem", i, [i, vp, vp]),
                 ("bpf_update_elem", i, [i, vp, vp, ctypes.c_ulonglong]),
                 ("bpf_delete_elem", i, [i, vp]),
@@ -240,11 +239,13 @@ def _load_btf(blob: bytes) -> int:
     return fd
 
 
-def _load_with_subprogs(name: bytes, insns, size: int, license_: bytes, kern_version: int,
-                        btf_fd: int, subprogs: list, log=None, log_level: int = 0) -> int:
-    """BPF_PROG_LOAD of a kprobe program whose callbacks start at `subprogs`:
-    the fd, or -1 with errno set.  log: a buffer for the verifier's log, at
-    log_level (1: every instruction, 4: the statistics)."""
+def _load_prog(name: bytes, insns, size: int, license_: bytes, kern_version: int,
+               btf_fd: int, subprogs: list, log=None, log_level: int = 0,
+               attach_type: int = 0) -> int:
+    """BPF_PROG_LOAD of a kprobe program whose callbacks start at `subprogs`
+    (none: no BTF needed, btf_fd 0): the fd, or -1 with errno set.  log: a
+    buffer for the verifier's log, at log_level (1: every instruction, 4: the
+    statistics).  attach_type: the expected_attach_type (attach_type())."""
     records = [(0, _BTF_FUNC_MAIN)] + [(at, _BTF_FUNC_CALLBACK) for at in subprogs]
     func_info = ctypes.create_string_buffer(b"".join(struct.pack("<II", *r) for r in records))
     lic = ctypes.create_string_buffer(license_)
@@ -253,9 +254,40 @@ def _load_with_subprogs(name: bytes, insns, size: int, license_: bytes, kern_ver
                      BPF_PROG_TYPE_KPROBE, size // 8, ctypes.addressof(insns),
                      ctypes.addressof(lic), log_level if log else 0, len(log) if log else 0,
                      ctypes.addressof(log) if log else 0, kern_version, 0, name,
-                     0, 0,  # prog_ifindex, expected_attach_type
-                     btf_fd, 8, ctypes.addressof(func_info), len(records))
+                     0, attach_type,  # prog_ifindex, expected_attach_type
+                     btf_fd if subprogs else 0, 8 if subprogs else 0,
+                     ctypes.addressof(func_info) if subprogs else 0,
+                     len(records) if subprogs else 0)
     return bpf_syscall(BPF_PROG_LOAD, attr)
+
+
+def trivial_program(attach_type: int) -> int:
+    """A loaded `r0 = 0; exit` kprobe program of that attach type: its fd, or
+    -1 with errno set."""
+    code = struct.pack("<BBhi", 0xB7, 0, 0, 0) + struct.pack("<BBhi", 0x95, 0, 0, 0)
+    buf = ctypes.create_string_buffer(code, len(code))
+    return _load_prog(b"kvtrace_probe", buf, len(code), b"GPL", 0, 0, [],
+                      attach_type=attach_type)
+
+
+_attach_type = None
+
+
+def attach_type() -> int:
+    """The expected_attach_type every program is loaded with:
+    BPF_TRACE_UPROBE_MULTI where the kernel takes it, so that a program can
+    be attached by a uprobe_multi link (uprobe_pmu.UprobeLink) and, as well,
+    to a perf event (the kernel takes such a program for both); else 0.
+    Decided once per process, by loading a two-instruction program.  The
+    tail-called stages are loaded the same way: since 6.17 the kernel
+    refuses a tail call between programs of different attach types."""
+    global _attach_type
+    if _attach_type is None:
+        fd = trivial_program(uprobe_pmu.BPF_TRACE_UPROBE_MULTI)
+        if fd >= 0:
+            os.close(fd)
+        _attach_type = uprobe_pmu.BPF_TRACE_UPROBE_MULTI if fd >= 0 else 0
+    return _attach_type
 
 
 def _verifier_says(load) -> str:
@@ -286,8 +318,7 @@ def trial_callback_load() -> int:
     except OSError as e:
         return e.errno
     try:
-        fd = _load_with_subprogs(b"kvtrace_doctor", buf, len(insns), b"GPL", 0, btf_fd,
-                                 subprogs)
+        fd = _load_prog(b"kvtrace_doctor", buf, len(insns), b"GPL", 0, btf_fd, subprogs)
         if fd < 0:
             return ctypes.get_errno()
         os.close(fd)
@@ -442,28 +473,26 @@ class LoadedProgram:
                 btf_fd = _load_btf(_FUNC_BTF)
                 self._fds.append(btf_fd)
 
+            kind = attach_type()
+
             def load_one(prog):
                 insns = bytearray(base64.b64decode(prog["insns"]))
                 for at, map_index in prog["map_refs"]:
                     struct.pack_into("<i", insns, at * 8 + 4, fds[map_index])
                 buf = (ctypes.c_char * len(insns)).from_buffer(insns)
                 name = prog["name"][:15].encode()
-                if prog.get("subprogs"):
-                    def load(log=None):
-                        return _load_with_subprogs(name, buf, len(insns), license_,
-                                                   entry["kern_version"], btf_fd,
-                                                   prog["subprogs"], log, 1)
-                    fd = load()
-                    if fd < 0:
-                        error = _oserror(f"loading {prog['name']}")
-                        why = _verifier_says(load)
-                        return prog["name"], fd, OSError(error.errno, f"{error.strerror}"
-                                                         + (f" (the verifier: {why})"
-                                                            if why else ""))
-                else:
-                    fd = lib.bcc_prog_load(BPF_PROG_TYPE_KPROBE, name, buf, len(insns),
-                                           license_, entry["kern_version"], 0, None, 0)
-                return prog["name"], fd, None if fd >= 0 else _oserror(f"loading {prog['name']}")
+
+                def load(log=None):
+                    return _load_prog(name, buf, len(insns), license_, entry["kern_version"],
+                                      btf_fd, prog.get("subprogs") or [], log, 1, kind)
+                fd = load()
+                if fd < 0:
+                    error = _oserror(f"loading {prog['name']}")
+                    why = _verifier_says(load)
+                    return prog["name"], fd, OSError(error.errno, f"{error.strerror}"
+                                                     + (f" (the verifier: {why})"
+                                                        if why else ""))
+                return prog["name"], fd, None
 
             # The verifier is most of the load and runs in each bpf() call
             # with the GIL released: one thread per CPU loads the programs

@@ -1,7 +1,8 @@
 """Load the BPF program, attach it to probe sites, poll, read, detach.
 
-Attaching goes through the kernel's uprobe PMU (uprobe_pmu.py), so the kernel
-owns the USDT semaphores; program.py loads the program bcc compiled once
+Attaching goes through one uprobe_multi link per traced file (or the uprobe
+PMU's perf events where the kernel has no such link: uprobe_pmu.py), so the
+kernel owns the USDT semaphores; program.py loads the program bcc compiled once
 (cached) and owns the maps and the perf buffer.  Reading the exact counters
 is a snapshot of the maps (aggregate.py turns it into histograms); the perf
 buffer only carries the per-op stream, and what it loses is counted, not
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import abi, catalog, discover, program, stream
+from . import abi, catalog, discover, program, stream, uprobe_pmu
 from .errors import EnvironmentProblem, TargetError
-from .uprobe_pmu import Uprobe
+from .uprobe_pmu import NoUprobeMulti, Uprobe, UprobeLink
 
 # The capabilities tracing involves (linux/capability.h), by CapEff bit
 CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
@@ -126,7 +127,7 @@ class TracedProcess:
     pid: int
     index: int  # row group in block_moves
     comm: str
-    uprobes: list = field(default_factory=list)
+    uprobes: list = field(default_factory=list)  # UprobeLink or Uprobe, open now
     probe_files: dict = field(default_factory=dict)  # path -> [Probe], ever seen
     attached: set = field(default_factory=set)  # paths whose uprobes are open now
     skipped: list = field(default_factory=list)  # (probe, reason)
@@ -222,6 +223,11 @@ class Tracer:
         except (OSError, KeyError) as e:
             raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.load_seconds = time.monotonic() - t0
+        # one uprobe_multi link per file and process, where the kernel has
+        # them (and the programs were loaded for them); KVTRACE_PERF_UPROBES=1
+        # attaches as on older kernels, one perf event per probe (tests)
+        self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
+                          and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
 
         # the counter maps, read in place (BPF_F_MMAPABLE arrays of u64)
         self._maps = []
@@ -384,6 +390,7 @@ class Tracer:
             if path in proc.probe_files:  # attached again after detach()
                 proc.skipped = [(p, why) for p, why in proc.skipped if p.path != path]
             proc.probe_files[path] = probes
+            live = []  # (offset, semaphore offset) of the file's probes to attach
             for probe in probes:
                 if probe.name not in abi.OPS:
                     proc.skipped.append((probe, "unknown probe name"))
@@ -418,15 +425,30 @@ class Tracer:
                 # the site is described before its uprobe exists: no hit
                 # can arrive that the program cannot decode
                 sites[key] = site
-                proc.uprobes.append(Uprobe(path, probe.offset, pid, self.site_prog.fd,
-                                           ref_ctr_offset=probe.sem_offset))
-                added += 1
-                if self.stacks and added == 1:
-                    # bcc reads /proc/PID/maps on a pid's first lookup and
-                    # keeps it: look once now, while the target lives, so
-                    # stacks still resolve after it exits
-                    self.bpf.sym(ip, pid)
+                live.append((probe.offset, probe.sem_offset, ip))
+            if not live:
+                continue
+            proc.uprobes.extend(self._open_uprobes(path, pid, live))
+            if self.stacks and added == 0:
+                # bcc reads /proc/PID/maps on a pid's first lookup and
+                # keeps it: look once now, while the target lives, so
+                # stacks still resolve after it exits
+                self.bpf.sym(live[0][2], pid)
+            added += len(live)
         return added
+
+    def _open_uprobes(self, path: str, pid: int, live: list) -> list:
+        """The uprobes at `live` (offset, semaphore offset, address) of one
+        file in pid: one uprobe_multi link, or one perf event each where the
+        kernel makes no such link (uprobe_pmu.py says why links first)."""
+        prog = self.site_prog.fd
+        if self.use_links:
+            try:
+                return [UprobeLink(path, [o for o, _, _ in live], pid, prog,
+                                   [sem for _, sem, _ in live])]
+            except NoUprobeMulti:
+                self.use_links = False  # not this kernel: never try again
+        return [Uprobe(path, offset, pid, prog, ref_ctr_offset=sem) for offset, sem, _ in live]
 
     def stop_at_entry(self, pid: int, exe: str, entry_offset: int) -> Uprobe:
         """A uprobe that SIGSTOPs pid at its program's entry point."""
@@ -437,9 +459,10 @@ class Tracer:
         """Close every uprobe: the kernel removes them and drops the semaphores.
         The counts stay, and attach() may attach again (windows of tracing).
 
-        Each close takes the kernel about 100 ms here (it waits for RCU
-        grace periods under a lock, so closing in parallel threads was
-        measured no faster: docs/safety.md)."""
+        A link's close takes the kernel about 30 ms here, whatever its
+        number of probes; a perf event's about 100 ms each (the kernel
+        waits for an RCU grace period under a lock for each one, so closing
+        in parallel threads was measured no faster: docs/safety.md)."""
         for proc in self.procs.values():
             for up in proc.uprobes:
                 up.close()

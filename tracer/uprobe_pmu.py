@@ -1,5 +1,14 @@
-"""Uprobes through perf_event_open's `uprobe` PMU, with the kernel owning the
-USDT semaphore (ref_ctr_offset).
+"""Uprobes with the kernel owning the USDT semaphore (ref_ctr_offset): one
+BPF uprobe_multi link per traced file and process (Linux 6.6+), or, where the
+kernel has none, one perf_event_open `uprobe` PMU event per probe.
+
+Why links first: a perf event opened for one process is in that task's perf
+context, and the scheduler switches every such event out and in at each of
+its context switches, hit or not.  A vLLM engine core switches thousands of
+times a second; with its 10 plugin probes that was 0.14 us more per switch
+here, and closing each event took the kernel about 100 ms (an RCU grace
+period under a lock).  A link has no perf event: no cost at a context switch,
+and one close for all its probes (docs/design.md, "One link per file").
 
 Why not bcc's attach_uprobe / USDT class: those register text entries in
 tracefs and, for USDT semaphores, write the target's memory themselves; a
@@ -18,6 +27,7 @@ import fcntl
 import os
 import platform
 import re
+import struct
 
 from .errors import EnvironmentProblem, TargetError
 
@@ -29,6 +39,12 @@ _PERF_EVENT_IOC_SET_BPF = 0x40042408  # _IOW('$', 8, __u32)
 _ATTR_DISABLED = 1  # first bit of the flags word
 _ATTR_WATERMARK = 1 << 14  # wakeup_events holds bytes (wakeup_watermark)
 _PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_BPF_OUTPUT, _PERF_SAMPLE_RAW = 1, 10, 1 << 10
+
+_SYS_bpf = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
+_BPF_LINK_CREATE = 28
+BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type (uapi/linux/bpf.h), 6.6+
+# what a kernel without uprobe_multi links answers BPF_LINK_CREATE
+_NO_MULTI = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, 524)  # 524: ENOTSUPP
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -112,6 +128,81 @@ def enable(fd: int):
     fcntl.ioctl(fd, _PERF_EVENT_IOC_ENABLE, 0)
 
 
+class NoUprobeMulti(Exception):
+    """This kernel makes no uprobe_multi link: attach per probe (Uprobe)."""
+
+
+class UprobeLink:
+    """Uprobes at `offsets` of one file, in one process (its every thread), with
+    one BPF program: a BPF_TRACE_UPROBE_MULTI link, which the program must have
+    been loaded for (program.py loads every program so).  The kernel owns each
+    probe's semaphore (ref_ctr_offsets), as for a perf event.  close()
+    detaches them all.  Raises NoUprobeMulti where the kernel has no such
+    link (before 6.6)."""
+
+    def __init__(self, path: str, offsets: list, pid: int, prog_fd: int,
+                 ref_ctr_offsets: list):
+        if _SYS_bpf is None:
+            raise EnvironmentProblem(f"unsupported architecture {platform.machine()}")
+        self.path, self.offsets, self.pid = path, tuple(offsets), pid
+        n = len(offsets)
+        path_buf = ctypes.create_string_buffer(os.fsencode(path))
+        offs = (ctypes.c_uint64 * n)(*offsets)
+        refs = (ctypes.c_uint64 * n)(*ref_ctr_offsets)
+        attr = ctypes.create_string_buffer(64)  # union bpf_attr, link_create's part
+        struct.pack_into("<IIIIQQQQIII", attr, 0, prog_fd, 0, BPF_TRACE_UPROBE_MULTI, 0,
+                         ctypes.addressof(path_buf), ctypes.addressof(offs),
+                         ctypes.addressof(refs) if any(ref_ctr_offsets) else 0,
+                         0, n, 0, pid)
+        fd = _libc.syscall(_SYS_bpf, _BPF_LINK_CREATE, attr, len(attr))
+        if fd < 0:
+            err = ctypes.get_errno()
+            where = f"{n} uprobes in {path} in pid {pid}"
+            if err in _NO_MULTI:
+                raise NoUprobeMulti(os.strerror(err))
+            _raise_attach_error(err, where, pid, "BPF_LINK_CREATE")
+        self.fd = fd
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def trial_link(attach_type: int) -> tuple:
+    """(True, "") if this kernel makes a uprobe_multi link, else (False, why):
+    one on this process's own program entry point, which it has run past,
+    with a two-instruction program of that attach type, closed at once
+    (`doctor`)."""
+    from . import discover, program  # program imports this module
+    if attach_type != BPF_TRACE_UPROBE_MULTI:
+        return False, "the kernel refused a program of its attach type"
+    exe = os.path.realpath("/proc/self/exe")
+    offset = discover.entry_offset(exe)
+    if offset is None:
+        return False, f"no entry point in {exe}"
+    prog_fd = program.trivial_program(attach_type)
+    if prog_fd < 0:
+        return False, os.strerror(ctypes.get_errno())
+    try:
+        UprobeLink(exe, [offset], os.getpid(), prog_fd, [0]).close()
+        return True, ""
+    except NoUprobeMulti as e:
+        return False, str(e)
+    finally:
+        os.close(prog_fd)
+
+
+def _raise_attach_error(err: int, where: str, pid: int, call: str):
+    if err in (errno.EPERM, errno.EACCES):
+        raise EnvironmentProblem(f"{where}: permission denied (needs root or CAP_PERFMON)")
+    if err == errno.ESRCH:
+        raise TargetError(f"{where}: process {pid} exited")
+    if err == errno.ENOENT:
+        raise TargetError(f"{where}: file is gone")
+    raise EnvironmentProblem(f"{where}: {call}: {os.strerror(err)}")
+
+
 class Uprobe:
     """One uprobe perf event with a BPF program attached. close() detaches."""
 
@@ -119,7 +210,7 @@ class Uprobe:
                  ref_ctr_offset: int = 0):
         if _SYS_perf_event_open is None:
             raise EnvironmentProblem(f"unsupported architecture {platform.machine()}")
-        self.path, self.offset, self.pid = path, offset, pid
+        self.path, self.offsets, self.pid = path, (offset,), pid
         where = f"uprobe {path}:{offset:#x} in pid {pid}"
         path_buf = ctypes.create_string_buffer(os.fsencode(path))
         attr = _PerfEventAttr()
@@ -134,14 +225,7 @@ class Uprobe:
         fd = _libc.syscall(_SYS_perf_event_open, ctypes.byref(attr), pid, -1, -1,
                            _PERF_FLAG_FD_CLOEXEC)
         if fd < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EPERM, errno.EACCES):
-                raise EnvironmentProblem(f"{where}: permission denied (needs root or CAP_PERFMON)")
-            if err == errno.ESRCH:
-                raise TargetError(f"{where}: process {pid} exited")
-            if err == errno.ENOENT:
-                raise TargetError(f"{where}: file is gone")
-            raise EnvironmentProblem(f"{where}: perf_event_open: {os.strerror(err)}")
+            _raise_attach_error(ctypes.get_errno(), where, pid, "perf_event_open")
         self.fd = fd
         try:
             fcntl.ioctl(fd, _PERF_EVENT_IOC_SET_BPF, prog_fd)
