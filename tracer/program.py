@@ -19,9 +19,9 @@ program text, kernel and bcc, in a short-lived child process
 
 A tracer then creates the maps through libbcc_bpf, bcc's loader library,
 which links no LLVM, writes its own fds into those instructions and loads the
-programs (BPF_PROG_LOAD, here: each with the attach type that uprobe_multi
-links need, attach_type()).  Why a cache of bcc's output and not a prebuilt libbpf object:
-docs/design.md, "Compile once".
+programs itself (BPF_PROG_LOAD), each with the attach type that uprobe_multi
+links need (attach_type()).  Why a cache of bcc's output and not a prebuilt
+libbpf object: docs/design.md, "Compile once".
 
 The entries live in the tracer's cache directory (cache.py), which only its
 owner can write: what is in them is loaded into the kernel.  A missing,

@@ -390,7 +390,7 @@ class Tracer:
             if path in proc.probe_files:  # attached again after detach()
                 proc.skipped = [(p, why) for p, why in proc.skipped if p.path != path]
             proc.probe_files[path] = probes
-            live = []  # (offset, semaphore offset) of the file's probes to attach
+            live = []  # (offset, semaphore offset, address) of the probes to attach
             for probe in probes:
                 if probe.name not in abi.OPS:
                     proc.skipped.append((probe, "unknown probe name"))
