@@ -149,50 +149,20 @@ def check_uprobe_pmu() -> Check:
                  "(the kernel owns the USDT semaphores)")
 
 
-class _ProgLoadAttr(ctypes.Structure):
-    # the BPF_PROG_LOAD part of union bpf_attr (uapi/linux/bpf.h) up to
-    # prog_name; the kernel takes a shorter attr and zeroes the rest
-    _fields_ = [
-        ("prog_type", ctypes.c_uint32),
-        ("insn_cnt", ctypes.c_uint32),
-        ("insns", ctypes.c_uint64),
-        ("license", ctypes.c_uint64),
-        ("log_level", ctypes.c_uint32),
-        ("log_size", ctypes.c_uint32),
-        ("log_buf", ctypes.c_uint64),
-        ("kern_version", ctypes.c_uint32),
-        ("prog_flags", ctypes.c_uint32),
-        ("prog_name", ctypes.c_char * 16),
-    ]
-
-
-# a kprobe program, the type the tracer's programs are: it needs what tracing
-# needs (CAP_BPF + CAP_PERFMON), where a socket filter may load without them
-_BPF_PROG_TYPE_KPROBE = 2
-# mov r0, 0 (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT)
-_TRIVIAL_PROGRAM = bytes([0xb7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
-
-
 def _kernel_version() -> tuple:
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", os.uname().release)
     return tuple(int(x or 0) for x in m.groups()) if m else (0, 0, 0)
 
 
 def load_trivial_program() -> int:
-    """Load `mov r0, 0; exit` as a kprobe program and close it: 0, or the
-    errno the kernel answered."""
-    insns = ctypes.create_string_buffer(_TRIVIAL_PROGRAM, len(_TRIVIAL_PROGRAM))
-    license = ctypes.create_string_buffer(b"GPL")
-    attr = _ProgLoadAttr()
-    attr.prog_type = _BPF_PROG_TYPE_KPROBE
-    attr.insn_cnt = len(_TRIVIAL_PROGRAM) // 8
-    attr.insns = ctypes.addressof(insns)
-    attr.license = ctypes.addressof(license)
+    """Load `mov r0, 0; exit` as a kprobe program, the type the tracer's
+    programs are (it needs what tracing needs, CAP_BPF + CAP_PERFMON, where a
+    socket filter may load without them), and close it: 0, or the errno the
+    kernel answered."""
     major, minor, patch = _kernel_version()
     # checked against the running kernel's version before 5.0
-    attr.kern_version = (major << 16) | (minor << 8) | min(patch, 255)
-    attr.prog_name = b"kvtrace_doctor"
-    fd = program.bpf_syscall(program.BPF_PROG_LOAD, attr)
+    fd = program.trivial_program(0, b"kvtrace_doctor",
+                                 (major << 16) | (minor << 8) | min(patch, 255))
     if fd < 0:
         return ctypes.get_errno()
     os.close(fd)

@@ -261,12 +261,14 @@ def _load_prog(name: bytes, insns, size: int, license_: bytes, kern_version: int
     return bpf_syscall(BPF_PROG_LOAD, attr)
 
 
-def trivial_program(attach_type: int) -> int:
+def trivial_program(attach_type: int, name: bytes = b"kvtrace_probe",
+                    kern_version: int = 0) -> int:
     """A loaded `r0 = 0; exit` kprobe program of that attach type: its fd, or
-    -1 with errno set."""
+    -1 with errno set.  kern_version: what kernels before 5.0 check against
+    their own (later ones ignore it)."""
     code = struct.pack("<BBhi", 0xB7, 0, 0, 0) + struct.pack("<BBhi", 0x95, 0, 0, 0)
     buf = ctypes.create_string_buffer(code, len(code))
-    return _load_prog(b"kvtrace_probe", buf, len(code), b"GPL", 0, 0, [],
+    return _load_prog(name, buf, len(code), b"GPL", kern_version, 0, [],
                       attach_type=attach_type)
 
 
