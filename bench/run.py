@@ -100,17 +100,24 @@ def cpu_times():
     return sum(v[:3]) + sum(v[5:7]), v[7]
 
 
-def cpu_ns(pid):
-    """CPU time of a live process's threads, in ns (schedstat: exact, where
-    /proc/PID/stat counts 10 ms ticks, coarser than an idle tracer's use)."""
+def schedstat_ns(pid, field):
+    """A field of /proc/PID/task/TID/schedstat summed over a live process's
+    threads, in ns: 0 the time on a CPU, 1 the time runnable but waiting
+    for one.  Exact, where /proc/PID/stat counts 10 ms ticks."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError):
+                total += int(f.read().split()[field])
+        except (OSError, IndexError, ValueError):
             pass  # a thread that ended meanwhile
     return total
+
+
+def cpu_ns(pid):
+    """CPU time of a live process's threads, in ns (schedstat: exact, where
+    ticks are coarser than an idle tracer's use)."""
+    return schedstat_ns(pid, 0)
 
 
 def proc_sample(pid):
@@ -623,15 +630,9 @@ def run_queue_wait_s(pids) -> float:
     total = 0
     for p in pids:
         try:
-            tids = os.listdir(f"/proc/{p}/task")
+            total += schedstat_ns(p, 1)
         except OSError:
-            continue
-        for t in tids:
-            try:
-                with open(f"/proc/{p}/task/{t}/schedstat") as f:
-                    total += int(f.read().split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
+            pass  # a process that ended meanwhile
     return total / 1e9
 
 
