@@ -36,19 +36,27 @@ def test_attach_command_matches_truth(tmp_path, workload, extra):
     assert "summary (target exited)" in r.stdout
 
 
+def _run_to_end_matches_truth(tmp_path, sim, tracer) -> dict:
+    """Start the paused kvsim under an attached tracer writing
+    tmp_path/agg.json, let both end, and check the counts against kvsim's
+    own: the aggregate."""
+    sim.go()
+    assert sim.wait() == 0
+    rc, _, err = tracer.finish()
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "agg.json").read_text())
+    assert_matches_truth(doc, sim.truth())
+    assert_reads_match_truth(doc, sim.truth())
+    return doc
+
+
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_attach_pid_matches_truth(tmp_path, workload):
     sim = Kvsim(tmp_path, workload)
     try:
         tracer = Tracer("-q", "-p", sim.pid, "--json", tmp_path / "agg.json")
         tracer.wait_attached()
-        sim.go()
-        assert sim.wait() == 0
-        rc, out, err = tracer.finish()
-        assert rc == 0, err
-        doc = json.loads((tmp_path / "agg.json").read_text())
-        assert_matches_truth(doc, sim.truth())
-        assert_reads_match_truth(doc, sim.truth())
+        doc = _run_to_end_matches_truth(tmp_path, sim, tracer)
         # no stream, so no per-op records: every count above came from the maps
         assert (doc["records"], doc["lost_records"]) == (0, 0)
     finally:
@@ -94,13 +102,7 @@ def test_attach_by_links_or_perf_events_exact(tmp_path, perf_uprobes):
             assert (len(links), perf_events) == (1, 0)
             assert links[0]["pid"].strip() == str(sim.pid)
             assert int(links[0]["uprobe_cnt"]) == probes
-        sim.go()
-        assert sim.wait() == 0
-        rc, out, err = tracer.finish()
-        assert rc == 0, err
-        doc = json.loads((tmp_path / "agg.json").read_text())
-        assert_matches_truth(doc, sim.truth())
-        assert_reads_match_truth(doc, sim.truth())
+        _run_to_end_matches_truth(tmp_path, sim, tracer)
     finally:
         sim.kill()
 
