@@ -75,6 +75,29 @@ def test_usage_errors(args):
     assert_one_line_error(cli(*args), 1)
 
 
+@pytest.mark.parametrize("argv,absent", [
+    (["report", "--help"], "tracer.cmd_attach"),  # report needs none of attach's modules
+    (["--debug", "export", "--help"], "tracer.session"),
+    (["probes", "--help"], "tracer.cmd_report"),
+])
+def test_one_subcommand_imports_one_module(argv, absent):
+    """A subcommand's run imports its own module, not every other one."""
+    code = ("import sys\nfrom tracer import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules "
+            "if m.startswith('tracer.cmd_') or m == 'tracer.session'))")
+    r = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    loaded = eval(r.stdout.strip().splitlines()[-1])
+    assert f"tracer.cmd_{argv[-2]}" in loaded and absent not in loaded, loaded
+
+
+def test_help_lists_every_subcommand():
+    from tracer import cli as cli_mod
+    r = cli("--help")
+    assert all(f"    {name} " in r.stdout for name in cli_mod.COMMANDS), r.stdout
+
+
 def test_no_subcommand_is_usage_error():
     r = cli()
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""

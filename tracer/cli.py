@@ -2,11 +2,11 @@
 
 import argparse
 import faulthandler
+import importlib
 import signal
 import sys
 
-from . import (__version__, cmd_attach, cmd_doctor, cmd_export, cmd_probes, cmd_record,
-               cmd_report)
+from . import __version__
 from .errors import EXIT_OUTPUT, EXIT_USAGE, KvtraceError
 from .files import WatchedStdout, silence_stdout
 
@@ -31,7 +31,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser():
+# the subcommands, in --help's order, by module (cmd_*.py)
+COMMANDS = ("attach", "record", "report", "export", "probes", "doctor")
+
+
+def chosen_command(argv):
+    """The subcommand argv names (its first word that is no option), or None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build_parser(command=None):
+    """The parser of every subcommand, or of `command` alone: a run of one
+    subcommand imports only its module (report needs numpy, not attach's
+    bcc, ELF and live-view modules: 0.1 s of every `report`)."""
     parser = _Parser(prog="kvtrace-bpf", epilog=EPILOG,
                      description="eBPF tracer for vLLM's paged KV cache: what happens "
                                  "to every physical block.",
@@ -40,17 +53,17 @@ def build_parser():
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
-    for module in (cmd_attach, cmd_record, cmd_report, cmd_export, cmd_probes,
-                   cmd_doctor):
-        module.add_parser(sub)
+    for name in COMMANDS if command is None else (command,):
+        importlib.import_module(f".cmd_{name}", __package__).add_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(chosen_command(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
-        parser.error("give a COMMAND: attach, record, report, export, probes or doctor")
+        parser.error(f"give a COMMAND: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]}")
     # `kill -QUIT` prints where every thread is, and the run goes on: how a
     # tracer that seems stuck tells what it waits for (the tests use it too)
     try:
