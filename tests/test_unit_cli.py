@@ -92,9 +92,11 @@ def test_one_subcommand_imports_one_module(argv, absent):
     assert f"tracer.cmd_{argv[-2]}" in loaded and absent not in loaded, loaded
 
 
-def test_help_lists_every_subcommand():
+@pytest.mark.parametrize("argv", [["--help"], ["-h", "report"], ["--debug", "--help", "attach"]])
+def test_help_lists_every_subcommand(argv):
     from tracer import cli as cli_mod
-    r = cli("--help")
+    r = cli(*argv)
+    assert r.returncode == 0
     assert all(f"    {name} " in r.stdout for name in cli_mod.COMMANDS), r.stdout
 
 

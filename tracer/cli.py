@@ -36,9 +36,14 @@ COMMANDS = ("attach", "record", "report", "export", "probes", "doctor")
 
 
 def chosen_command(argv):
-    """The subcommand argv names (its first word that is no option), or None."""
-    word = next((a for a in argv if not a.startswith("-")), None)
-    return word if word in COMMANDS else None
+    """The subcommand argv names (its first word that is no option), or None
+    (also where the top level's --help comes first: it lists them all)."""
+    for a in argv:
+        if a in ("-h", "--help"):
+            return None
+        if not a.startswith("-"):
+            return a if a in COMMANDS else None
+    return None
 
 
 def build_parser(command=None):
