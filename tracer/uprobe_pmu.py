@@ -40,7 +40,6 @@ _ATTR_DISABLED = 1  # first bit of the flags word
 _ATTR_WATERMARK = 1 << 14  # wakeup_events holds bytes (wakeup_watermark)
 _PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_BPF_OUTPUT, _PERF_SAMPLE_RAW = 1, 10, 1 << 10
 
-_SYS_bpf = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
 _BPF_LINK_CREATE = 28
 BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type (uapi/linux/bpf.h), 6.6+
 # what a kernel without uprobe_multi links answers BPF_LINK_CREATE
@@ -142,8 +141,7 @@ class UprobeLink:
 
     def __init__(self, path: str, offsets: list, pid: int, prog_fd: int,
                  ref_ctr_offsets: list):
-        if _SYS_bpf is None:
-            raise EnvironmentProblem(f"unsupported architecture {platform.machine()}")
+        from . import program  # program imports this module
         self.path, self.offsets, self.pid = path, tuple(offsets), pid
         n = len(offsets)
         path_buf = ctypes.create_string_buffer(os.fsencode(path))
@@ -154,13 +152,15 @@ class UprobeLink:
                          ctypes.addressof(path_buf), ctypes.addressof(offs),
                          ctypes.addressof(refs) if any(ref_ctr_offsets) else 0,
                          0, n, 0, pid)
-        fd = _libc.syscall(_SYS_bpf, _BPF_LINK_CREATE, attr, len(attr))
+        # (an architecture without a known bpf() number: ENOSYS, so perf events,
+        # which say it is unsupported)
+        fd = program.bpf_syscall(_BPF_LINK_CREATE, attr)
         if fd < 0:
             err = ctypes.get_errno()
-            where = f"{n} uprobes in {path} in pid {pid}"
             if err in _NO_MULTI:
                 raise NoUprobeMulti(os.strerror(err))
-            _raise_attach_error(err, where, pid, "BPF_LINK_CREATE")
+            _raise_attach_error(err, f"{n} uprobes in {path} in pid {pid}", pid,
+                                "BPF_LINK_CREATE")
         self.fd = fd
 
     def close(self):
