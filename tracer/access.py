@@ -867,9 +867,9 @@ _CHUNK_READS = 1 << 20
 def _reads_by_place(ri, start, length, ts, entries, nreq) -> list:
     """The reads of a group's matched rows (request index ri, entries
     start:start + length, time ts: any ordered integer, such as a step
-    time's rank), as partial figures: one per (request,
-    place in its row) while the place holds one block, which is nearly
-    always (a row only grows), and one per (request, block) in each chunk
+    time's rank), as partial figures: one per (request, place in its row)
+    while the place holds one block, which is nearly always (a row only
+    grows), and one per (request, block) in each chunk
     at the places that held several blocks (a preempted request given new
     blocks) or a null entry (a block a window dropped).  Summing per place
     first keeps the final sort to the places, not the reads: a request
