@@ -119,6 +119,9 @@ def test_by_cache_shares_only_what_is_the_same():
                  drop_chunks=(0,) if (cache, step) == (13, 1) else ())
     s = stream.decode(w.batch())
     out = occupancy.by_cache(s, {(1, c): 4 for c in (10, 11, 12, 13)})
+    # the computations: 10 and 11 are one; 12 (other values) and 13 (an op lost) each their own
+    groups = occupancy.distinct_caches(s, {(1, c): 4 for c in (10, 11, 12, 13)})
+    assert [[key for key, *_ in g] for g in groups] == [[(1, 10), (1, 11)], [(1, 12)], [(1, 13)]]
     for cache in (10, 11, 12, 13):
         alone = occupancy.generations(s.select(s.ops["cache_id"] == cache), 4)
         got = out[(1, cache)]

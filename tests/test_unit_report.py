@@ -338,29 +338,74 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
         assert watched.error is e.value
 
 
-@pytest.mark.parametrize("where", ["rows_of", "events"])
-def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, where):
-    """Report computes the rows and the plugin tier's figures on a thread
-    beside the generations: an error there (damage found late, a bug) must
-    reach the caller as itself, not leave the report waiting for rows that
-    never come."""
+def layers_trace(path):
+    """Three layers (caches 10, 11, 12 of one process): 11 writes what 10
+    writes, 12 other slots in ops of the same sizes."""
+    return write_trace(path, [synthetic_ops(20, 8, 30, seq0=0, cache_id=10, slot0=0),
+                              synthetic_ops(20, 8, 30, seq0=20, cache_id=11, slot0=0),
+                              synthetic_ops(20, 8, 30, seq0=40, cache_id=12, slot0=5)],
+                       blocks=30, cache_ids=(10, 11, 12))
+
+
+@pytest.mark.parametrize("timelines", [None, 3])
+def test_report_generations_on_either_side_are_by_caches(tmp_path, monkeypatch, timelines):
+    """Report computes each distinct cache's generations on the side with
+    time to spare: every layer's on the main side where every request's
+    figures are asked (JSON), and beside for the layers no read scan needs
+    where few are (text).  Either way, each layer's equal those of
+    occupancy.by_cache, in its order."""
     import threading
-    from tracer import access, cmd_report, lifecycle, tracefile
-    path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20)
+    from tracer import cmd_report, occupancy, tracefile
+    trace = tracefile.load(str(layers_trace(tmp_path / "l.kvt")))
+    want = occupancy.by_cache(trace.ops, trace.block_sizes())
+    where, computed = {}, occupancy.computed
+
+    def tell(caches):
+        (pid, cache_id), *_ = caches[0]  # the one computed
+        where[cache_id] = threading.current_thread() is threading.main_thread()
+        return computed(caches)
+    monkeypatch.setattr(occupancy, "computed", tell)
+    got = cmd_report.Report(trace, timelines=timelines).gens
+    assert list(got) == list(want) == [(4242, 10), (4242, 11), (4242, 12)]
+    for key, g in want.items():
+        for f in ("block", "kind", "fill", "start_step", "last_step", "start_ns", "last_ns",
+                  "writes", "run_ns"):
+            assert np.array_equal(getattr(got[key], f), getattr(g, f)), (key, f)
+    # 10 and 11 are one computation, with the first layer's; 12 its own
+    assert sorted(where) == [10, 12]
+    assert where == {10: True, 12: timelines is None}
+
+
+@pytest.mark.parametrize("where", ["rows_of", "events", "generations"])
+def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, where):
+    """Report computes the rows, a text report's generations of the layers
+    no read scan needs, and the plugin tier's figures on a thread beside
+    the main one: an error there (damage found late, a bug) must reach the
+    caller as itself, not leave the report waiting for what never comes."""
+    import threading
+    from tracer import access, cmd_report, lifecycle, occupancy, tracefile
+    path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20) \
+        if where != "generations" else layers_trace(tmp_path / "t.kvt")
     trace = tracefile.load(str(path))
+    builder = []  # the thread that builds the report: its main side
 
     def fail(*_):
         raise ValueError(f"{where} failed")
     if where == "rows_of":
         monkeypatch.setattr(access, "steps_of", lambda ops, groups: [None])  # one group
         monkeypatch.setattr(access, "rows_of", fail)
-    else:
+    elif where == "events":
         monkeypatch.setattr(lifecycle, "events", fail)
+    else:
+        computed = occupancy.computed
+        monkeypatch.setattr(occupancy, "computed", lambda caches: computed(caches)
+                            if threading.current_thread() in builder else fail())
     raised = []
 
     def build():
+        builder.append(threading.current_thread())
         try:
-            cmd_report.Report(trace)
+            cmd_report.Report(trace, timelines=3)
         except ValueError as e:
             raised.append(str(e))
     t = threading.Thread(target=build, daemon=True)

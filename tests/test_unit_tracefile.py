@@ -20,31 +20,36 @@ EXIT_DATA = 4
 PID, CACHE_ID, BS = 4242, 99, 16
 
 
-def synthetic_ops(nops, per_op, blocks, t0=10**9, seq0=0, op="reshape_and_cache"):
+def synthetic_ops(nops, per_op, blocks, t0=10**9, seq0=0, op="reshape_and_cache",
+                  cache_id=CACHE_ID, slot0=None):
     """nops write ops of per_op slots each, slots cycling through `blocks`
-    blocks in order, as raw records (vectorized: no loop per chunk)."""
+    blocks in order from slot0 (default: where op seq0 of one stream of
+    such ops would be), as raw records (vectorized: no loop per chunk)."""
     ev = np.zeros(nops, stream.EVENT)
     nch = -(-per_op // abi.CHUNK)
     ev["type"], ev["seq"] = stream.REC_OP, seq0 + np.arange(nops)
     ev["ts_ns"] = t0 + 1000 * np.arange(nops)
-    ev["pid"], ev["tid"], ev["op"], ev["cache_id"] = PID, PID, abi.OPS[op], CACHE_ID
+    ev["pid"], ev["tid"], ev["op"], ev["cache_id"] = PID, PID, abi.OPS[op], cache_id
     ev["items"] = ev["slots"] = per_op
     ev["chunks"], ev["stack_id"] = nch, -1
     hdr = np.zeros(nops * nch, stream.CHUNK_HDR)
     hdr["type"], hdr["seq"] = stream.REC_CHUNK, np.repeat(ev["seq"], nch)
     off = np.tile(np.arange(nch) * abi.CHUNK, nops)
     hdr["offset"], hdr["count"] = off, np.minimum(abi.CHUNK, per_op - off)
-    slots = (seq0 * per_op + np.arange(nops * per_op, dtype=np.int64)) % (blocks * BS)
+    first = seq0 * per_op if slot0 is None else slot0
+    slots = (first + np.arange(nops * per_op, dtype=np.int64)) % (blocks * BS)
     return stream.RawBatch(ev.tobytes(), hdr.tobytes(), slots.tobytes())
 
 
-def write_trace(path, batches, blocks=512, end=True):
+def write_trace(path, batches, blocks=512, end=True, cache_ids=(CACHE_ID,)):
+    """A trace of pid PID whose caches (layers 0, 1, ... in the order of
+    cache_ids) have block size BS."""
     w = tracefile.TraceWriter(str(path), tracefile.trace_meta({"pid": PID}))
     w.meta("process", {"pid": PID, "comm": "synthetic", "cmdline": [], "probe_files": [
         {"path": "/x/libkvsim_ops.so", "build_id": "ab" * 20}]})
-    w.meta("caches", {"caches": [{"pid": PID, "cache_id": CACHE_ID, "index": 0,
+    w.meta("caches", {"caches": [{"pid": PID, "cache_id": c, "index": i,
                                   "op": "reshape_and_cache", "block_size": BS,
-                                  "num_blocks": blocks}]})
+                                  "num_blocks": blocks} for i, c in enumerate(cache_ids)]})
     for b in batches:
         w.batch(b)
     if end:

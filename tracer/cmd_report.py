@@ -91,8 +91,9 @@ class Report:
     without the tier or when not asked), with the timelines and access of
     the first `timelines` requests (None: all of them).  meanwhile: a
     function of the report, called once everything but the plugin tier's
-    state (`rows` aside) is computed, while that still is (the views' heatmap and
-    rates); what it returns is `self.meanwhile`."""
+    figures is computed (its events and step_reqs, and the rows, included),
+    while those still are (the views' heatmap and rates, JSON's other
+    parts); what it returns is `self.meanwhile`."""
 
     def __init__(self, trace: tracefile.Trace, pid: int = None, with_lifecycle: bool = True,
                  timelines: int = None, meanwhile=None):
@@ -116,24 +117,41 @@ class Report:
         # 6.2 s for 0.4 GB more at its peak; docs/bench.md, "Stop 35").
         # Beside: the rows, the plugin tier's events, step_reqs and figures.
         # Here: the generations, then (once the rows are there) the read scan.
-        rows_ready = Future()
+        # Where the plugin tier's figures are few (text: the first requests'
+        # alone; CSV: none), beside has time to spare, and computes the
+        # generations of the caches that no read scan waits for (row 6's text
+        # report: beside was idle its last 0.85 s; docs/bench.md, "Stop 41")
+        gen_groups = occupancy.distinct_caches(ops, trace.block_sizes())
+        first = self._first_layers(c[0] for g in gen_groups for c in g)
+        many_requests = with_lifecycle and timelines is None
+        there = [g for g in gen_groups
+                 if not many_requests and not any(c[0] in first for c in g)]
+        here = [g for g in gen_groups if not any(g is t for t in there)]
+        rows_ready, gens_ready, named = Future(), Future(), Future()
+
+        def publish(future, compute):
+            try:
+                future.set_result(compute())
+            except BaseException as e:
+                future.set_exception(e)  # raised here too, not waited on
+                raise
 
         def plugin_side():
-            try:
-                self.rows = [access.rows_of(ops, st) for st in self.steps]
-            except BaseException as e:
-                rows_ready.set_exception(e)  # raised here too, not waited on
-                raise
-            rows_ready.set_result(self.rows)
-            # the plugin tier's block events (empty without the plugin), and
-            # its step_reqs: whose each table row is (empty without it)
-            self.life = lifecycle.events(ops)
-            self.step_reqs = access.step_requests(ops)
+            publish(rows_ready, lambda: [access.rows_of(ops, st) for st in self.steps])
+            self.rows = rows_ready.result()
+            publish(gens_ready, lambda: _computed(there))
+
+            def named_rows():
+                # the plugin tier's block events (empty without the plugin),
+                # and its step_reqs: whose each table row is (empty without it)
+                self.life = lifecycle.events(ops)
+                self.step_reqs = access.step_requests(ops)
+            publish(named, named_rows)
             return lifecycle_figures(self, timelines) if with_lifecycle else None
 
         with ThreadPoolExecutor(1) as beside:
             figures = beside.submit(plugin_side)
-            self.gens = occupancy.by_cache(ops, trace.block_sizes())
+            self.gens = _computed(here)
             # one pass over each group's reads: per-block figures, and the idle
             # time before reuse of its process's first layer's generations
             self.scans = []
@@ -141,15 +159,28 @@ class Report:
                 gens = self.first_layer_gens(st.pid)
                 self.scans.append(rows.scan(*((gens.block, gens.start_ns)
                                               if gens is not None else ())))
-            # the rest needs nothing from beside, whose side takes longer
-            # (row 6: 2.7 against 2.5 s of one CPU), so it is done meanwhile
+            self.gens = dict(sorted({**self.gens, **gens_ready.result()}.items(),
+                                    key=lambda kv: kv[0]))
+            # the rest needs nothing from beside but its step_reqs, and beside's
+            # side takes longer (row 6's JSON: 2.7 against 2.5 s of one CPU),
+            # so it is done meanwhile
             self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans,
                                         self.gens)
             # what the generations were computed from (a live set may replace it)
             self.occupancy_source = occupancy.FROM_WRITES
             self.reasons = stream_reasons(ops, trace, self.agg)
+            named.result()  # the views made meanwhile may name rows
             self.meanwhile = meanwhile(self) if meanwhile else None
             self.lifecycle = figures.result()
+
+    def _first_layers(self, keys) -> set:
+        """Of these (pid, cache_id) keys, each process's first layer's (as
+        first_layer_gens picks it)."""
+        first = {}
+        for key in sorted(keys):
+            if key[0] not in first or self.layers[key] < self.layers[first[key[0]]]:
+                first[key[0]] = key
+        return set(first.values())
 
     def first_layer_gens(self, pid):
         """The block generations of pid's first layer (None without writes)."""
@@ -262,6 +293,14 @@ class Report:
             counts = np.bincount(row[sel], minlength=bins)
             out[abi.OP_NAMES.get(int(op_id), str(op_id))] = (counts / ((t1 - t0) / bins / 1e9)).tolist()
         return {"t0_ns": t0, "t1_ns": t1, "bin_s": (t1 - t0) / bins / 1e9, "calls_per_s": out}
+
+
+def _computed(groups: list) -> dict:
+    """occupancy.computed() of each group of occupancy.distinct_caches()."""
+    out = {}
+    for caches in groups:
+        out.update(occupancy.computed(caches))
+    return out
 
 
 def _log2_slot(v: np.ndarray) -> np.ndarray:
@@ -700,7 +739,10 @@ def _distribution_rows(rows: list) -> Table:
     return t
 
 
-def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
+def document(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
+    """The JSON document but its last part, "lifecycle" (the plugin tier's
+    figures, rep.lifecycle): what the main side can make (and serialize:
+    json_parts) while those are computed beside it."""
     t = rep.trace
     blocks = rep.agg.to_json()
     blocks["inexact_reasons"] = rep.reasons
@@ -720,19 +762,26 @@ def to_json(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
         "heatmap": hm.to_json(),
         "occupancy": _occupancy_json(rep),
         "access": access_figures(rep),
-        "lifecycle": rep.lifecycle,
     }
+
+
+def json_parts(doc: dict) -> dict:
+    """The document's parts, each already serialized (orjson.Fragment): the
+    same bytes in write_json, which then only copies them."""
+    return {k: orjson.Fragment(orjson.dumps(v, option=_JSON_OPTIONS)) for k, v in doc.items()}
+
+
+# numpy arrays as they are (request_access' columns: no Python object per
+# value); dict keys that are numbers as strings, as json made them
+_JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
 def write_json(doc: dict, out):
     """The document, compact, on one line.  orjson rather than the standard
     library's encoder: row 6's 66 MB document in 0.2 s where json.dumps took
-    1.1 s, the same bytes (docs/design.md, "The report's JSON"); and it
-    writes numpy arrays as they are (request_access' columns: no Python
-    object per value).  A NaN is null, where json wrote NaN, which is no
-    JSON; dict keys that are numbers are strings, as json made them."""
-    data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS |
-                        orjson.OPT_APPEND_NEWLINE)
+    1.1 s, the same bytes (docs/design.md, "The report's JSON").  A NaN is
+    null, where json wrote NaN, which is no JSON."""
+    data = orjson.dumps(doc, option=_JSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
     # the CLI's stdout notes a failed write; WatchedStdout also knows how to
     # put bytes on any text stream (to its buffer, or decoded without one)
     (out if isinstance(out, WatchedStdout) else WatchedStdout(out)).write_bytes(data)
@@ -1020,16 +1069,20 @@ def _run(args) -> int:
             t0, t1 = rep.span_ns() if args.time_range is None else \
                 (int(args.time_range[0] * 1e9), int(args.time_range[1] * 1e9))
             rows, cols = 20, width - heatmap.label_width(t0, t1)
-        return (rep.heatmap(rows, cols, args.time_range, args.block_range,
-                            exact_cols=bool(args.resol), kind=args.kind),
-                rep.op_rates(time_range=args.time_range))
+        hm = rep.heatmap(rows, cols, args.time_range, args.block_range,
+                         exact_cols=bool(args.resol), kind=args.kind)
+        rates = rep.op_rates(time_range=args.time_range)
+        # JSON: the document but the plugin tier's figures, serialized while
+        # those are computed (row 6's trace: 0.25 s that followed them)
+        parts = json_parts(document(rep, hm, rates)) if args.format == "json" else None
+        return hm, rates, parts
 
     rep = Report(trace, args.pid, with_lifecycle=args.format != "csv",
                  timelines=LIFE_SHOWN_REQUESTS if args.format == "text" else None,
                  meanwhile=views)
-    hm, rates = rep.meanwhile
+    hm, rates, parts = rep.meanwhile
     if args.format == "json":
-        write_json(to_json(rep, hm, rates), sys.stdout)
+        write_json({**parts, "lifecycle": rep.lifecycle}, sys.stdout)
     elif args.format == "csv":
         write_csv(rep, args.table, hm, sys.stdout)
     else:

@@ -415,38 +415,63 @@ def by_cache(ops_stream: stream.OpStream, block_sizes: dict) -> dict:
     Every layer of a model sees the same slot mapping, so most caches have
     the same ops and values: each distinct one is computed once (an 80-layer
     model costs one layer's work), and only its timestamps are taken from
-    the cache itself."""
+    the cache itself (distinct_caches, computed)."""
+    out = {}
+    for caches in distinct_caches(ops_stream, block_sizes):
+        out.update(computed(caches))
+    return dict(sorted(out.items(), key=lambda kv: kv[0]))
+
+
+def distinct_caches(ops_stream: stream.OpStream, block_sizes: dict) -> list:
+    """The caches with a known block size, grouped by what generations()
+    depends on: [[((pid, cache_id), cache_ops, block_size), ...], ...],
+    one group per distinct computation, each in (pid, cache_id) order.  The
+    groups are independent of one another: a report computes them on the
+    side with time to spare (cmd_report.Report).
+
+    A cache's shape (_shape) is hashed first; its values (_values_digest)
+    only once a second cache has that shape.  A cache whose shape no other
+    has needs no gather and hash of its values: on a trace with lost
+    records the layers' shapes differ (0.8 s of row 6's report,
+    docs/bench.md "Stop 32")."""
     ops = ops_stream.ops
-    # per shape (_shape), the first cache's ops and generations; once a
-    # second cache has that shape, {values digest: generations}.  A cache
-    # whose shape no other has needs no gather and hash of its values: on
-    # a trace with lost records the layers' shapes differ (0.8 s of row 6's
-    # report, docs/bench.md "Stop 32")
-    out, shapes = {}, {}
+    # per shape, its caches as one list while it has one; then per values digest
+    shapes = {}
     keys = np.stack([ops["pid"].astype(np.uint64), ops["cache_id"]], axis=1) if len(ops) \
         else np.zeros((0, 2), np.uint64)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
+    groups = []
     for j, (pid, cache_id) in enumerate(uniq.tolist()):
         bs = block_sizes.get((pid, cache_id))
         if not bs:
             continue
-        mine = ops_stream.select(inverse == j)
-        shape = _shape(mine, bs)
+        mine = ((pid, cache_id), ops_stream.select(inverse == j), bs)
+        shape = _shape(mine[1], bs)
         seen = shapes.get(shape)
         if seen is None:
-            shapes[shape] = (mine, generations(mine, bs))
-            out[(pid, cache_id)] = shapes[shape][1]
+            groups.append([mine])
+            shapes[shape] = groups[-1]
             continue
-        if isinstance(seen, tuple):
-            first, g = seen
-            seen = shapes[shape] = {_values_digest(first): g}
-        digest = _values_digest(mine)
-        g = seen.get(digest)
-        if g is not None:
-            ts = mine.ops["ts_ns"].astype(np.int64)
-            out[(pid, cache_id)] = replace(g, start_ns=ts[g.start_op], last_ns=ts[g.last_op],
-                                           run_ns=ts[g.run_op])
+        if isinstance(seen, list):  # the shape's second cache: digests from now on
+            seen = shapes[shape] = {_values_digest(seen[0][1]): seen}
+        digest = _values_digest(mine[1])
+        if digest in seen:
+            seen[digest].append(mine)
         else:
-            out[(pid, cache_id)] = seen[digest] = generations(mine, bs)
+            groups.append([mine])
+            seen[digest] = groups[-1]
+    return groups
+
+
+def computed(caches: list) -> dict:
+    """{(pid, cache_id): Generations} of one group of distinct_caches():
+    computed for its first cache, and the others take their own times."""
+    (key, first, bs), *rest = caches
+    g = generations(first, bs)
+    out = {key: g}
+    for key, mine, _ in rest:
+        ts = mine.ops["ts_ns"].astype(np.int64)
+        out[key] = replace(g, start_ns=ts[g.start_op], last_ns=ts[g.last_op],
+                           run_ns=ts[g.run_op])
     return out
