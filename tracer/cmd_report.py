@@ -122,11 +122,13 @@ class Report:
         # generations of the caches that no read scan waits for (row 6's text
         # report: beside was idle its last 0.85 s; docs/bench.md, "Stop 41")
         gen_groups = occupancy.distinct_caches(ops, trace.block_sizes())
-        first = self._first_layers(c[0] for g in gen_groups for c in g)
+        keys = [c[0] for g in gen_groups for c in g]
+        first = {self._first_layer(keys, pid) for pid in {k[0] for k in keys}}
         many_requests = with_lifecycle and timelines is None
-        there = [g for g in gen_groups
-                 if not many_requests and not any(c[0] in first for c in g)]
-        here = [g for g in gen_groups if not any(g is t for t in there)]
+        here, there = [], []
+        for g in gen_groups:
+            scanned = any(c[0] in first for c in g)
+            (here if scanned or many_requests else there).append(g)
         rows_ready, gens_ready, named = Future(), Future(), Future()
 
         def publish(future, compute):
@@ -139,7 +141,7 @@ class Report:
         def plugin_side():
             publish(rows_ready, lambda: [access.rows_of(ops, st) for st in self.steps])
             self.rows = rows_ready.result()
-            publish(gens_ready, lambda: _computed(there))
+            publish(gens_ready, lambda: occupancy.computed_groups(there))
 
             def named_rows():
                 # the plugin tier's block events (empty without the plugin),
@@ -151,7 +153,7 @@ class Report:
 
         with ThreadPoolExecutor(1) as beside:
             figures = beside.submit(plugin_side)
-            self.gens = _computed(here)
+            self.gens = occupancy.computed_groups(here)
             # one pass over each group's reads: per-block figures, and the idle
             # time before reuse of its process's first layer's generations
             self.scans = []
@@ -173,19 +175,16 @@ class Report:
             self.meanwhile = meanwhile(self) if meanwhile else None
             self.lifecycle = figures.result()
 
-    def _first_layers(self, keys) -> set:
-        """Of these (pid, cache_id) keys, each process's first layer's (as
-        first_layer_gens picks it)."""
-        first = {}
-        for key in sorted(keys):
-            if key[0] not in first or self.layers[key] < self.layers[first[key[0]]]:
-                first[key[0]] = key
-        return set(first.values())
+    def _first_layer(self, keys, pid):
+        """Of these (pid, cache_id) keys, pid's first layer's (the lowest
+        layer; of equal ones, the lowest key), or None."""
+        return min((k for k in keys if k[0] == pid), key=lambda k: (self.layers[k], k),
+                   default=None)
 
     def first_layer_gens(self, pid):
         """The block generations of pid's first layer (None without writes)."""
-        return next((g for (p, _), g in sorted(self.gens.items(), key=lambda x: (
-            x[0][0], self.layers[x[0]])) if p == pid), None)
+        key = self._first_layer(self.gens, pid)
+        return None if key is None else self.gens[key]
 
     def duration_ns(self) -> int:
         end = self.trace.end or {}
@@ -293,14 +292,6 @@ class Report:
             counts = np.bincount(row[sel], minlength=bins)
             out[abi.OP_NAMES.get(int(op_id), str(op_id))] = (counts / ((t1 - t0) / bins / 1e9)).tolist()
         return {"t0_ns": t0, "t1_ns": t1, "bin_s": (t1 - t0) / bins / 1e9, "calls_per_s": out}
-
-
-def _computed(groups: list) -> dict:
-    """occupancy.computed() of each group of occupancy.distinct_caches()."""
-    out = {}
-    for caches in groups:
-        out.update(occupancy.computed(caches))
-    return out
 
 
 def _log2_slot(v: np.ndarray) -> np.ndarray:

@@ -416,10 +416,16 @@ def by_cache(ops_stream: stream.OpStream, block_sizes: dict) -> dict:
     the same ops and values: each distinct one is computed once (an 80-layer
     model costs one layer's work), and only its timestamps are taken from
     the cache itself (distinct_caches, computed)."""
-    out = {}
-    for caches in distinct_caches(ops_stream, block_sizes):
-        out.update(computed(caches))
+    out = computed_groups(distinct_caches(ops_stream, block_sizes))
     return dict(sorted(out.items(), key=lambda kv: kv[0]))
+
+
+def computed_groups(groups: list) -> dict:
+    """computed() of each of these groups of distinct_caches(), in one dict."""
+    out = {}
+    for caches in groups:
+        out.update(computed(caches))
+    return out
 
 
 def distinct_caches(ops_stream: stream.OpStream, block_sizes: dict) -> list:
