@@ -637,6 +637,24 @@ def run_queue_wait_s(pids) -> float:
     return total / 1e9
 
 
+def prog_runs(pid) -> tuple:
+    """(run_time_ns, run_cnt) summed over the BPF programs a process holds,
+    from their fdinfo: counted only while BPF stats are on (BpfRunTime).
+    The programs run on the traced threads: this is the tracer's CPU that
+    its own process's figure does not include."""
+    time_ns = runs = 0
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # closed meanwhile
+        if "prog_id" in fields and "run_cnt" in fields:
+            time_ns += int(fields["run_time_ns"])
+            runs += int(fields["run_cnt"])
+    return time_ns, runs
+
+
 def median_ci(values, level=0.95, resamples=10000, seed=0):
     """(lo, hi): a bootstrap confidence interval of the median."""
     import numpy as np
@@ -697,10 +715,15 @@ def row_vllm(q, res):
     steady = {m: [] for m in modes}
     counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
     tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
+    # its programs' run time on vLLM's threads, s/s of the batch, and their
+    # runs a second: the in-target cost, where the tracer's CPU is beside it
+    bpf_cpu = {m: [] for m in counted}
+    bpf_runs = {m: [] for m in counted}
     # vLLM's threads' time runnable but not running, per second of the batch:
     # where a traced batch loses time if the tracer takes vLLM's CPU
     waited = {m: [] for m in modes}
     agg = Path(tempfile.mkdtemp()) / "agg.json"
+    bpf_stats = BpfRunTime()  # about 40 ns a run more: two clock reads
     try:
         read_until(v.stderr, "READY", 300)
         drain = _Drain(v.stderr)  # vLLM logs a lot: keep its pipe empty
@@ -720,7 +743,8 @@ def row_vllm(q, res):
                                           stderr=subprocess.PIPE, text=True)
                     # ready once every worker has its probes (it follows the tree)
                     read_until(tp.stderr, "ready after", 120)
-                    cpu0, t0 = proc_sample(tp.pid)[0], time.monotonic()
+                    cpu0, t0 = cpu_ns(tp.pid), time.monotonic()  # ns: ticks are too coarse
+                    bpf0 = prog_runs(tp.pid)
                 w0, tw = run_queue_wait_s(vllm_pids), time.monotonic()
                 v.stdin.write("go\n")
                 v.stdin.flush()
@@ -728,8 +752,10 @@ def row_vllm(q, res):
                 waited[mode].append((run_queue_wait_s(vllm_pids) - w0)
                                     / (time.monotonic() - tw))
                 if tp is not None:
-                    tracer_cpu[mode].append((proc_sample(tp.pid)[0] - cpu0)
-                                            / (time.monotonic() - t0))
+                    bpf1, t1 = prog_runs(tp.pid), time.monotonic()
+                    tracer_cpu[mode].append((cpu_ns(tp.pid) - cpu0) / 1e9 / (t1 - t0))
+                    bpf_cpu[mode].append((bpf1[0] - bpf0[0]) / 1e9 / (t1 - t0))
+                    bpf_runs[mode].append((bpf1[1] - bpf0[1]) / (t1 - t0))
                 rates[mode].append(doc["generated_tokens"] / doc["generate_s"])
                 each = doc["each_s"]  # every repetition generates the same tokens
                 steady[mode].append(doc["generated_tokens"] * (len(each) - 1) / len(each)
@@ -741,6 +767,7 @@ def row_vllm(q, res):
                                           sum(o["slots"] for o in ops)))
         drain.stop()
     finally:
+        bpf_stats.close()
         _end_engine(v)
     base, base_steady = rates["untraced"], steady["untraced"]
     res["vllm"] = {
@@ -760,6 +787,8 @@ def row_vllm(q, res):
         "untraced_again_ratio_whole": ratio_stats(rates["untraced_again"], base),
         "full_tracer_cpu_s_per_s": stats(tracer_cpu["full"]),
         "calls_only_tracer_cpu_s_per_s": stats(tracer_cpu["calls_only"]),
+        **{f"{m}_bpf_cpu_s_per_s": stats(bpf_cpu[m]) for m in counted},
+        **{f"{m}_bpf_runs_per_s": stats(bpf_runs[m]) for m in counted},
         "untraced_run_queue_wait_s_per_s": stats(waited["untraced"]),
         "full_run_queue_wait_s_per_s": stats(waited["full"]),
         "calls_only_run_queue_wait_s_per_s": stats(waited["calls_only"]),
@@ -1113,6 +1142,12 @@ def _report_costs(add, s, name):
         add("6   peak RSS", s[f"{name}_peak_rss_mb"], "MB")
 
 
+def ms(st):
+    """A stats dict of CPU seconds per second in ms per second: the tracer's
+    figures are all near 0.01 s/s."""
+    return st and {**st, **{k: st[k] * 1e3 for k in ("min", "median", "max")}}
+
+
 def table_rows(res):
     rows = []
 
@@ -1217,8 +1252,14 @@ def table_rows(res):
                              "x", "", ""))
             if s.get(f"{key}_whole"):  # the first repetition, after the idle spell, in
                 add(f"3   whole batch, first repetition in", s[f"{key}_whole"], "x")
-        add("3 tracer CPU while vLLM runs (full)", s["full_tracer_cpu_s_per_s"], "s/s")
-        add("3 tracer CPU while vLLM runs (calls)", s["calls_only_tracer_cpu_s_per_s"], "s/s")
+        add("3 tracer CPU while vLLM runs (full)", ms(s["full_tracer_cpu_s_per_s"]), "ms/s")
+        add("3 tracer CPU while vLLM runs (calls)", ms(s["calls_only_tracer_cpu_s_per_s"]),
+            "ms/s")
+        for mode, name in (("full", "full"), ("calls_only", "calls")):
+            if s.get(f"{mode}_bpf_cpu_s_per_s"):  # results from before stop 42 lack it
+                add(f"3 BPF programs on vLLM's threads ({name})",
+                    ms(s[f"{mode}_bpf_cpu_s_per_s"]), "ms/s")
+                add(f"3   their runs a second ({name})", s[f"{mode}_bpf_runs_per_s"], "/s")
         for mode in ("untraced", "full", "calls_only"):
             if s.get(f"{mode}_run_queue_wait_s_per_s"):
                 add(f"3 vLLM run-queue wait ({mode})", s[f"{mode}_run_queue_wait_s_per_s"],
@@ -1266,8 +1307,6 @@ def table_rows(res):
         add("7 tracer peak RSS (VmHWM)", s["peak_rss_mb"], "MB", "footprint.peak_rss_mb")
     s = res.get("prometheus")
     if s:
-        def ms(st):  # CPU ms per second: the s/s figures are all near 0.01
-            return st and {**st, **{k: st[k] * 1e3 for k in ("min", "median", "max")}}
         add("9 tracer CPU, -q", ms(s["quiet_tracer_cpu_s_per_s"]), "ms/s")
         add("9 tracer CPU, --prometheus", ms(s["prometheus_tracer_cpu_s_per_s"]), "ms/s")
         add("9 tracer CPU, --prometheus, 1 s scrapes",
