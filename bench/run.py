@@ -208,6 +208,24 @@ class BpfRunTime:
             raise OSError(ct.get_errno(), "BPF_OBJ_GET_INFO_BY_FD")
         return struct.unpack_from("<QQ", info.raw, self._RUN_TIME)
 
+    @staticmethod
+    def read_process(pid):
+        """(run_time_ns, run_cnt) so far, summed over the programs another
+        process holds (the tracer's), from their fdinfo.  The programs run
+        on the traced threads: the tracer's CPU that its own process's
+        figure does not include."""
+        time_ns = runs = 0
+        for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+            try:
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue  # closed meanwhile
+            if "prog_id" in fields and "run_cnt" in fields:
+                time_ns += int(fields["run_time_ns"])
+                runs += int(fields["run_cnt"])
+        return time_ns, runs
+
     def close(self):
         os.close(self.fd)
 
@@ -637,24 +655,6 @@ def run_queue_wait_s(pids) -> float:
     return total / 1e9
 
 
-def prog_runs(pid) -> tuple:
-    """(run_time_ns, run_cnt) summed over the BPF programs a process holds,
-    from their fdinfo: counted only while BPF stats are on (BpfRunTime).
-    The programs run on the traced threads: this is the tracer's CPU that
-    its own process's figure does not include."""
-    time_ns = runs = 0
-    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
-        try:
-            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue  # closed meanwhile
-        if "prog_id" in fields and "run_cnt" in fields:
-            time_ns += int(fields["run_time_ns"])
-            runs += int(fields["run_cnt"])
-    return time_ns, runs
-
-
 def median_ci(values, level=0.95, resamples=10000, seed=0):
     """(lo, hi): a bootstrap confidence interval of the median."""
     import numpy as np
@@ -697,6 +697,9 @@ def row_vllm(q, res):
     subprocess.run([sys.executable, ROOT / "scripts" / "make-tiny-model.py", TINY_MODEL],
                    check=True, stdout=subprocess.DEVNULL)
     cycles = 2 if q else VLLM_CYCLES
+    # on before vLLM starts, whose end is in the finally below: a failure
+    # here leaves no engine running.  It costs each program run two clock reads
+    bpf_stats = BpfRunTime()
     v = subprocess.Popen([VLLM_PYTHON, BENCH / "vllm_loop.py", "--model", TINY_MODEL,
                           "--repeat", "4"], cwd=ROOT, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -723,7 +726,6 @@ def row_vllm(q, res):
     # where a traced batch loses time if the tracer takes vLLM's CPU
     waited = {m: [] for m in modes}
     agg = Path(tempfile.mkdtemp()) / "agg.json"
-    bpf_stats = BpfRunTime()  # about 40 ns a run more: two clock reads
     try:
         read_until(v.stderr, "READY", 300)
         drain = _Drain(v.stderr)  # vLLM logs a lot: keep its pipe empty
@@ -744,7 +746,7 @@ def row_vllm(q, res):
                     # ready once every worker has its probes (it follows the tree)
                     read_until(tp.stderr, "ready after", 120)
                     cpu0, t0 = cpu_ns(tp.pid), time.monotonic()  # ns: ticks are too coarse
-                    bpf0 = prog_runs(tp.pid)
+                    bpf0 = bpf_stats.read_process(tp.pid)
                 w0, tw = run_queue_wait_s(vllm_pids), time.monotonic()
                 v.stdin.write("go\n")
                 v.stdin.flush()
@@ -752,7 +754,7 @@ def row_vllm(q, res):
                 waited[mode].append((run_queue_wait_s(vllm_pids) - w0)
                                     / (time.monotonic() - tw))
                 if tp is not None:
-                    bpf1, t1 = prog_runs(tp.pid), time.monotonic()
+                    bpf1, t1 = bpf_stats.read_process(tp.pid), time.monotonic()
                     tracer_cpu[mode].append((cpu_ns(tp.pid) - cpu0) / 1e9 / (t1 - t0))
                     bpf_cpu[mode].append((bpf1[0] - bpf0[0]) / 1e9 / (t1 - t0))
                     bpf_runs[mode].append((bpf1[1] - bpf0[1]) / (t1 - t0))
