@@ -107,6 +107,54 @@ def test_attach_by_links_or_perf_events_exact(tmp_path, perf_uprobes):
         sim.kill()
 
 
+def _programs(pid):
+    """{prog_id: fdinfo fields} of the BPF programs a process holds."""
+    progs = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-prog":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                info = dict(line.split(":\t", 1) for line in f.read().splitlines()
+                            if ":\t" in line)
+        except OSError:
+            continue
+        progs[info["prog_id"].strip()] = info
+    return progs
+
+
+def test_empty_program_probes_the_same_sites_and_counts_nothing(tmp_path):
+    """KVTRACE_EMPTY_PROGRAM=1, bench row 3's floor: the same probes in the
+    same link with every semaphore on, the link running a 2-instruction
+    program in place of kvtrace's, so kvsim fires its ops (its own
+    --ops-log logs only ops whose probe was on) and nothing is counted."""
+    log = tmp_path / "ops.log"
+    sim = Kvsim(tmp_path, "default", "--ops-log", log)
+    env = dict(os.environ, KVTRACE_EMPTY_PROGRAM="1")
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "--json", tmp_path / "agg.json", env=env)
+        tracer.wait_attached()
+        assert "KVTRACE_EMPTY_PROGRAM is set" in tracer.early_err, tracer.early_err
+        probes = int(re.search(r"(\d+) probes in 1 processes", tracer.early_err).group(1))
+        assert probes == len(semaphore_values(sim.pid)) > 10
+        assert set(semaphore_values(sim.pid).values()) == {1}
+        [link], _ = _attachments(tracer.proc.pid)
+        assert int(link["uprobe_cnt"]) == probes
+        prog = _programs(tracer.proc.pid)[link["prog_id"].strip()]
+        assert int(prog["verified_insns"]) == 2, prog  # r0 = 0; exit
+        sim.go()
+        assert sim.wait() == 0
+        rc, _, err = tracer.finish()
+        assert rc == 0, err
+    finally:
+        sim.kill()
+    fired = kvsim_ops_log(log)
+    assert len(fired) > 100 and {"reshape_and_cache", "block_table"} <= {f[0] for f in fired}
+    doc = json.loads((tmp_path / "agg.json").read_text())
+    assert doc["ops"] == {} and all(p["ops"] == {} for p in doc["processes"]), doc["ops"]
+    assert doc["exact"] is False and "KVTRACE_EMPTY_PROGRAM" in doc["inexact_reasons"][0]
+
+
 def test_stress_exact_even_with_a_tiny_perf_buffer(tmp_path):
     """Exact counters never depend on the perf buffer; what it drops is counted.
     The per-op records go with a stream (-o), which floods a one-page buffer."""

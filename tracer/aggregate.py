@@ -238,6 +238,9 @@ class Aggregate:
         Lost perf records are not a reason: the counts never come from them.
         """
         reasons = []
+        if self.globals.get("empty_program"):
+            reasons.append("KVTRACE_EMPTY_PROGRAM was set: the probes ran an empty program "
+                           "and counted nothing")
         for p in self.processes.values():
             if p.calls_only:
                 reasons.append(f"pid {p.pid}: torch's tensor layout is unknown, so its ops "

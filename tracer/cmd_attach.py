@@ -506,6 +506,9 @@ def _announce(args, tracer, target, follower, t_start):
     if getattr(args, "cmd_output_path", None):
         notices.append(f"{os.path.basename(args.command[0])}'s output goes to "
                        f"{args.cmd_output_path}")
+    if tracer.empty_prog_fd >= 0:  # a measurement of the sites alone (session.py)
+        notices.append("KVTRACE_EMPTY_PROGRAM is set: the probes run an empty program "
+                       "and nothing is counted")
     for line in notices:
         _say(line)
     for proc in tracer.procs.values():

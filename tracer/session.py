@@ -228,6 +228,18 @@ class Tracer:
         # attaches as on older kernels, one perf event per probe (tests)
         self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
                           and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
+        # KVTRACE_EMPTY_PROGRAM=1 puts a program that does nothing on every
+        # probe in its place: the same sites, links and semaphores (so the
+        # plugin still builds its step's tables), nothing counted.  What any
+        # program at these sites costs the target, whatever it does: bench
+        # row 3's floor under the tracer's own figure (docs/bench.md)
+        self.empty_prog_fd = -1
+        if os.environ.get("KVTRACE_EMPTY_PROGRAM", "") not in ("", "0"):
+            self.empty_prog_fd = program.trivial_program(program.attach_type(),
+                                                         b"kvtrace_empty")
+            if self.empty_prog_fd < 0:
+                raise EnvironmentProblem("the kernel refused the empty program: "
+                                         + os.strerror(ctypes.get_errno()))
 
         # the counter maps, read in place (BPF_F_MMAPABLE arrays of u64)
         self._maps = []
@@ -441,7 +453,7 @@ class Tracer:
         """The uprobes at `live` (offset, semaphore offset, address) of one
         file in pid: one uprobe_multi link, or one perf event each where the
         kernel makes no such link (uprobe_pmu.py says why links first)."""
-        prog = self.site_prog.fd
+        prog = self.site_prog.fd if self.empty_prog_fd < 0 else self.empty_prog_fd
         if self.use_links:
             try:
                 return [UprobeLink(path, [o for o, _, _ in live], pid, prog,
@@ -476,6 +488,9 @@ class Tracer:
         self.op_stats = self.op_log2 = self.cache_stats = None
         for m in self._maps:
             m.close()
+        if self.empty_prog_fd >= 0:
+            os.close(self.empty_prog_fd)
+            self.empty_prog_fd = -1
         self.bpf.cleanup()
 
     # -- reading -------------------------------------------------------------
@@ -562,6 +577,8 @@ class Tracer:
                                k.cache_index, v.value))
         glob = self.read_globals()
         glob["missed_hits"] = self.prog_misses()
+        if self.empty_prog_fd >= 0:
+            glob["empty_program"] = 1  # aggregate.py: nothing was counted
         return dict(time=time.monotonic(), caches=caches, groups=groups, op_stats=op_stats,
                     log2=log2,
                     moves=moves, life=life, requests=requests, stacks=stacks, globals=glob,
