@@ -13,6 +13,10 @@
  *       out (kvbench-noprobes, -DKVTRACE_DISABLE_PROBES), so that the
  *       site's own cost shows.
  *
+ *   kvbench loop --cold ...
+ *       Each op after a pass over 32 MiB of other memory: the op and its
+ *       probe with cold caches and TLB, as vLLM runs them; only ops timed.
+ *
  *   kvbench loop --table --ops N --reps R --slots E1,E2,...
  *       The same loop over an attention-like op instead: one request row
  *       of E block-table entries, behind the vllm:block_table site (reads).
@@ -25,6 +29,11 @@
  *   kvbench rate --slots S --rate SLOTS_PER_S --duration-ms MS --truth FILE
  *       Offers slots at a paced rate (0: as fast as it can) for SEC seconds
  *       and writes its own ground truth (slots written per block) to FILE.
+ *
+ *   kvbench twins --ops N --reps R
+ *       Two byte-identical copies of the write op without a site, timed in
+ *       alternating blocks of N 1-slot ops in one process, R pairs: how far
+ *       apart two equal ops read here (row 1's in-process A/A control).
  *
  *   kvbench live
  *       Watches its own probe's semaphore (it is this process's memory) and
@@ -89,6 +98,24 @@ __attribute__((noipa)) static void reshape_and_cache(const int64_t *slots,
 		memcpy(dst + 8, &value, 8);
 	}
 }
+
+/* Two byte-identical copies of the write op with no site at all, for
+ * `kvbench twins`: timed in alternating blocks in one process, they differ
+ * only by where they lie in memory, so their ratio is what layout and the
+ * machine alone do to a 1-slot op (the A/A control of row 1's b/a).
+ * noipa also keeps GCC from folding one into the other (no_icf). */
+#define KVBENCH_WRITE_TWIN(name)                                             \
+	__attribute__((noipa)) static void name(const int64_t *slots,        \
+						int64_t n, uint64_t value)   \
+	{                                                                    \
+		for (int64_t i = 0; i < n; i++) {                            \
+			uint8_t *dst = kv + slots[i] * KV_BYTES;             \
+			memcpy(dst, &value, 8);                              \
+			memcpy(dst + 8, &value, 8);                          \
+		}                                                            \
+	}
+KVBENCH_WRITE_TWIN(write_twin_a)
+KVBENCH_WRITE_TWIN(write_twin_b)
 
 /* The read op: block_table site first, then an attention-like read of one
  * request's n blocks (8 bytes of each: the site's cost shows, not the
@@ -237,9 +264,28 @@ static void count_passed(enum op_kind kind, int64_t n, uint64_t nops)
 	}
 }
 
-static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
-		    int nsizes, int pause, enum op_kind kind)
+/* --cold: before each op, a pass over 32 MiB of memory of its own, so
+ * that the op, its probe and the tracer's program find neither their cache
+ * lines nor their TLB entries, as in vLLM, where a probe fires once per
+ * layer and step between milliseconds of model code.  Only the ops are
+ * timed (the pass writes, so its pages are faulted in before the first). */
+#define EVICT_BYTES (32u << 20)
+static uint8_t *evict_buf;
+
+static void evict(void)
 {
+	for (size_t i = 0; i < EVICT_BYTES; i += 64)
+		evict_buf[i]++;
+}
+
+static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
+		    int nsizes, int pause, enum op_kind kind, int cold)
+{
+	if (cold) {
+		evict_buf = calloc(1, EVICT_BYTES);
+		if (!evict_buf)
+			die("no memory for --cold");
+	}
 	if (pause)
 		wait_for_usr1();
 	fill_slots(slot_buf, MAX_SLOTS, 0);
@@ -257,10 +303,20 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 			int64_t n = sizes[s];
 			uint64_t nops = ops / (1 + (uint64_t)n / 64);
 			nops = nops ? nops : 1;
-			uint64_t t0 = now_ns();
-			for (uint64_t k = 0; k < nops; k++)
-				loop_op(kind, n, k);
-			uint64_t dt = now_ns() - t0;
+			uint64_t dt = 0;
+			if (cold) {
+				for (uint64_t k = 0; k < nops; k++) {
+					evict();
+					uint64_t t0 = now_ns();
+					loop_op(kind, n, k);
+					dt += now_ns() - t0;
+				}
+			} else {
+				uint64_t t0 = now_ns();
+				for (uint64_t k = 0; k < nops; k++)
+					loop_op(kind, n, k);
+				dt = now_ns() - t0;
+			}
 			count_passed(kind, n, nops);
 			printf("{\"rep\": %" PRIu64 ", \"slots\": %" PRId64
 			       ", \"ops\": %" PRIu64 ", \"ns\": %" PRIu64
@@ -279,6 +335,30 @@ static int run_loop(uint64_t ops, uint64_t reps, const int64_t *sizes,
 	printf("TRUTH {\"calls\": %" PRIu64 ", \"items\": %" PRIu64
 	       ", \"tokens\": %" PRIu64 ", \"distinct\": %" PRIu64 "}\n",
 	       passed.calls, passed.items, passed.tokens, passed.distinct);
+	return 0;
+}
+
+/* kvbench twins: `reps` pairs of blocks of `ops` 1-slot ops, the two twins
+ * in turn (ABBA within each pair of pairs), one JSON line per pair. */
+static int run_twins(uint64_t ops, uint64_t reps)
+{
+	void (*twin[2])(const int64_t *, int64_t, uint64_t) = {write_twin_a, write_twin_b};
+	fill_slots(slot_buf, MAX_SLOTS, 0);
+	for (int t = 0; t < 2; t++) /* warm up both */
+		for (uint64_t k = 0; k < ops; k++)
+			twin[t](slot_buf, 1, k);
+	for (uint64_t r = 0; r < reps; r++) {
+		uint64_t ns[2];
+		for (int j = 0; j < 2; j++) {
+			int t = (r & 1) ? 1 - j : j;
+			uint64_t t0 = now_ns();
+			for (uint64_t k = 0; k < ops; k++)
+				twin[t](slot_buf, 1, k);
+			ns[t] = now_ns() - t0;
+		}
+		printf("{\"pair\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"a_ns\": %" PRIu64
+		       ", \"b_ns\": %" PRIu64 "}\n", r, ops, ns[0], ns[1]);
+	}
 	return 0;
 }
 
@@ -352,11 +432,12 @@ static int run_live(void)
 int main(int argc, char **argv)
 {
 	if (argc < 2 || !strcmp(argv[1], "--help")) {
-		printf("usage: kvbench loop [--table|--event] --ops N --reps R --slots S1,S2,... [--pause]\n"
+		printf("usage: kvbench loop [--table|--event] [--cold] --ops N --reps R --slots S1,S2,... [--pause]\n"
 		       "       kvbench rate --slots S --rate SLOTS_PER_S "
 		       "--duration-ms MS --truth FILE [--pause]\n"
 		       "       kvbench live\n"
-		       "       kvbench entry --which nop|realigned --ops N [--pause]\n");
+		       "       kvbench entry --which nop|realigned --ops N [--pause]\n"
+		       "       kvbench twins --ops N --reps R\n");
 		return argc < 2 ? 2 : 0;
 	}
 	/* SIGUSR1 is taken with sigwait: block it before anything else */
@@ -369,7 +450,7 @@ int main(int argc, char **argv)
 	uint64_t ops = 1000000, reps = 5, rate = 0;
 	double duration = 1.0;
 	int64_t sizes[MAX_SIZES] = {1};
-	int nsizes = 1, pause = 0;
+	int nsizes = 1, pause = 0, cold = 0;
 	enum op_kind kind = OP_WRITE;
 	for (int i = 2; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -383,6 +464,10 @@ int main(int argc, char **argv)
 		}
 		if (!strcmp(a, "--event")) {
 			kind = OP_EVENT;
+			continue;
+		}
+		if (!strcmp(a, "--cold")) {
+			cold = 1;
 			continue;
 		}
 		i++;
@@ -417,7 +502,7 @@ int main(int argc, char **argv)
 		}
 	}
 	if (!strcmp(mode, "loop"))
-		return run_loop(ops, reps, sizes, nsizes, pause, kind);
+		return run_loop(ops, reps, sizes, nsizes, pause, kind, cold);
 	if (!strcmp(mode, "rate")) {
 		if (!truth)
 			die("rate needs --truth FILE");
@@ -427,6 +512,8 @@ int main(int argc, char **argv)
 		return run_live();
 	if (!strcmp(mode, "entry"))
 		return run_entry(ops, which, pause);
-	die("unknown mode (loop, rate, live, entry)");
+	if (!strcmp(mode, "twins"))
+		return run_twins(ops, reps);
+	die("unknown mode (loop, rate, live, entry, twins)");
 	return 2;
 }

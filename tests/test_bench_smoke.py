@@ -37,6 +37,19 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
                 "f_entry_single_stepped_ns_per_op", "g_entry_picked_ns_per_op"):
         check_stats(site[key], f"site.{key}")
     assert site["traced_calls_counted"] > 0
+    # the controls beside b/a, the cold runs (every op after its caches and
+    # TLB were evicted), and what the detached site adds to the op, read
+    # from its instructions: a semaphore test on the path, the probe's
+    # block out of line, so at most a load, a test and a branch
+    for key in ("a_again_over_a", "a_again_over_a_big", "twins_ratio", "a_cold_ns_per_op",
+                "c_cold_ns_per_op", "d_cold_ns_per_op", "bpf_run_time_cold_ns_per_op"):
+        check_stats(site[key], f"site.{key}")
+    for key in ("b_over_a", "a_again_over_a"):
+        lo, hi = site[key]["ci95"]
+        assert lo <= site[key]["median"] <= hi, key
+    added = site["site_instructions"]
+    assert 1 <= len(added["on_path"]) <= 3, added
+    assert "nop" in added["out_of_line"], added  # the USDT site itself
 
     reads = res["reads"]  # row 8: the read site, its counts against kvbench's own
     for key in ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "b_over_a",

@@ -1,0 +1,60 @@
+"""bench/run.py's verdicts on its goals, from made-up results (pure logic).
+
+A verdict is "met" or "MISSED" on the median, and "(unresolved)" when the
+median's 95% interval holds the goal's edge or when the A/A control beside
+it (the same code against itself) does not resolve 1%: a machine whose
+control spreads 5% cannot say whether a site costs 1%."""
+
+import importlib.util
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def ratio(median, lo, hi):
+    return {"min": lo, "median": median, "max": hi, "n": 9, "values": [median],
+            "ci95": [lo, hi]}
+
+
+def read_site_verdict(b_over_a, control):
+    one = {"min": 1.0, "median": 1.0, "max": 1.0, "n": 1, "values": [1.0]}
+    res = {"reads": {"a_ns_per_op": one, "b_ns_per_op": one, "c_ns_per_op": one,
+                     "b_over_a": b_over_a, "a_again_over_a": control,
+                     "attached_ns_per_op": one, "attached_ns_per_entry": one,
+                     "counts_equal_truth": True}}
+    [row] = [r for r in bench.table_rows(res) if r[0] == "8 read site b/a (1 entry)"]
+    return row[-1]
+
+
+@pytest.mark.parametrize("b_over_a, control, verdict", [
+    (ratio(1.002, 0.998, 1.006), ratio(1.0, 0.996, 1.004), "met"),
+    (ratio(1.05, 1.03, 1.07), ratio(1.0, 0.996, 1.004), "MISSED"),
+    # the interval holds the goal's edge
+    (ratio(1.005, 0.995, 1.02), ratio(1.0, 0.996, 1.004), "met (unresolved)"),
+    # a tight b/a beside a control that spreads past 1%: no verdict either way
+    (ratio(0.85, 0.80, 0.90), ratio(1.0, 0.96, 1.05), "met (unresolved)"),
+    (ratio(1.09, 1.05, 1.11), ratio(1.0, 0.99, 1.011), "MISSED (unresolved)"),
+    # results from before the control: judged on the interval alone
+    (ratio(1.09, 1.05, 1.11), None, "MISSED"),
+])
+def test_a_verdict_is_unresolved_where_its_control_does_not_resolve_1pc(b_over_a, control,
+                                                                        verdict):
+    assert read_site_verdict(b_over_a, control) == verdict
+
+
+def test_the_control_and_its_interval_are_rows_of_their_own():
+    res = {"reads": {k: {"min": 1, "median": 1, "max": 1, "n": 1, "values": [1]} for k in
+                     ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "attached_ns_per_op",
+                      "attached_ns_per_entry")}}
+    res["reads"].update(b_over_a=ratio(1.0, 0.99, 1.01), a_again_over_a=ratio(1.0, 0.97, 1.04),
+                        counts_equal_truth=True)
+    rows = {r[0]: r for r in bench.table_rows(res)}
+    control = rows["8 read site (a) again/(a), A/A control"]
+    assert control[-2] == "1: what noise alone gives" and control[-1] == ""
+    assert [r[1] for r in bench.table_rows(res) if "CI of the median" in r[0]] == \
+        ["0.990", "0.970"]
