@@ -58,3 +58,13 @@ def test_the_control_and_its_interval_are_rows_of_their_own():
     assert control[-2] == "1: what noise alone gives" and control[-1] == ""
     assert [r[1] for r in bench.table_rows(res) if "CI of the median" in r[0]] == \
         ["0.990", "0.970"]
+
+
+def test_every_control_must_resolve_1pc():
+    """Row 1's b/a at 1 slot has two controls: separate processes of one
+    build (a again) and layout (two identical ops in one process)."""
+    tight, wide = ratio(1.0, 0.995, 1.005), ratio(0.83, 0.70, 1.41)
+    assert bench.resolves_1pc(tight, tight)
+    assert not bench.resolves_1pc(tight, wide)
+    assert not bench.resolves_1pc(ratio(1.0, 0.985, 1.004))
+    assert bench.resolves_1pc(None, tight)  # results from before a control
