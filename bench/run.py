@@ -984,7 +984,8 @@ def row_plugin(q, res):
             _end_engine(e)
     res["plugin"].update({
         "batch": "8 requests x 64-token prompts, 32 tokens each, 12 times per measurement",
-        "untraced_ratio": stats(untraced), "traced_ratio": stats(traced),
+        # six pairs: an interval of the median says how little that resolves
+        "untraced_ratio": with_ci(stats(untraced)), "traced_ratio": with_ci(stats(traced)),
         # proof the traced batches went through the plugin's probes
         "traced_counts": {op: ops[op]["calls"] for op in ("block_alloc", "block_free",
                                                            "block_table", "request")
@@ -1507,7 +1508,9 @@ def table_rows(res):
         if "untraced_ratio" in s:
             add("10 vLLM tokens/s, plugin / none, untraced", s["untraced_ratio"], "x",
                 "plugin.untraced_ratio")
+            ci_row(s["untraced_ratio"], "10")
             add("10 vLLM tokens/s, plugin traced / none", s["traced_ratio"], "x")
+            ci_row(s["traced_ratio"], "10")
     return rows
 
 
