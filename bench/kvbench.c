@@ -82,6 +82,14 @@ static void die(const char *msg)
 	exit(2);
 }
 
+/* The KV write of n slots: the op's body, and all of its twins' (below). */
+#define KV_WRITE_SLOTS(slots, n, value)                                      \
+	for (int64_t i = 0; i < (n); i++) {                                  \
+		uint8_t *dst = kv + (slots)[i] * KV_BYTES;                   \
+		memcpy(dst, &(value), 8);                                    \
+		memcpy(dst + 8, &(value), 8);                                \
+	}
+
 /* The op: probe site first (semaphore-gated), then the KV write.  noipa (no
  * inlining, no cloning) so that every build runs the same call with the same
  * arguments, with or without a site. */
@@ -92,11 +100,7 @@ __attribute__((noipa)) static void reshape_and_cache(const int64_t *slots,
 	if (KVTRACE_ENABLED(reshape_and_cache))
 		KVTRACE_RESHAPE_AND_CACHE(slots, n, BLOCK_SIZE, (uintptr_t)kv,
 					  NUM_BLOCKS);
-	for (int64_t i = 0; i < n; i++) {
-		uint8_t *dst = kv + slots[i] * KV_BYTES;
-		memcpy(dst, &value, 8);
-		memcpy(dst + 8, &value, 8);
-	}
+	KV_WRITE_SLOTS(slots, n, value)
 }
 
 /* Two byte-identical copies of the write op with no site at all, for
@@ -108,11 +112,7 @@ __attribute__((noipa)) static void reshape_and_cache(const int64_t *slots,
 	__attribute__((noipa)) static void name(const int64_t *slots,        \
 						int64_t n, uint64_t value)   \
 	{                                                                    \
-		for (int64_t i = 0; i < n; i++) {                            \
-			uint8_t *dst = kv + slots[i] * KV_BYTES;             \
-			memcpy(dst, &value, 8);                              \
-			memcpy(dst + 8, &value, 8);                          \
-		}                                                            \
+		KV_WRITE_SLOTS(slots, n, value)                              \
 	}
 KVBENCH_WRITE_TWIN(write_twin_a)
 KVBENCH_WRITE_TWIN(write_twin_b)

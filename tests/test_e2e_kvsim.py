@@ -63,9 +63,8 @@ def test_attach_pid_matches_truth(tmp_path, workload):
         sim.kill()
 
 
-def _attachments(pid):
-    """The uprobe_multi links (fdinfo fields) and the perf events a process holds."""
-    links, perf_events = [], 0
+def _fds(pid):
+    """(target, fdinfo fields) of each file a process holds open."""
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -73,11 +72,17 @@ def _attachments(pid):
                 info = f.read()
         except OSError:
             continue  # closed meanwhile
+        yield target, dict(line.split(":\t", 1) for line in info.splitlines() if ":\t" in line)
+
+
+def _attachments(pid):
+    """The uprobe_multi links (fdinfo fields) and the perf events a process holds."""
+    links, perf_events = [], 0
+    for target, info in _fds(pid):
         if target == "anon_inode:[perf_event]":
             perf_events += 1
-        elif "link_type:\tuprobe_multi" in info:
-            links.append(dict(line.split(":\t", 1) for line in info.splitlines()
-                              if ":\t" in line))
+        elif info.get("link_type", "").strip() == "uprobe_multi":
+            links.append(info)
     return links, perf_events
 
 
@@ -109,18 +114,8 @@ def test_attach_by_links_or_perf_events_exact(tmp_path, perf_uprobes):
 
 def _programs(pid):
     """{prog_id: fdinfo fields} of the BPF programs a process holds."""
-    progs = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-prog":
-                continue
-            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                info = dict(line.split(":\t", 1) for line in f.read().splitlines()
-                            if ":\t" in line)
-        except OSError:
-            continue
-        progs[info["prog_id"].strip()] = info
-    return progs
+    return {info["prog_id"].strip(): info for target, info in _fds(pid)
+            if target == "anon_inode:bpf-prog"}
 
 
 def test_empty_program_probes_the_same_sites_and_counts_nothing(tmp_path):
