@@ -133,6 +133,26 @@ def test_by_cache_shares_only_what_is_the_same():
     assert out[(1, 13)].incomplete_ops == 1 and out[(1, 10)].incomplete_ops == 0
 
 
+def test_layers_differing_in_one_late_value_are_not_shared(monkeypatch):
+    """The values of two layers of one shape are compared exactly, chunk by
+    chunk: one that differs from its twin only in its last op's last value
+    (past the first chunk) gets generations of its own, and a true twin
+    shares them."""
+    monkeypatch.setattr(occupancy, "_COMPARED_VALUES", 3)  # several chunks
+    w = Wire()
+    for step in range(6):
+        slots = [16 * step + k for k in range(4)]
+        for cache in (10, 11, 12):
+            last = cache == 12 and step == 5
+            w.op("reshape_and_cache", slots[:-1] + [slots[-1] + 1] if last else slots,
+                 pid=1, cache_id=cache, ts=1000 + 10 * step + cache)
+    s = stream.decode(w.batch())
+    groups = occupancy.distinct_caches(s, {(1, c): 16 for c in (10, 11, 12)})
+    assert [[key for key, *_ in g] for g in groups] == [[(1, 10), (1, 11)], [(1, 12)]]
+    out = occupancy.by_cache(s, {(1, c): 16 for c in (10, 11, 12)})
+    assert list(out[(1, 12)].fill) != list(out[(1, 10)].fill)
+
+
 def test_ten_million_slot_writes_stay_in_numpy():
     """A stress shape: 10M slots in 1221 ops of 8192, one cache; the whole
     pipeline (decode + generations) must not loop per slot."""
