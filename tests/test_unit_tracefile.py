@@ -74,11 +74,72 @@ def test_round_trip(trace_path):
     assert t.processes[PID]["probe_files"][0]["build_id"] == "ab" * 20
     assert t.block_sizes() == {(PID, CACHE_ID): BS} and t.layers() == {(PID, CACHE_ID): 0}
     ops = t.ops
-    assert len(ops.ops) == 40 and ops.complete
-    assert np.array_equal(ops.values, np.arange(4000) % (512 * BS))
+    assert len(ops.ops) == 40 and ops.complete and ops.values_decoded == 4000
+    assert np.array_equal(_values_in_order(ops), np.arange(4000) % (512 * BS))
     (key, g), = t.generations(PID).items()  # 4000 slots: 250 full blocks
     assert key == (PID, 0) and len(g) == 250 and set(g.fill.tolist()) == {BS}
     assert t.generations(PID + 1) == {}
+
+
+def _values_in_order(ops):
+    """Every op's values, op after op (op i's are values[start:stop])."""
+    o = ops.ops
+    return stream.gather(ops.values, o["start"], o["stop"] - o["start"])
+
+
+def _split(batch, at_chunk):
+    """batch as two batches, its chunk records cut before chunk at_chunk:
+    an op whose chunks straddle the cut is split between them, as a poll
+    that comes while a program run is sending its records splits it."""
+    h = np.frombuffer(batch.chunk_hdrs, stream.CHUNK_HDR)
+    v = np.frombuffer(batch.values, np.int64)
+    cut = int(h["count"][:at_chunk].sum())
+    return [stream.RawBatch(batch.ops, h[:at_chunk].tobytes(), v[:cut].tobytes()),
+            stream.RawBatch(b"", h[at_chunk:].tobytes(), v[cut:].tobytes())]
+
+
+def _three_chunk_ops(tmp_path, name):
+    """A trace of 20 ops of three chunks each, op 1's chunks split between
+    two batches, and what each op's values must be."""
+    per_op = 3 * abi.CHUNK - 5
+    batches = _split(synthetic_ops(10, per_op, 512), 4) + \
+        [synthetic_ops(10, per_op, 512, seq0=10, t0=2 * 10**9)]
+    expected = np.arange(20 * per_op) % (512 * BS)
+    write_trace(tmp_path / name, batches)
+    return tmp_path / name, expected
+
+
+def test_values_are_taken_where_they_lie_in_the_file(tmp_path):
+    """The writer puts every batch's values at a multiple of 8 in the file
+    (its documents padded with JSON's whitespace), and decode leaves them
+    there: the ops' values are a view of the file's mapping, not a copy.
+    The op that two batches split is copied just past the file, and every
+    op's values are what was written."""
+    path, expected = _three_chunk_ops(tmp_path, "t.kvt")
+    t = tracefile.read(str(path))
+    assert all(b.values_at % 8 == 0 for b in t.batches)
+    ops = t.ops
+    assert ops.complete and len(ops.ops) == 20
+    assert np.array_equal(_values_in_order(ops), expected)
+    assert not ops.values.flags.owndata and not ops.values.flags.writeable
+    in_file = ops.ops["stop"] * 8 <= len(t.data)
+    assert in_file.tolist() == [i != 1 for i in range(20)]  # op 1, split, lies past the file
+    assert ops.values_decoded == len(expected)
+
+
+def test_a_file_with_values_off_the_8_byte_grid_is_copied(tmp_path, monkeypatch):
+    """A trace from before stop 44 (documents not padded: its values lie
+    off multiples of 8) is decoded by copying, to the same values."""
+    def unpadded(doc):
+        text = json.dumps(doc).encode()
+        return text + b" " * ((1 - len(text)) % 8)  # one byte past a multiple of 8
+    monkeypatch.setattr(tracefile, "_doc_bytes", unpadded)
+    path, expected = _three_chunk_ops(tmp_path, "old.kvt")
+    t = tracefile.read(str(path))
+    assert all(b.values_at % 8 for b in t.batches)
+    ops = t.ops
+    assert ops.values.flags.owndata and len(ops.values) == len(expected)
+    assert ops.complete and np.array_equal(_values_in_order(ops), expected)
 
 
 def _cut(path, at):

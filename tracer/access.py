@@ -232,19 +232,27 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     length = np.clip(np.minimum(entries_of(seq), hi[hop] - hpos - 1), 0, None)
     start = np.cumsum(length) - length
 
-    if len(lo) < 2 or bool(np.all(lo[1:] >= hi[:-1])):
-        # the ops' values lie in step order, one after another (decode puts
-        # them in seq order), and so do their rows: the entries are the
-        # values of the rows' runs, taken in one pass by a mask made run by
-        # run (a running sum over every value to make it took 0.26 s of
-        # row 6's report)
-        at = hpos + 1
-        gap = at - np.r_[0, (at + length)[:-1]]  # header and other ops' values
+    # The ops' values lie in step order, one after another (a copy puts them
+    # in seq order; a trace file's lie in its order, but for the few ops that
+    # two batches split, which lie past its end: stream.decode), and so do
+    # their rows.  In each run of ops that do, the entries are the values of
+    # the rows' runs, taken in one pass by a mask made run by run (a running
+    # sum over every value to make it took 0.26 s of row 6's report; an index
+    # per entry, 0.9 GB of fresh memory, 2-5 s where one op lay out of order)
+    runs = [0, *(np.flatnonzero(lo[1:] < hi[:-1]) + 1).tolist(), len(lo)]
+    parts = []
+    for k0, k1 in zip(runs[:-1], runs[1:]):
+        r0, r1 = np.searchsorted(hop, [k0, k1])
+        if r0 == r1:
+            continue
+        base = int(lo[k0])
+        at, n = hpos[r0:r1] + 1 - base, length[r0:r1]
+        gap = at - np.r_[0, (at + n)[:-1]]  # header and other ops' values
         inside = np.repeat(np.tile(np.array([False, True]), len(at)),
-                           np.stack([gap, length], axis=1).reshape(-1))
-        entries = _narrow_compress(inside, values[:len(inside)])
-    else:
-        entries = values[stream.ranges(hpos + 1, length)]
+                           np.stack([gap, n], axis=1).reshape(-1))
+        parts.append(_narrow_compress(inside, values[base:base + len(inside)]))
+    entries = parts[0] if len(parts) == 1 else \
+        np.concatenate(parts) if parts else np.zeros(0, np.int32)
     per_step = np.zeros(len(steps), np.int64)
     per_step[ks] = np.bincount(hop, minlength=len(ks))
     row_lo = np.concatenate([[0], np.cumsum(per_step)])

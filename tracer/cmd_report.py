@@ -745,7 +745,7 @@ def document(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
                   "created_utc": t.meta["created_utc"], "target": t.meta["target"],
                   "processes": list(t.processes.values()), "complete": t.complete,
                   "damage": t.damage, "duration_s": rep.duration_ns() / 1e9},
-        "stream": {"ops": len(rep.ops.ops), "values": int(len(rep.ops.values)),
+        "stream": {"ops": len(rep.ops.ops), "values": int(rep.ops.values_decoded),
                    "incomplete_ops": int(np.count_nonzero(~rep.ops.ops["complete"])),
                    "orphan_chunks": rep.ops.orphan_chunks},
         "blocks": blocks,
@@ -844,7 +844,7 @@ def _header(rep: Report) -> Text:
     release = (m['kernel'].split() + ["?", "?"])[1]  # "Linux RELEASE VERSION"
     text.append(f"recorded {m['created_utc']} on {m['host']} ({release})\n")
     text.append(f"{rep.duration_ns() / 1e9:.1f} s, {len(rep.ops.ops):,} ops, "
-                f"{len(rep.ops.values):,} index values\n")
+                f"{rep.ops.values_decoded:,} index values\n")
     for pid, p in sorted(t.processes.items()):
         ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f.get('build_id') or '?')[:12]}"
                         for f in p.get("probe_files", []))

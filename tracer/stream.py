@@ -52,6 +52,7 @@ class RawBatch:
     ops: bytes  # struct kvtrace_event records (bytes or bytearray)
     chunk_hdrs: bytes  # struct kvtrace_chunk_hdr records
     values: bytes  # every chunk's int64 values, in chunk order
+    values_at: int = None  # a trace file's: where values lie in it (a byte offset)
 
     @property
     def empty(self) -> bool:
@@ -108,9 +109,10 @@ class OpStream:
     padding included), src, dst, src, dst... for copy and swap ops."""
 
     ops: np.ndarray
-    values: np.ndarray
+    values: np.ndarray  # may hold more than the ops' values: a trace file's whole mapping
     orphan_chunks: int = 0  # chunks whose op record never arrived
     orphan_values: int = 0
+    value_count: int = None  # the values decoded, the orphans' included (None: len(values))
 
     def values_of(self, i: int) -> np.ndarray:
         return self.values[self.ops["start"][i]:self.ops["stop"][i]]
@@ -121,7 +123,13 @@ class OpStream:
 
     def select(self, mask) -> "OpStream":
         """The ops where mask holds (values are shared, not copied)."""
-        return OpStream(self.ops[mask], self.values, self.orphan_chunks, self.orphan_values)
+        return OpStream(self.ops[mask], self.values, self.orphan_chunks, self.orphan_values,
+                        self.value_count)
+
+    @property
+    def values_decoded(self) -> int:
+        """How many values the records brought, the orphans' included."""
+        return len(self.values) if self.value_count is None else self.value_count
 
 
 def expected_values(ops: np.ndarray) -> np.ndarray:
@@ -142,12 +150,23 @@ def expected_values(ops: np.ndarray) -> np.ndarray:
     return want
 
 
-def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
+def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
+           room_at: int = None) -> OpStream:
     """Pair chunk records with their op records (numpy only).
 
     batches: RawBatch objects in arrival order (or one).  Chunk records
     whose op record is missing are counted as orphans and dropped.  The
-    dtypes are those of the records (a trace file brings its own)."""
+    dtypes are those of the records (a trace file brings its own).
+
+    lying_in: an int64 view of the buffer that every batch's values lie in
+    (a trace file's mapping), each batch's values_at a multiple of 8.  An
+    op's chunks that lie one after another there, in their order (nearly
+    every op's: a batch is records as they came, and an op's are one program
+    run's), are left where they lie, and `values` is that view; the few ops
+    whose chunks two batches split are copied to lying_in[room_at:], which
+    must be writable and have room for them (else all values are copied).
+    The copy of them all was row 6's 1.2 GB of fresh memory, 0.6-0.7 s
+    before anything else could start (docs/bench.md, "Stop 44")."""
     if isinstance(batches, RawBatch):
         batches = [batches]
     ev = np.frombuffer(b"".join(b.ops for b in batches), dtype=event_dtype)
@@ -163,7 +182,7 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
     seq_s, off_s, count_s = hdr["seq"][order], hdr["offset"][order], count[order]
     ends_s = np.cumsum(count_s)
     starts_s = ends_s - count_s
-    values = _place(parts, hdrs, count, order, starts_s, int(ends_s[-1]) if len(ends_s) else 0)
+    total = int(ends_s[-1]) if len(ends_s) else 0
 
     # one group of chunks per seq: where its values are, how many, contiguous?
     useq, first = np.unique(seq_s, return_index=True)
@@ -177,6 +196,13 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
     else:
         g_start = g_count = g_chunks = np.zeros(0, np.int64)
         g_contig = np.zeros(0, bool)
+    where = _where_they_lie(batches, hdrs, count, order, first, g_chunks, starts_s,
+                            lying_in, room_at) if lying_in is not None else None
+    if where is None:
+        values = _place(parts, hdrs, count, order, starts_s, total)
+    else:
+        values, g_start = lying_in[:], where
+        values.flags.writeable = False  # a file's values: nothing writes them
 
     ev = ev[np.argsort(ev["seq"], kind="stable")]
     pos = np.searchsorted(useq, ev["seq"])
@@ -201,7 +227,38 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR) -> OpStream:
     matched[pos_c[found]] = True
     orphan_chunks = int(g_chunks[~matched].sum()) if len(useq) else 0
     orphan_values = int(g_count[~matched].sum()) if len(useq) else 0
-    return OpStream(ops, values, orphan_chunks, orphan_values)
+    return OpStream(ops, values, orphan_chunks, orphan_values, total)
+
+
+def _where_they_lie(batches, hdrs, count, order, first, g_chunks, starts_s, lying_in,
+                    room_at):
+    """Each seq group's first value's index in lying_in, where its chunks
+    lie one after another in (seq, offset) order; a group they do not (an op
+    split between two batches) is first copied to the room at room_at.
+    None where a batch's values lie elsewhere or the room is too small."""
+    at = []
+    for b, h, n in zip(batches, hdrs, np.split(count, np.cumsum([len(h) for h in hdrs])[:-1])):
+        if b.values_at is None or b.values_at % 8:
+            return None
+        at.append(b.values_at // 8 + np.cumsum(n) - n)  # each chunk's first value
+    at_s = np.concatenate(at)[order] if at else np.zeros(0, np.int64)
+    # in place where a group's chunks are as far apart there as in a copy
+    shift = at_s - starts_s
+    split = np.flatnonzero(shift != np.repeat(shift[first], g_chunks))
+    g_at = at_s[first]
+    if not len(split):
+        return g_at
+    g_split = np.unique(np.searchsorted(first, split, side="right") - 1)
+    c_first, c_n = first[g_split], g_chunks[g_split]  # their chunks, in order
+    chunk = ranges(c_first, c_n)
+    n = count[order][chunk]
+    need = int(n.sum())
+    if room_at is None or not lying_in.flags.writeable or room_at + need > len(lying_in):
+        return None
+    dest = room_at + np.cumsum(n) - n
+    lying_in[ranges(dest, n)] = lying_in[ranges(at_s[chunk], n)]
+    g_at[g_split] = dest[np.cumsum(c_n) - c_n]
+    return g_at
 
 
 def _place(parts, hdrs, count, order, starts_s, total) -> np.ndarray:

@@ -91,6 +91,16 @@ def trace_meta(target: dict) -> dict:
     }
 
 
+def _doc_bytes(doc: dict) -> bytes:
+    """A document frame's payload: its JSON, padded with spaces (JSON's own
+    whitespace, which any reader skips) to a multiple of 8 bytes.  The file
+    header, the frame headers and a batch's parts are multiples of 8 too, so
+    every batch's values lie at a multiple of 8 in the file, and a reader
+    takes them where they lie (stream.decode's lying_in): no copy."""
+    text = json.dumps(doc).encode()
+    return text + b" " * (-len(text) % 8)
+
+
 class TraceWriter:
     """Appends frames to a new trace file (mode 0600), unbuffered: what was
     written survives the writer being killed."""
@@ -100,7 +110,7 @@ class TraceWriter:
         self._f = open_private(path, binary=True)
         self.bytes = 0
         self._write(_FILE_HDR.pack(MAGIC, VERSION, 0))
-        self.frame(KIND_META, json.dumps({"kind": "trace", **meta}).encode())
+        self.frame(KIND_META, _doc_bytes({"kind": "trace", **meta}))
 
     def _write(self, data: bytes):
         self._f.write(data)
@@ -117,7 +127,7 @@ class TraceWriter:
             self._write(p)
 
     def meta(self, kind: str, doc: dict):
-        self.frame(KIND_META, json.dumps({"kind": kind, **doc}).encode())
+        self.frame(KIND_META, _doc_bytes({"kind": kind, **doc}))
 
     def batch(self, b: stream.RawBatch):
         if not b.empty:
@@ -125,7 +135,7 @@ class TraceWriter:
                        b.ops, b.chunk_hdrs, b.values)
 
     def end(self, doc: dict):
-        self.frame(KIND_END, json.dumps({"kind": "end", **doc}).encode())
+        self.frame(KIND_END, _doc_bytes({"kind": "end", **doc}))
 
     def close(self):
         self._f.close()
@@ -142,14 +152,25 @@ class Trace:
     end: dict = None  # the END document, if the writer got that far
     damage: str = None  # why reading stopped early, if it did
     intact_bytes: int = 0
+    data: object = None  # the file's bytes (its mapping), which the batches are views of
+    room: object = None  # the mapping with room after the file (tracefile._map), if any
     _ops: stream.OpStream = None
 
     @property
     def ops(self) -> stream.OpStream:
         if self._ops is None:
             layouts = self.meta["layouts"]
+            # the values where they lie in the file, where the writer put them
+            # at multiples of 8 (every file since stop 44's); else copied
+            if self.room is not None:
+                lying_in = np.frombuffer(self.room, stream.VALUE, len(self.room) // 8)
+                room_at = -(-len(self.data) // mmap.PAGESIZE) * mmap.PAGESIZE // 8
+            else:
+                lying_in = None if self.data is None else \
+                    np.frombuffer(self.data, stream.VALUE, len(self.data) // 8)
+                room_at = None
             self._ops = stream.decode(self.batches, dtype_of(layouts["event"]),
-                                      dtype_of(layouts["chunk_hdr"]))
+                                      dtype_of(layouts["chunk_hdr"]), lying_in, room_at)
         return self._ops
 
     def latest(self, kind: str) -> list:
@@ -207,18 +228,54 @@ class Trace:
 
 
 def _map(f):
-    """The file's bytes, mapped rather than read: batches are views of the
-    mapping (no copy), and the pages are the page cache's, not this
-    process's heap.  A file that cannot be mapped (empty, or on a file
-    system without mmap) is read whole.  MAP_POPULATE: every page is read
-    anyway (each frame's checksum), and mapping them all in one call is
-    cheaper than a fault per page (0.3 s of row 6's 7 s text report:
-    docs/bench.md, "Stop 31")."""
+    """(the file's bytes, mapped rather than read; the mapping with room
+    after them, or None).  Batches are views of the mapping (no copy), and
+    the pages are the page cache's, not this process's heap.  A file that
+    cannot be mapped (empty, or on a file system without mmap) is read whole.
+    MAP_POPULATE: every page is read anyway (each frame's checksum), and
+    mapping them all in one call is cheaper than a fault per page (0.3 s of
+    row 6's 7 s text report: docs/bench.md, "Stop 31")."""
+    try:
+        return _map_with_room(f)
+    except (ValueError, OSError, AttributeError):
+        pass
     try:
         return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                         prot=mmap.PROT_READ)
+                         prot=mmap.PROT_READ), None
     except (ValueError, OSError):
-        return f.read()
+        return f.read(), None
+
+
+def _map_with_room(f):
+    """_map()'s answer, the file mapped read-only at the start of a private
+    anonymous mapping with as many bytes again after it (reserved, not
+    committed: MAP_NORESERVE; only what is written is memory), so that decode
+    can leave every op's values where they lie in the file and copy the few
+    that two batches split to just after it (stream.decode's lying_in).
+    Freeing the anonymous mapping (when nothing holds a view of it any more)
+    unmaps the file too."""
+    size = os.fstat(f.fileno()).st_size
+    if not size:
+        raise ValueError("an empty file")
+    span = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    room = mmap.mmap(-1, 2 * span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    anchor = ctypes.c_char.from_buffer(room)  # only to learn its address
+    addr = ctypes.addressof(anchor)
+    del anchor
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    got = libc.mmap(addr, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED | mmap.MAP_POPULATE,
+                    f.fileno(), 0)
+    if got != addr:
+        room.close()
+        raise OSError(ctypes.get_errno(), "mmap MAP_FIXED failed")
+    return memoryview(room)[:size], room
+
+
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux's; Python's mmap names neither
 
 
 def read(path: str) -> Trace:
@@ -235,7 +292,7 @@ def read(path: str) -> Trace:
         # a regular file only: a named pipe nobody writes to, or /dev/zero,
         # would never end (files.open_regular)
         with open_regular(path) as f:
-            data = _map(f)
+            data, room = _map(f)
     except IsNotRegular as e:
         what = str(e)
         raise DataError(f"cannot read {path}: " + (
@@ -272,13 +329,14 @@ def read(path: str) -> Trace:
                     _check_doc(doc, None if kind == KIND_META else "end")
             elif kind == KIND_BATCH:
                 batch = _check_batch(payload, *layouts)
+                batch.values_at = nxt - len(batch.values)
             else:
                 raise ValueError(f"unknown frame kind {kind}")
         except (ValueError, struct.error) as e:
             problem = f"bad frame at byte {pos} ({e})"
             break
         if trace is None:
-            trace = Trace(path, doc)
+            trace = Trace(path, doc, data=data, room=room)
         elif kind == KIND_META:
             if doc["kind"] == "trace":
                 problem = f"bad frame at byte {pos} (a second trace header)"
