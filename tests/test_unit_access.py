@@ -89,8 +89,17 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
         want.append(live_sets(vals, bs) if complete else [])
     ops = op_stream(records)
     st = access.steps_of(ops, groups(bs))[0]
-    for reorder in (False, True):
-        if reorder:  # values not in step order: the gathering path
+    for layout in ("in order", "one op past the end", "reversed"):
+        if layout == "one op past the end":
+            # as a trace file's op that two batches split lies (stream.decode):
+            # its place left holding other values, which must not be read
+            k = next(i for i, (*_, v, c) in enumerate(records) if c and len(v) > 8 and i > 3)
+            a, b = int(ops.ops["start"][k]), int(ops.ops["stop"][k])
+            moved = ops.values.copy()
+            moved[a:b] = 10**6  # neither a seq_len nor a block of this test's
+            ops = stream.OpStream(ops.ops.copy(), np.concatenate([moved, ops.values[a:b]]))
+            ops.ops["start"][k], ops.ops["stop"][k] = len(moved), len(moved) + b - a
+        if layout == "reversed":  # no op's values in step order
             ops.ops["start"], ops.ops["stop"] = (ops.ops["start"][::-1].copy(),
                                                  ops.ops["stop"][::-1].copy())
             want = [live_sets(ops.values_of(i).tolist(), bs) if c else []
