@@ -149,6 +149,8 @@ class Report:
                 self.life = lifecycle.events(ops)
                 self.step_reqs = access.step_requests(ops)
             publish(named, named_rows)
+            if many_requests:  # the rest of the tier's figures are made here meanwhile
+                return request_access(self)
             return lifecycle_figures(self, timelines) if with_lifecycle else None
 
         with ThreadPoolExecutor(1) as beside:
@@ -173,7 +175,12 @@ class Report:
             self.reasons = stream_reasons(ops, trace, self.agg)
             named.result()  # the views made meanwhile may name rows
             self.meanwhile = meanwhile(self) if meanwhile else None
-            self.lifecycle = figures.result()
+            # every request's figures (JSON): what each one wrote and read is
+            # most of them, and beside's; the rest (residency, timelines, the
+            # miss ratio curve) is made here, where this side had been waiting
+            # for beside (row 6's JSON report: 1.5 s, docs/bench.md "Stop 44")
+            self.lifecycle = lifecycle_figures(self, None, access_of=figures.result) \
+                if many_requests else figures.result()
 
     def _first_layer(self, keys, pid):
         """Of these (pid, cache_id) keys, pid's first layer's (the lowest
@@ -568,8 +575,16 @@ ACCESS_MEANS = ("reads: (request, block) pairs at a forward step, counted once p
                 "first write (docs/access.md)")
 
 
-def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
-    """The plugin tier's figures (docs/lifecycle.md), or None without it."""
+def request_access(rep: Report, only=None) -> tuple:
+    """What each request wrote and read (access.request_access): step_reqs
+    names the table rows.  only: the request hashes wanted (None: all)."""
+    return access.request_access(rep.ops, rep.rows, rep.t0, only=only, sr=rep.step_reqs)
+
+
+def lifecycle_figures(rep: Report, timelines: int = None, access_of=None) -> dict:
+    """The plugin tier's figures (docs/lifecycle.md), or None without it.
+    access_of: a function that returns request_access(rep) of every request
+    (timelines None), where another thread computes it meanwhile."""
     ev = rep.life
     if not len(ev) and not ev.incomplete:
         return None
@@ -577,11 +592,11 @@ def lifecycle_figures(rep: Report, timelines: int = None) -> dict:
     names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
     requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
                                    requests=lifecycle.request_events(rep.ops))
-    # what each request wrote and read: step_reqs names the table rows
-    per_req, attributed = access.request_access(
-        rep.ops, rep.rows, rep.t0,
-        only=None if timelines is None else [int(r["req"], 16) for r in requests],
-        sr=rep.step_reqs)
+    if access_of is None:
+        per_req, attributed = request_access(
+            rep, None if timelines is None else [int(r["req"], 16) for r in requests])
+    else:
+        per_req, attributed = access_of()
     for r in requests:
         r["access"] = per_req.get(int(r["req"], 16))
     return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
