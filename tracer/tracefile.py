@@ -585,6 +585,14 @@ def reuse_freed_memory():
     mallopt(-4, 0)  # M_MMAP_MAX: no mmap'd chunks
     mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: keep up to 2 GiB free at the heap's top
     mallopt(-2, 1 << 30)  # M_TOP_PAD: grow the heap 1 GiB at a time
+    # M_ARENA_MAX: every thread's arrays from that one heap.  A thread's own
+    # arena is heaps of 64 MiB at most, which the settings above do not
+    # reach: a large array there is a fresh mapping each time.  The report's
+    # second side ran its passes 2-3 times slower than the main thread did
+    # (row 6's rows_of: 0.35 s in the main thread, 0.8-1.1 s beside;
+    # docs/bench.md "Stop 44").  Set before any thread of the process
+    # allocates: a thread takes its arena at its first malloc.
+    mallopt(-8, 1)
 
 
 def no_huge_page_advice():
