@@ -980,8 +980,19 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> tuple:
             np.repeat(order[new], n[new] - before[new])
         return row
 
-    first_row = covering(stream.order_by(ri, rank))
-    last_row = covering(stream.order_by(ri, len(ts) - 1 - rank))
+    # a request's rows in time order: the rows in time order, sorted stably
+    # by request (a radix sort where request numbers fit 16 bits), and each
+    # request's reversed; two argsorts of (request, rank) took 0.13 s of row
+    # 6's report (docs/bench.md, "Stop 44")
+    req_in_time = ri[by_time]
+    if nreq <= 1 << 16:
+        req_in_time = req_in_time.astype(np.uint16)
+    in_time = by_time[np.argsort(req_in_time, kind="stable")]
+    rows_of_req = np.bincount(ri, minlength=nreq)
+    end = np.cumsum(rows_of_req)[ri[in_time]]  # the end of each one's request's rows
+    mirror = 2 * end - rows_of_req[ri[in_time]] - 1 - np.arange(len(ri))
+    first_row = covering(in_time)
+    last_row = covering(in_time[mirror])
     req_of = np.repeat(np.arange(nreq), width)
     place = np.arange(nbins) - first_bin[req_of]
     held = entries[start[first_row] + place]  # what the earliest row holds
@@ -1010,41 +1021,40 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> tuple:
         several[key[blk != held[key]]] = True
     out = []
     if several.any():
-        # each read at such a place, summed per (request, block) in its
-        # chunk: on row 6's trace 4.65M such reads were 32k pairs, and a
-        # part per read was most of request_access's memory (1 GB at its
-        # peak).  Only the rows of requests with such a place are read again.
+        # each read at such a place, summed per (place, block) in its chunk,
+        # a block at a time: a round takes the reads of the block that each
+        # place's next read holds, and leaves the others to the next round.
+        # A place holds few blocks (a preempted request's new ones), so the
+        # rounds are few and each is a count and two ufunc.at over what is
+        # left, where one sort of every such read (4.65M on row 6's trace)
+        # took 0.3 s.  Only the rows of requests with such a place are read
+        # again; a part per read was most of request_access's memory.
         odd_req = np.zeros(nreq, bool)
         odd_req[req_of[several]] = True
         rows = np.flatnonzero(odd_req[ri])
+        wanted = np.zeros(nbins, entries.dtype)  # per place: its block this round
         for r0, r1, n_of, blk, key in chunks(rows):
             at = np.flatnonzero(several[key])
             at = at[blk[at] > 0]  # a null entry is no read
-            n = len(at)
-            if not n:
+            if not len(at):
                 continue
-            row = np.repeat(rows[r0:r1], n_of)[at]
-            r, b, k = ri[row], blk[at], rank[row]
-            # one sort of the values (request, block, time rank) packed in
-            # one integer, where they fit: sorting values is several times
-            # faster than an argsort, and a pair's first and last read are
-            # then its first and last value
-            dims = (nreq, int(b.max()) + 1, len(ts))
-            if dims[0] * dims[1] * dims[2] < 2**63:
-                packed = np.sort(np.ravel_multi_index((r, b, k), dims))
-                pair = packed // dims[2]
-                seg = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
-                r, b = np.divmod(pair[seg], dims[1])
-                first, last = packed[seg] % dims[2], packed[np.r_[seg[1:], n] - 1] % dims[2]
-            else:
-                by = stream.order_by(r, b)
-                r, b, k = r[by], b[by], k[by]
-                seg = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (b[1:] != b[:-1])])
-                first, last = np.minimum.reduceat(k, seg), np.maximum.reduceat(k, seg)
-                r, b = r[seg], b[seg]
-            m = len(seg)
-            out.append((r, b, np.diff(np.r_[seg, n]), ts[by_time[first]], ts[by_time[last]],
-                        np.zeros(m, np.int64), np.full(m, _NEVER), np.full(m, _EVER)))
+            bins, b = key[at], blk[at]
+            k = rank[np.repeat(rows[r0:r1], n_of)[at]]
+            while len(bins):
+                wanted[bins] = b  # of a place's reads left, one's block (the last one's)
+                hit = b == wanted[bins]
+                hb, hk = bins[hit], k[hit]
+                count = np.bincount(hb, minlength=nbins)
+                got = np.flatnonzero(count)
+                first, last = np.full(nbins, len(ts)), np.full(nbins, -1)
+                np.minimum.at(first, hb, hk)
+                np.maximum.at(last, hb, hk)
+                m = len(got)
+                out.append((req_of[got], wanted[got].astype(np.int64), count[got],
+                            ts[by_time[first[got]]], ts[by_time[last[got]]],
+                            np.zeros(m, np.int64), np.full(m, _NEVER), np.full(m, _EVER)))
+                miss = ~hit
+                bins, b, k = bins[miss], b[miss], k[miss]
     used = np.flatnonzero(~several & (held > 0))  # all of a place's reads null: none
     return _Places(first_bin, held, several, used, req_of, reads, ts[first_row],
                    ts[last_row]), out
