@@ -150,7 +150,7 @@ class Report:
                 self.step_reqs = access.step_requests(ops)
             publish(named, named_rows)
             if many_requests:  # the rest of the tier's figures are made here meanwhile
-                return request_access(self)
+                return request_access(self), lifecycle.residency(self.life)
             return lifecycle_figures(self, timelines) if with_lifecycle else None
 
         with ThreadPoolExecutor(1) as beside:
@@ -176,10 +176,11 @@ class Report:
             named.result()  # the views made meanwhile may name rows
             self.meanwhile = meanwhile(self) if meanwhile else None
             # every request's figures (JSON): what each one wrote and read is
-            # most of them, and beside's; the rest (residency, timelines, the
-            # miss ratio curve) is made here, where this side had been waiting
-            # for beside (row 6's JSON report: 1.5 s, docs/bench.md "Stop 44")
-            self.lifecycle = lifecycle_figures(self, None, access_of=figures.result) \
+            # most of them, and beside's, with the residency times; the rest
+            # (timelines, the miss ratio curve) is made here, where this side
+            # had been waiting for beside (row 6's JSON report: 1.5 s,
+            # docs/bench.md "Stop 44")
+            self.lifecycle = lifecycle_figures(self, None, beside=figures.result) \
                 if many_requests else figures.result()
 
     def _first_layer(self, keys, pid):
@@ -581,22 +582,23 @@ def request_access(rep: Report, only=None) -> tuple:
     return access.request_access(rep.ops, rep.rows, rep.t0, only=only, sr=rep.step_reqs)
 
 
-def lifecycle_figures(rep: Report, timelines: int = None, access_of=None) -> dict:
+def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:
     """The plugin tier's figures (docs/lifecycle.md), or None without it.
-    access_of: a function that returns request_access(rep) of every request
-    (timelines None), where another thread computes it meanwhile."""
+    beside: a function that returns (request_access(rep) of every request,
+    lifecycle.residency(rep.life)), where another thread computes them
+    meanwhile (timelines None)."""
     ev = rep.life
     if not len(ev) and not ev.incomplete:
         return None
-    res = lifecycle.residency(ev)
     names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
     requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
                                    requests=lifecycle.request_events(rep.ops))
-    if access_of is None:
+    if beside is None:
+        res = lifecycle.residency(ev)
         per_req, attributed = request_access(
             rep, None if timelines is None else [int(r["req"], 16) for r in requests])
     else:
-        per_req, attributed = access_of()
+        (per_req, attributed), res = beside()
     for r in requests:
         r["access"] = per_req.get(int(r["req"], 16))
     return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
