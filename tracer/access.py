@@ -236,21 +236,14 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     # in seq order; a trace file's lie in its order, but for the few ops that
     # two batches split, which lie past its end: stream.decode), and so do
     # their rows.  In each run of ops that do, the entries are the values of
-    # the rows' runs, taken in one pass by a mask made run by run (a running
-    # sum over every value to make it took 0.26 s of row 6's report; an index
-    # per entry, 0.9 GB of fresh memory, 2-5 s where one op lay out of order)
+    # the rows' runs (_narrow_runs; an index per entry was 0.9 GB of fresh
+    # memory and 2-5 s where one op lay out of order)
     runs = [0, *(np.flatnonzero(lo[1:] < hi[:-1]) + 1).tolist(), len(lo)]
     parts = []
     for k0, k1 in zip(runs[:-1], runs[1:]):
         r0, r1 = np.searchsorted(hop, [k0, k1])
-        if r0 == r1:
-            continue
-        base = int(lo[k0])
-        at, n = hpos[r0:r1] + 1 - base, length[r0:r1]
-        gap = at - np.r_[0, (at + n)[:-1]]  # header and other ops' values
-        inside = np.repeat(np.tile(np.array([False, True]), len(at)),
-                           np.stack([gap, n], axis=1).reshape(-1))
-        parts.append(_narrow_compress(inside, values[base:base + len(inside)]))
+        if r0 < r1:
+            parts.append(_narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1]))
     entries = parts[0] if len(parts) == 1 else \
         np.concatenate(parts) if parts else np.zeros(0, np.int32)
     per_step = np.zeros(len(steps), np.int64)
@@ -259,29 +252,42 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     return Rows(steps, row_lo, seq, start, length, entries)
 
 
-# values per chunk of _narrow_compress and of the read scan's count: 1M.
-# A chunk's temporaries (8 MiB of int64) stay in the CPU's caches from one
-# step of the chunk to the next, where 8M went to memory and back; with a
-# boolean index in place of np.compress into a scratch, rows_of's copy of
-# row 6's 110M entries went from 0.86 to 0.31 s ("Stop 33").
+# values per chunk of _narrow_runs and of the read scan's count: 1M.  A
+# chunk's temporaries (8 MiB of int64) stay in the CPU's caches from one step
+# of the chunk to the next, where 8M went to memory and back; with a boolean
+# index in place of np.compress into a scratch, rows_of's copy of row 6's
+# 110M entries went from 0.86 to 0.31 s ("Stop 33").
 _CHUNK_VALUES = 1 << 20
 
 
-def _narrow_compress(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """values[mask] as int32 where every kept value fits one (block numbers
-    do), else as int64, taken a chunk at a time: the int64 copy was 0.9 GB
-    of fresh memory on row 6's trace; the int32 one is half that, and each
-    later pass over it reads half the bytes."""
-    out = np.empty(int(np.count_nonzero(mask)), np.int32)
+def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """values[at[i]:at[i] + n[i]] for every i, in order (runs that lie in
+    ascending order, apart), as int32 where every value fits one (block
+    numbers do), else as int64.  A chunk of runs at a time, each by a
+    boolean mask of its chunk made run by run (a running sum over every
+    value to make it took 0.26 s of row 6's report), where one mask of the
+    whole span was 145 MB of fresh memory (docs/bench.md, "Stop 44").  The
+    int64 copy was 0.9 GB of fresh memory on row 6's trace; the int32 one is
+    half that, and each later pass over it reads half the bytes."""
+    out = np.empty(int(n.sum()), np.int32)
     lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
-    at = 0
-    for a in range(0, len(values), _CHUNK_VALUES):
-        part = values[a:a + _CHUNK_VALUES][mask[a:a + _CHUNK_VALUES]]
+    span = np.r_[np.diff(at), n[-1:]]  # from a run's start to the next one's
+    pos = 0
+    for r0, r1 in stream.chunks(span, _CHUNK_VALUES):
+        first = int(at[r0])
+        a, m = at[r0:r1] - first, n[r0:r1]
+        gap = a - np.r_[0, (a + m)[:-1]]  # headers and other ops' values
+        mask = np.repeat(_OUT_IN[:2 * len(a)] if 2 * len(a) <= len(_OUT_IN) else
+                         np.tile(_OUT_IN[:2], len(a)), np.stack([gap, m], axis=1).reshape(-1))
+        part = values[first:first + len(mask)][mask]
         if len(part) and not (lo32 <= part.min() and part.max() <= hi32):
-            return values[mask]  # a value beyond an int32: all as they are
-        out[at:at + len(part)] = part
-        at += len(part)
+            return values[stream.ranges(at, n)]  # a value beyond an int32: all as they are
+        out[pos:pos + len(part)] = part
+        pos += len(part)
     return out
+
+
+_OUT_IN = np.tile(np.array([False, True]), 1 << 16)  # a run's mask: the gap before it, then it
 
 
 @dataclass
