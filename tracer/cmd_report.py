@@ -93,10 +93,12 @@ class Report:
     function of the report, called once everything but the plugin tier's
     figures is computed (its events and step_reqs, and the rows, included),
     while those still are (the views' heatmap and rates, JSON's other
-    parts); what it returns is `self.meanwhile`."""
+    parts); what it returns is `self.meanwhile`.  access_as: a function
+    that each request's access figures are put through, on the side that
+    computes them (JSON's: serialized there, not at the end)."""
 
     def __init__(self, trace: tracefile.Trace, pid: int = None, with_lifecycle: bool = True,
-                 timelines: int = None, meanwhile=None):
+                 timelines: int = None, meanwhile=None, access_as=None):
         self.trace = trace
         ops = trace.ops
         if pid is not None:
@@ -150,7 +152,10 @@ class Report:
                 self.step_reqs = access.step_requests(ops)
             publish(named, named_rows)
             if many_requests:  # the rest of the tier's figures are made here meanwhile
-                return request_access(self), lifecycle.residency(self.life)
+                per_req, attributed = request_access(self)
+                if access_as is not None:
+                    per_req = {r: access_as(f) for r, f in per_req.items()}
+                return (per_req, attributed), lifecycle.residency(self.life)
             return lifecycle_figures(self, timelines) if with_lifecycle else None
 
         with ThreadPoolExecutor(1) as beside:
@@ -784,6 +789,13 @@ def json_parts(doc: dict) -> dict:
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
+def _json_fragment(value) -> orjson.Fragment:
+    """value serialized now, to be copied as it is into write_json's bytes
+    (every request's access columns: 0.1 s at the end of row 6's JSON
+    report, made on the side that computes them; docs/bench.md "Stop 44")."""
+    return orjson.Fragment(orjson.dumps(value, option=_JSON_OPTIONS))
+
+
 def write_json(doc: dict, out):
     """The document, compact, on one line.  orjson rather than the standard
     library's encoder: row 6's 66 MB document in 0.2 s where json.dumps took
@@ -1087,7 +1099,7 @@ def _run(args) -> int:
 
     rep = Report(trace, args.pid, with_lifecycle=args.format != "csv",
                  timelines=LIFE_SHOWN_REQUESTS if args.format == "text" else None,
-                 meanwhile=views)
+                 meanwhile=views, access_as=_json_fragment if args.format == "json" else None)
     hm, rates, parts = rep.meanwhile
     if args.format == "json":
         write_json({**parts, "lifecycle": rep.lifecycle}, sys.stdout)
