@@ -238,14 +238,17 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     # their rows.  In each run of ops that do, the entries are the values of
     # the rows' runs (_narrow_runs; an index per entry was 0.9 GB of fresh
     # memory and 2-5 s where one op lay out of order)
+    # into one array: a part per run, then their concatenation, held the
+    # entries twice (row 6's trace, a split op in the middle: 0.45 GB more)
     runs = [0, *(np.flatnonzero(lo[1:] < hi[:-1]) + 1).tolist(), len(lo)]
-    parts = []
+    entries = np.empty(int(length.sum()), np.int32)
     for k0, k1 in zip(runs[:-1], runs[1:]):
         r0, r1 = np.searchsorted(hop, [k0, k1])
-        if r0 < r1:
-            parts.append(_narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1]))
-    entries = parts[0] if len(parts) == 1 else \
-        np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        at = int(start[r0]) if r0 < len(start) else 0
+        if r0 < r1 and not _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
+                                        entries[at:at + int(length[r0:r1].sum())]):
+            entries = values[stream.ranges(hpos + 1, length)]  # beyond an int32: as they are
+            break
     per_step = np.zeros(len(steps), np.int64)
     per_step[ks] = np.bincount(hop, minlength=len(ks))
     row_lo = np.concatenate([[0], np.cumsum(per_step)])
@@ -260,16 +263,16 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
 _CHUNK_VALUES = 1 << 20
 
 
-def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray) -> np.ndarray:
+def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndarray) -> bool:
     """values[at[i]:at[i] + n[i]] for every i, in order (runs that lie in
-    ascending order, apart), as int32 where every value fits one (block
-    numbers do), else as int64.  A chunk of runs at a time, each by a
+    ascending order, apart), into out (int32, n.sum() long), if every value
+    fits an int32 (block numbers do); False if one does not (out is then
+    partly written).  A chunk of runs at a time, each by a
     boolean mask of its chunk made run by run (a running sum over every
     value to make it took 0.26 s of row 6's report), where one mask of the
     whole span was 145 MB of fresh memory (docs/bench.md, "Stop 44").  The
     int64 copy was 0.9 GB of fresh memory on row 6's trace; the int32 one is
     half that, and each later pass over it reads half the bytes."""
-    out = np.empty(int(n.sum()), np.int32)
     lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     span = np.r_[np.diff(at), n[-1:]]  # from a run's start to the next one's
     pos = 0
@@ -281,10 +284,10 @@ def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray) -> np.ndarra
                          np.tile(_OUT_IN[:2], len(a)), np.stack([gap, m], axis=1).reshape(-1))
         part = values[first:first + len(mask)][mask]
         if len(part) and not (lo32 <= part.min() and part.max() <= hi32):
-            return values[stream.ranges(at, n)]  # a value beyond an int32: all as they are
+            return False
         out[pos:pos + len(part)] = part
         pos += len(part)
-    return out
+    return True
 
 
 _OUT_IN = np.tile(np.array([False, True]), 1 << 16)  # a run's mask: the gap before it, then it
