@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 # zlib-ng's crc32 is zlib's CRC-32 (the file format's checksum, unchanged)
 # with the CPU's carry-less multiply: 1.5 -> 8.7 GB/s on this VM, where
 # checking row 6's 1.16 GB trace was 0.41 s of every report, on both CPUs,
@@ -384,7 +385,14 @@ _U32, _U64 = (0, (1 << 32) - 1), (0, (1 << 64) - 1)
 
 def _json(payload) -> dict:
     try:
-        doc = json.loads(bytes(payload))
+        # orjson first: row 6's documents in 0.01 s where json took 0.04 s.
+        # What it refuses (NaN, an integer beyond 64 bits, a lone surrogate,
+        # anything malformed) json reads, or names the fault of
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        doc = None
+    try:
+        doc = json.loads(bytes(payload)) if doc is None else doc
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     except UnicodeDecodeError:
