@@ -343,14 +343,17 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     # the one array the pass writes per read.  Its step and time follow from
     # bounds; a read's number also tells two reads of one block in one step
     # apart without a second array (a block read by more than one request)
-    last_read = np.full(nb, -1, np.int64)
+    # read numbers as int32 where they fit: the per-step scatter and gather
+    # move half the bytes (row 6's scan 0.83-0.92 -> 0.70-0.80 s alone)
+    number = np.int32 if len(block) < 2**31 - 1 else np.int64
+    last_read = np.full(nb, -1, number)
     # the steps' times in step order (the usual case): the latest step is
     # also the highest-numbered; otherwise that is kept apart
     in_order = bool(np.all(steps_in_time == np.arange(len(ts_ns))))
     last_step = None if in_order else np.zeros(nb, np.int64)
     sharing = np.zeros(nb, np.int64)
     widest = int(np.max(np.diff(bounds), initial=0))
-    offsets, numbers = np.arange(widest), np.empty(widest, np.int64)  # reused per step
+    offsets, numbers = np.arange(widest, dtype=number), np.empty(widest, number)  # reused per step
     idle = np.zeros(len(gen_block), np.int64)
     found = np.zeros(len(gen_block), bool)
     g_order = np.argsort(gen_start_ns, kind="stable")
