@@ -244,9 +244,11 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     entries = np.empty(int(length.sum()), np.int32)
     for k0, k1 in zip(runs[:-1], runs[1:]):
         r0, r1 = np.searchsorted(hop, [k0, k1])
-        at = int(start[r0]) if r0 < len(start) else 0
-        if r0 < r1 and not _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
-                                        entries[at:at + int(length[r0:r1].sum())]):
+        if r0 == r1:
+            continue
+        at = int(start[r0])
+        if not _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
+                            entries[at:at + int(length[r0:r1].sum())]):
             entries = values[stream.ranges(hpos + 1, length)]  # beyond an int32: as they are
             break
     per_step = np.zeros(len(steps), np.int64)
@@ -280,17 +282,14 @@ def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndar
         first = int(at[r0])
         a, m = at[r0:r1] - first, n[r0:r1]
         gap = a - np.r_[0, (a + m)[:-1]]  # headers and other ops' values
-        mask = np.repeat(_OUT_IN[:2 * len(a)] if 2 * len(a) <= len(_OUT_IN) else
-                         np.tile(_OUT_IN[:2], len(a)), np.stack([gap, m], axis=1).reshape(-1))
+        mask = np.repeat(np.tile(np.array([False, True]), len(a)),  # each gap, then its run
+                         np.stack([gap, m], axis=1).reshape(-1))
         part = values[first:first + len(mask)][mask]
         if len(part) and not (lo32 <= part.min() and part.max() <= hi32):
             return False
         out[pos:pos + len(part)] = part
         pos += len(part)
     return True
-
-
-_OUT_IN = np.tile(np.array([False, True]), 1 << 16)  # a run's mask: the gap before it, then it
 
 
 @dataclass

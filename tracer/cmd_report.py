@@ -781,7 +781,7 @@ def document(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
 def json_parts(doc: dict) -> dict:
     """The document's parts, each already serialized (orjson.Fragment): the
     same bytes in write_json, which then only copies them."""
-    return {k: orjson.Fragment(orjson.dumps(v, option=_JSON_OPTIONS)) for k, v in doc.items()}
+    return {k: _json_fragment(v) for k, v in doc.items()}
 
 
 # numpy arrays as they are (request_access' columns: no Python object per

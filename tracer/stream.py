@@ -201,7 +201,7 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
     else:
         g_start = g_count = g_chunks = np.zeros(0, np.int64)
         g_contig = np.zeros(0, bool)
-    where = _where_they_lie(batches, hdrs, count, order, first, g_chunks, starts_s,
+    where = _where_they_lie(batches, hdrs, count, order, count_s, first, g_chunks, starts_s,
                             lying_in, room_at) if lying_in is not None else None
     if where is None:
         values = _place(parts, hdrs, count, order, starts_s, total)
@@ -235,8 +235,8 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
     return OpStream(ops, values, orphan_chunks, orphan_values, total)
 
 
-def _where_they_lie(batches, hdrs, count, order, first, g_chunks, starts_s, lying_in,
-                    room_at):
+def _where_they_lie(batches, hdrs, count, order, count_s, first, g_chunks, starts_s,
+                    lying_in, room_at):
     """Each seq group's first value's index in lying_in, where its chunks
     lie one after another in (seq, offset) order; a group they do not (an op
     split between two batches) is first copied to the room at room_at.
@@ -256,7 +256,7 @@ def _where_they_lie(batches, hdrs, count, order, first, g_chunks, starts_s, lyin
     g_split = np.unique(np.searchsorted(first, split, side="right") - 1)
     c_first, c_n = first[g_split], g_chunks[g_split]  # their chunks, in order
     chunk = ranges(c_first, c_n)
-    n = count[order][chunk]
+    n = count_s[chunk]
     need = int(n.sum())
     if room_at is None or not lying_in.flags.writeable or room_at + need > len(lying_in):
         return None

@@ -165,7 +165,7 @@ class Trace:
             # at multiples of 8 (every file since stop 44's); else copied
             if self.room is not None:
                 lying_in = np.frombuffer(self.room, stream.VALUE, len(self.room) // 8)
-                room_at = -(-len(self.data) // mmap.PAGESIZE) * mmap.PAGESIZE // 8
+                room_at = len(self.room) // 2 // 8  # its second half (_map_with_room)
             else:
                 lying_in = None if self.data is None else \
                     np.frombuffer(self.data, stream.VALUE, len(self.data) // 8)
