@@ -233,15 +233,17 @@ def _map(f):
     after them, or None).  Batches are views of the mapping (no copy), and
     the pages are the page cache's, not this process's heap.  A file that
     cannot be mapped (empty, or on a file system without mmap) is read whole.
-    MAP_POPULATE: every page is read anyway (each frame's checksum), and
-    mapping them all in one call is cheaper than a fault per page (0.3 s of
-    row 6's 7 s text report: docs/bench.md, "Stop 31")."""
+    The pages are mapped as the checksums first read them, on every CPU
+    (_checksums), not all at once by MAP_POPULATE in this thread: row 6's
+    trace read in 0.18 s where MAP_POPULATE's one call made it 0.22 s
+    (docs/bench.md, "Stop 45"; with the checksums on one CPU, stop 31 had
+    found MAP_POPULATE cheaper than a fault per page)."""
     try:
         return _map_with_room(f)
     except (ValueError, OSError, AttributeError):
         pass
     try:
-        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED,
                          prot=mmap.PROT_READ), None
     except (ValueError, OSError):
         return f.read(), None
@@ -268,7 +270,7 @@ def _map_with_room(f):
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long)
-    got = libc.mmap(addr, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED | mmap.MAP_POPULATE,
+    got = libc.mmap(addr, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED,
                     f.fileno(), 0)
     if got != addr:
         room.close()
