@@ -183,6 +183,41 @@ def test_scan_reads_per_block_figures():
     assert sc.idle.tolist() == [30, 10]
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 5])
+def test_scan_reads_in_time_order_a_few_values_at_a_time(chunk, monkeypatch):
+    """Steps in time order: the scan casts and counts the reads a chunk of
+    steps at a time (a step may straddle two chunks).  Its figures equal
+    the test's own reading of every read, one at a time."""
+    if chunk is not None:
+        monkeypatch.setattr(access, "_CHUNK_VALUES", chunk)
+    rng = np.random.default_rng(7)
+    ts = 10 * np.arange(1, 41)
+    per_step = [rng.integers(1, 30, int(rng.integers(0, 9))).tolist() for _ in ts]
+    per_step[3] = per_step[3] + per_step[3][:2]  # blocks read twice in one step
+    step_of = np.array([k for k, bs in enumerate(per_step) for _ in bs], np.int64)
+    block = np.array([b for bs in per_step for b in bs], np.int64)
+    gen_block, gen_start = rng.integers(1, 30, 25), np.sort(rng.integers(0, 450, 25))
+    gen_start[:3] = ts[[4, 4, 9]]  # a generation starting at a step's own time
+    sc = access.scan_reads(step_of, block, ts, gen_block, gen_start)
+    reads, last, sharing = [0] * 30, [0] * 30, [0] * 30
+    for k, bs in enumerate(per_step):
+        for b in bs:
+            reads[b] += 1
+            last[b] = k + 1
+            sharing[b] = max(sharing[b], bs.count(b))
+    assert sc.reads_per_block.tolist() == reads[:len(sc.reads_per_block)]
+    assert sc.last_read_step.tolist() == last[:len(sc.last_read_step)]
+    assert sc.sharing.tolist() == sharing[:len(sc.sharing)]
+    assert sc.last_read_ns.tolist() == [int(ts[s - 1]) if s else 0
+                                        for s in last[:len(sc.last_read_ns)]]
+    idle = []
+    for b, g in zip(gen_block.tolist(), gen_start.tolist()):
+        before = [int(ts[k]) for k, bs in enumerate(per_step) if b in bs and ts[k] < g]
+        if before:
+            idle.append(g - max(before))
+    assert sc.idle.tolist() == idle and len(idle) > 5
+
+
 def test_prefix_reuse_two_rows_wanting_one_earlier_row():
     # block size 4.  Step 1: request A, 5 tokens in blocks 1, 2 (writes
     # slots 4..8).  Step 2: B and C, both A's blocks and one more, each

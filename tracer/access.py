@@ -331,9 +331,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     gen_block = np.asarray(gen_block, np.int64)
     gen_start_ns = np.asarray(gen_start_ns, np.int64)
     nb = int(block.max()) + 1 if len(block) else 0
-    reads = np.zeros(nb, np.uint64)
-    for a in range(0, len(block), _CHUNK_VALUES):  # an int32 block is cast a chunk at a time
-        reads += np.bincount(block[a:a + _CHUNK_VALUES], minlength=nb).astype(np.uint64)
+    reads = np.zeros(nb, np.int64)
     steps_in_time = np.argsort(ts_ns, kind="stable")
     t_sorted = ts_ns[steps_in_time]
     rank = np.empty(len(ts_ns), np.int64)  # each step's place in time order
@@ -350,6 +348,18 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     # also the highest-numbered; otherwise that is kept apart
     in_order = bool(np.all(steps_in_time == np.arange(len(ts_ns))))
     last_step = None if in_order else np.zeros(nb, np.int64)
+    # the blocks as an index (intp), a chunk of steps at a time: each step's
+    # are a slice of its chunk's, and the reads per block a bincount of each
+    # chunk as it is cast, where the steps in order tile the reads once (else
+    # they are counted apart).  A bincount of the int32 blocks cast them
+    # again inside (row 6's scan: 0.15 s of 0.66)
+    tiled = in_order and len(bounds) and bounds[0] == 0 and bounds[-1] == len(block)
+    counted = 0 if tiled else len(block)  # the reads counted so far
+    if not tiled:
+        for a in range(0, len(block), _CHUNK_VALUES):
+            reads += np.bincount(block[a:a + _CHUNK_VALUES], minlength=nb)
+    as_index = np.empty(0, np.intp)
+    c_lo = c_hi = 0  # the chunk that as_index holds
     sharing = np.zeros(nb, np.int64)
     widest = int(np.max(np.diff(bounds), initial=0))
     offsets, numbers = np.arange(widest, dtype=number), np.empty(widest, number)  # reused per step
@@ -362,12 +372,10 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     def step_of(read):  # the step of each read number
         return np.searchsorted(bounds, read, side="right") - 1
 
-    def answer(upto):
-        # the generations starting at or before `upto` see only the reads
-        # applied so far, all of them earlier than their start: a read at a
-        # generation's very start is not before it
+    def answer(g_end):
+        # the generations before g_end (in start order) see only the reads
+        # applied so far, all of them earlier than their start
         nonlocal g_next
-        g_end = int(np.searchsorted(g_starts, upto, side="right"))
         if g_end > g_next:
             g = g_order[g_next:g_end]
             b = gen_block[g]
@@ -378,16 +386,26 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
             idle[g[seen]] = gen_start_ns[g[seen]] - ts_ns[step_of(at[seen])]
             g_next = g_end
 
-    prev_t = None
-    for i, k in enumerate(steps_in_time.tolist()):
-        t = int(t_sorted[i])
-        if t != prev_t:
-            answer(t)
-            prev_t = t
-        lo, hi = int(bounds[k]), int(bounds[k + 1])
+    # before each step, in time order, the generations that start at or
+    # before its time: a read at a generation's very start is not before it
+    g_ends = np.searchsorted(g_starts, t_sorted, side="right").tolist()
+    bounds_l = bounds.tolist()
+    for k, g_end in zip(steps_in_time.tolist(), g_ends):
+        if g_end > g_next:
+            answer(g_end)
+        lo, hi = bounds_l[k], bounds_l[k + 1]
         if lo == hi:
             continue
-        b = block[lo:hi].astype(np.intp, copy=False)  # an index: cast once, not per use
+        if hi > c_hi or lo < c_lo:
+            c_lo, c_hi = lo, min(len(block), max(hi, lo + _CHUNK_VALUES)) if tiled else hi
+            if len(as_index) < c_hi - c_lo:
+                as_index = np.empty(c_hi - c_lo, np.intp)
+            chunk = as_index[:c_hi - c_lo]
+            chunk[:] = block[c_lo:c_hi]
+            if counted < c_hi:
+                reads += np.bincount(chunk[counted - c_lo:], minlength=nb)
+                counted = c_hi
+        b = as_index[lo - c_lo:hi - c_lo]
         here = np.add(offsets[:hi - lo], lo, out=numbers[:hi - lo])  # the reads' numbers
         last_read[b] = here  # time order: this is the latest
         if last_step is not None:
@@ -401,7 +419,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
         if bool(stale.any()):
             u, c = np.unique(b[stale], return_counts=True)
             sharing[u] = np.maximum(sharing[u], c + 1)
-    answer(np.iinfo(np.int64).max)
+    answer(len(g_starts))
     has_read = last_read >= 0
     sharing[(sharing == 0) & has_read] = 1
     last_at = np.zeros(nb, np.int64)  # 1 + the place in time order of its last step
@@ -410,7 +428,8 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
         np.zeros(0, np.int64)
     if last_step is None:
         last_step = last_at
-    return ReadScan(reads, last_step.astype(np.uint64), last_ns, sharing, out_of_range,
+    return ReadScan(reads.astype(np.uint64), last_step.astype(np.uint64), last_ns, sharing,
+                    out_of_range,
                     idle[found])
 
 
