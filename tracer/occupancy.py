@@ -289,6 +289,7 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
         orphan = np.flatnonzero(w_gen < 0)
         blocks, first = np.unique(w_block[orphan], return_index=True)  # orphans are key-sorted
         at = orphan[first]
+        found_order, n_found = sorted_starts[2], len(s_block)
         s_block = np.concatenate([s_block, blocks])
         s_key = np.concatenate([s_key, w_key[at]])
         s_kind = np.concatenate([s_kind, np.full(len(at), _K_BEFORE)])
@@ -300,8 +301,15 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     s_kind, s_op, s_move = s_kind[order], s_op[order], s_move[order]
     G = len(s_block)
     if orphans:
-        w_gen[worder] = _latest_start(s_block, s_key, w_block[worder], w_key[worder], False,
-                                      q_sorted=True)
+        # each write's start again, without a second search (row 6's trace:
+        # 0.04 s): a found one's by where it went in the new order, and an
+        # orphan's is its block's new start (before any other of the block,
+        # so no write that had a start is moved to it)
+        place = np.empty(G, np.int64)
+        place[order] = np.arange(G)
+        had = np.flatnonzero(w_gen >= 0)
+        w_gen[had] = place[found_order][w_gen[had]]
+        w_gen[orphan] = place[n_found + np.searchsorted(blocks, w_block[orphan])]
 
     # per generation, from its runs (sorted by generation, then order)
     g_sorted, key_sorted = w_gen[worder], w_key[worder]
