@@ -18,6 +18,7 @@ truncated or unreadable are marked incomplete, never used half.
 """
 
 import ctypes
+import math
 import os
 from dataclasses import dataclass
 
@@ -347,10 +348,23 @@ def order_by(*keys, stable: bool = False) -> np.ndarray:
     stable: equal keys keep their order, as lexsort's do; else any order."""
     if not len(keys[0]):
         return np.zeros(0, np.intp)
+    # a key that is one value throughout orders nothing (a trace's one process,
+    # one KV-cache group: the residency's keys), and leaving it out lets the
+    # others pack where with it they would not (a group id is an address)
+    bounds = [(int(k.min()), int(k.max())) for k in keys]
+    varied = [(k, lo, hi) for k, (lo, hi) in zip(keys, bounds) if lo != hi]
+    if not varied:
+        return np.arange(len(keys[0]))
+    keys = [k for k, _, _ in varied]
     try:
-        packed = np.ravel_multi_index(keys, [int(k.max()) + 1 for k in keys])
+        if any(lo < 0 for _, lo, _ in varied):
+            raise ValueError("a negative key")
+        dims = [hi + 1 for _, _, hi in varied]
+        packed = np.ravel_multi_index(keys, dims)
     except (ValueError, TypeError):  # a negative key, or a product beyond an int64
         return np.lexsort(keys[::-1])
+    if stable and math.prod(dims) <= 1 << 16:  # numpy sorts 16 bits by radix
+        packed = packed.astype(np.uint16)
     return np.argsort(packed, kind="stable" if stable else None)
 
 
