@@ -164,13 +164,13 @@ def residency(ev: Events) -> dict:
     sel = np.flatnonzero(np.isin(ev.kind, (alloc, hit)))
     if not len(sel):
         return {n: np.zeros(0) for n in RESIDENCY}
-    sel = sel[np.lexsort((sel, ev.ts_ns[sel]))]  # time order, as Residency.add
+    sel = sel[stream.order_by(ev.ts_ns[sel], stable=True)]  # time order, as Residency.add
     pid = ev.pid[sel] if ev.pid is not None else np.zeros(len(sel), np.int64)
     group, block, ts = ev.group[sel], ev.block[sel], ev.ts_ns[sel]
     is_alloc = ev.kind[sel] == alloc
     n = len(sel)
     # each block's events together, in time order (t: the place in time)
-    by = np.lexsort((np.arange(n), block, group, pid))
+    by = stream.order_by(pid, group, block, stable=True)
     p, g, b, t = pid[by], group[by], block[by], by
     ts, is_alloc = ts[by], is_alloc[by]
     i = np.arange(n)
@@ -197,12 +197,18 @@ def residency(ev: Events) -> dict:
     np.minimum.at(first_t, which, t[any_sample])
     rank = np.empty(len(pids), np.int64)
     rank[np.argsort(first_t, kind="stable")] = np.arange(len(pids))
-    out = {}
-    for name, (mask, value) in found.items():
-        k = np.flatnonzero(mask)
-        order = np.lexsort((t[k], rank[np.searchsorted(pids, p[k])]))
-        out[name] = value[k[order]].astype(np.int64) / 1e9
-    return out
+    # every event (its place in `by`) in that order: time order is by's
+    # inverse (t is a place in time), with no sort; then process by process
+    # (one sort of the processes' ranks, where there are several).  Each
+    # kind's samples are then those events that have one: three sorts of the
+    # samples by (rank, time) were 0.1 s of row 6's 1.8M block events
+    in_time = np.empty(n, np.intp)
+    in_time[t] = i
+    if len(pids) > 1:
+        r = rank[np.minimum(np.searchsorted(pids, p[in_time]), len(pids) - 1)]
+        in_time = in_time[stream.order_by(r, stable=True)]
+    return {name: value[in_time[mask[in_time]]].astype(np.int64) / 1e9
+            for name, (mask, value) in found.items()}
 
 
 def bucket_counts(seconds, bounds=RESIDENCY_BUCKETS) -> np.ndarray:
