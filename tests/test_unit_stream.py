@@ -277,3 +277,10 @@ def test_order_by_is_lexsorts_order():
     assert stream.order_by(big, big[::-1].copy(), stable=True).tolist() == \
         np.lexsort((np.arange(5000), big[::-1], big)).tolist()
     assert len(stream.order_by(np.zeros(0, np.int64))) == 0
+    # a key of one value throughout (an address) orders nothing, and is left
+    # out of the packing; keys that all hold one value leave the order as it is
+    address = np.full(5000, 140523659390992)
+    assert stream.order_by(address, b, big, stable=True).tolist() == \
+        np.lexsort((np.arange(5000), big, b)).tolist()
+    assert stream.order_by(address, address[:1].repeat(5000), stable=True).tolist() == \
+        list(range(5000))
