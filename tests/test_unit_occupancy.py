@@ -2,6 +2,8 @@
 by hand from the definitions in docs/occupancy.md, and on random streams
 against a slot-by-slot reading of the same definitions."""
 
+from unittest import mock
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
@@ -269,10 +271,12 @@ def reference_generations(ops, bs):
 
 
 @settings(max_examples=300, deadline=None)
-@given(bs=st.sampled_from([1, 2, 3, 4, 16]), data=st.data())
-def test_generations_equal_a_slot_by_slot_reading(bs, data):
+@given(bs=st.sampled_from([1, 2, 3, 4, 16]), chunk=st.sampled_from([1, 2, 5, 1 << 20]),
+       data=st.data())
+def test_generations_equal_a_slot_by_slot_reading(bs, chunk, data):
     """Random streams of writes (slots in any order, repeated, padded, runs
-    that cross blocks), copies and swaps, against reference_generations."""
+    that cross blocks), copies and swaps, against reference_generations;
+    the runs found a few slots at a time (chunk) as well as at once."""
     nblocks = 6
     op = st.one_of(
         st.tuples(st.just("reshape_and_cache"),
@@ -292,7 +296,8 @@ def test_generations_equal_a_slot_by_slot_reading(bs, data):
     w = Wire()
     for name, values, flags in ops:
         w.op(name, values, flags=flags)
-    g = gens_of(w, bs)
+    with mock.patch.object(occupancy, "_CHUNK_SLOTS", chunk):
+        g = gens_of(w, bs)
     rows, active, tokens = reference_generations(ops, bs)
     assert table(g) == rows
     assert list(g.active_blocks) == active
