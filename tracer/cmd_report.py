@@ -488,35 +488,45 @@ def stream_reasons(ops: stream.OpStream, trace, agg: Aggregate) -> list:
 
 def _value_counts(a: np.ndarray) -> list:
     v, n = np.unique(a, return_counts=True)
-    return [[int(x), int(y)] for x, y in zip(v, n)]
+    return [[x, y] for x, y in zip(v.tolist(), n.tolist())]
 
 
 def _occupancy_json(rep: Report) -> list:
+    # layers whose writes are the same values share one Generations
+    # (occupancy.distinct_caches), and its figures are made once
+    made = {}
     out = []
     for c in rep.caches:
         key = (c["pid"], c["cache_id"])
         g = rep.gens.get(key)
         if g is None:
             continue
-        frag = g.fragmentation
+        if id(g) not in made:
+            made[id(g)] = _generations_json(g)
         out.append({
             "pid": c["pid"], "layer": rep.layers[key], "cache_id": c["cache_id"],
             "source": rep.occupancy_source.name, "caveat": rep.occupancy_source.caveat,
-            "block_size": g.block_size, "generations": len(g),
-            "started_by": {k: int(np.count_nonzero(g.kind == i))
-                           for i, k in enumerate(occupancy.KINDS)},
-            "fill_hist": g.fill_hist.tolist(),  # generations by tokens held at their end
-            "fill_level_mean": float(g.fill.mean() / g.block_size) if len(g) else None,
-            "max_writes": g.max_writes,
-            "lifetime_steps": _value_counts(g.lifetime_steps),
-            "reuse_steps": _value_counts(g.reuse_steps[g.reuse_steps >= 0]),
-            "steps": g.steps,
-            "active_blocks": g.active_blocks.tolist(),
-            "active_tokens": g.active_tokens.tolist(),
-            "fragmentation_mean": float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else None,
-            "incomplete_ops": g.incomplete_ops,
-        })
+            **made[id(g)]})
     return out
+
+
+def _generations_json(g: occupancy.Generations) -> dict:
+    frag = g.fragmentation
+    return {
+        "block_size": g.block_size, "generations": len(g),
+        "started_by": {k: int(np.count_nonzero(g.kind == i))
+                       for i, k in enumerate(occupancy.KINDS)},
+        "fill_hist": g.fill_hist.tolist(),  # generations by tokens held at their end
+        "fill_level_mean": float(g.fill.mean() / g.block_size) if len(g) else None,
+        "max_writes": g.max_writes,
+        "lifetime_steps": _value_counts(g.lifetime_steps),
+        "reuse_steps": _value_counts(g.reuse_steps[g.reuse_steps >= 0]),
+        "steps": g.steps,
+        "active_blocks": g.active_blocks.tolist(),
+        "active_tokens": g.active_tokens.tolist(),
+        "fragmentation_mean": float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else None,
+        "incomplete_ops": g.incomplete_ops,
+    }
 
 
 # -- access patterns (reads) -------------------------------------------------------
