@@ -70,15 +70,22 @@ def events(ops: stream.OpStream) -> Events:
     kind_table = np.zeros(abi.NR_OPS, dtype=np.int64)
     for op_id, kind in KIND_OF_OP.items():
         kind_table[op_id] = abi.LIFE.index(kind)
-    rows = np.repeat(idx, n)
     keep = blocks > 0
-    rows, blocks, hashes = rows[keep], blocks[keep], hashes[keep]
-    return Events(ts_ns=o["ts_ns"][rows].astype(np.int64),
-                  kind=kind_table[o["op"][rows]],
-                  req=o["cache_id"][rows].astype(np.uint64),
-                  group=o["cache_index"][rows].astype(np.int64),
-                  block=blocks, event=rows.astype(np.int64), incomplete=incomplete,
-                  hash=hashes, pid=o["pid"][rows].astype(np.int64))
+
+    def per_event(per_op):  # an op's field, for each of its events kept
+        return np.repeat(per_op, n)[keep]
+
+    # each field taken from the ops' table once per op, then repeated: a
+    # gather per event from the table's strided columns was most of this
+    # function (row 6's 1.8M events: 0.13 s)
+    op = o[idx]
+    return Events(ts_ns=per_event(op["ts_ns"].astype(np.int64)),
+                  kind=per_event(kind_table[op["op"]]),
+                  req=per_event(op["cache_id"].astype(np.uint64)),
+                  group=per_event(op["cache_index"].astype(np.int64)),
+                  block=blocks[keep], event=per_event(idx.astype(np.int64)),
+                  incomplete=incomplete, hash=hashes[keep],
+                  pid=per_event(op["pid"].astype(np.int64)))
 
 
 RESIDENCY = ("lifetime", "idle_before_evict", "reuse_gap")
