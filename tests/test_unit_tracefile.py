@@ -3,6 +3,7 @@ one-line errors.  Pure Python: files are written with TraceWriter from
 records built here in the layouts of bpf/kvtrace.h."""
 
 import json
+import mmap
 import os
 import struct
 import subprocess
@@ -125,6 +126,18 @@ def test_values_are_taken_where_they_lie_in_the_file(tmp_path):
     in_file = ops.ops["stop"] * 8 <= len(t.data)
     assert in_file.tolist() == [i != 1 for i in range(20)]  # op 1, split, lies past the file
     assert ops.values_decoded == len(expected)
+
+
+def test_letting_go_of_the_files_pages_loses_no_value(tmp_path):
+    """let_go_of_pages drops the file's mapped pages (a read maps them again
+    from the page cache) but not the room past the file, where the split
+    op's values were copied: every op's values stay what was written."""
+    path, expected = _three_chunk_ops(tmp_path, "t.kvt")
+    t = tracefile.read(str(path))
+    ops = t.ops
+    assert len(t.data) > 4 * mmap.PAGESIZE and ops.ops["stop"][1] * 8 > len(t.data)
+    t.let_go_of_pages()
+    assert np.array_equal(_values_in_order(ops), expected)
 
 
 def test_a_file_with_values_off_the_8_byte_grid_is_copied(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import contextlib
 import csv
 import gc
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -1112,6 +1113,8 @@ def _run(args) -> int:
                  meanwhile=views, access_as=_json_fragment if args.format == "json" else None)
     hm, rates, parts = rep.meanwhile
     if args.format == "json":
+        # everything is made: the file's pages are let go beside the writing
+        threading.Thread(target=trace.let_go_of_pages, daemon=True).start()
         write_json({**parts, "lifecycle": rep.lifecycle}, sys.stdout)
     elif args.format == "csv":
         write_csv(rep, args.table, hm, sys.stdout)
