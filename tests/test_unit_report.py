@@ -12,7 +12,7 @@ from rich.console import Console
 
 from conftest import run_kvtrace
 from test_unit_tracefile import BS, write_trace, synthetic_ops
-from tracer import heatmap
+from tracer import cmd_report, heatmap
 
 
 def test_heatmap_cells_and_footer():
@@ -434,3 +434,14 @@ def test_report_pauses_the_cycle_collector_and_restores_it(tmp_path, monkeypatch
             assert cli.main(argv) == code
         assert gc.isenabled(), argv
     assert seen == [False]
+
+
+def test_value_counts_in_value_order_any_integers():
+    """_value_counts counts small non-negative steps by a bincount and
+    anything else by np.unique: both give every value once, in order, with
+    its count (the test's own Counter)."""
+    from collections import Counter
+    rng = np.random.default_rng(5)
+    for a in (rng.integers(0, 50, 1000), rng.integers(-3, 50, 1000),
+              rng.integers(0, 1 << 40, 50), np.zeros(0, np.int64), np.array([7])):
+        assert cmd_report._value_counts(a) == sorted([v, n] for v, n in Counter(a.tolist()).items())

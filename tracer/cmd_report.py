@@ -488,7 +488,16 @@ def stream_reasons(ops: stream.OpStream, trace, agg: Aggregate) -> list:
 # -- views -----------------------------------------------------------------------
 
 def _value_counts(a: np.ndarray) -> list:
-    v, n = np.unique(a, return_counts=True)
+    """[[value, count], ...] in value order.  Steps (lifetimes, reuse gaps)
+    are small non-negative integers, counted by a bincount where np.unique
+    sorted them (row 6's 850k reuse gaps: 32 -> 3 ms)."""
+    a = np.asarray(a)
+    if len(a) and a.dtype.kind in "iu" and int(a.min()) >= 0 and int(a.max()) < 4 * len(a) + 1024:
+        counts = np.bincount(a)
+        v = np.flatnonzero(counts)
+        n = counts[v]
+    else:
+        v, n = np.unique(a, return_counts=True)
     return [[x, y] for x, y in zip(v.tolist(), n.tolist())]
 
 
