@@ -358,8 +358,9 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
     o = ops.ops
     values = ops.values
     raw_caches, moves, moves_beyond = [], {}, {}
-    names = np.array([abi.OP_NAMES.get(int(x), str(x)) for x in o["op"]]) if len(o) else \
-        np.zeros(0, str)
+    # (no name per op: a Python string for each of row 6's 1M ops took 0.09 s)
+    op_ids = {n: [i for i, m in abi.OP_NAMES.items() if m == n] for n in ("copy_blocks",
+                                                                           "swap_blocks")}
 
     def values_of(mask):
         idx = np.flatnonzero(mask)
@@ -399,7 +400,8 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
         nb = max([c["num_blocks"] for c in caches if c["pid"] == pid] + [1])
 
         def count(op, flag, side):
-            v = values_of(mine & (names == op) & ((o["flags"] & flag) == flag))[side::2]
+            v = values_of(mine & np.isin(o["op"], op_ids[op]) & ((o["flags"] & flag) == flag))[
+                side::2]
             return v
 
         parts = [count("copy_blocks", 0, 0), count("copy_blocks", 0, 1),
@@ -412,7 +414,11 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
         nb = max([nb] + [int(p.max()) + 1 for p in parts if len(p)])
         moves[pid] = np.stack([np.bincount(p, minlength=nb).astype(np.uint64) for p in parts])
     op_stats, log2 = {}, {}
-    for (pid, op_id) in sorted({(int(p), int(x)) for p, x in zip(o["pid"], o["op"])}):
+    # each (process, op) once, in that order: one np.unique of the two as
+    # one integer, where a set of Python pairs took 0.06 s of row 6's 1M ops
+    pairs = np.unique((o["pid"].astype(np.uint64) << np.uint64(32)) | o["op"].astype(np.uint64))
+    for pid, op_id in zip((pairs >> np.uint64(32)).tolist(),
+                          (pairs & np.uint64(0xffffffff)).tolist()):
         sel = (o["pid"] == pid) & (o["op"] == op_id)
         name = abi.OP_NAMES.get(op_id, str(op_id))
         flags = o["flags"][sel]
