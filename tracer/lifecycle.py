@@ -253,9 +253,9 @@ def request_events(ops: stream.OpStream) -> list:
     """[(ts_ns, req, what, tokens)] of the request ops (arrive: prompt
     tokens, preempt: computed tokens lost, finish: output tokens)."""
     o = ops.ops
-    idx = np.flatnonzero(np.isin(o["op"], list(REQUEST_OP_IDS)))
-    return [(int(o["ts_ns"][i]), int(o["cache_id"][i]),
-             REQUEST_EVENT[REQUEST_OP_IDS[int(o["op"][i])]], int(o["items"][i])) for i in idx]
+    r = o[np.flatnonzero(np.isin(o["op"], list(REQUEST_OP_IDS)))]
+    return [(t, req, REQUEST_EVENT[REQUEST_OP_IDS[op]], n) for t, req, op, n in zip(
+        r["ts_ns"].tolist(), r["cache_id"].tolist(), r["op"].tolist(), r["items"].tolist())]
 
 
 def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
@@ -329,8 +329,19 @@ def summary(ev: Events) -> dict:
     needed = totals["hit"] + totals["alloc"]
     return {"blocks": totals,
             "prefix_served_share": totals["hit"] / needed if needed else None,
-            "requests": int(len(np.unique(ev.req))) if len(ev) else 0,
+            "requests": _distinct_requests(ev),
             "incomplete_events": ev.incomplete}
+
+
+def _distinct_requests(ev: Events) -> int:
+    """How many requests the events name.  An op's events are one request's
+    (events() repeats its request per event, in op order), so only each
+    op's first is looked at: one np.unique of the ops, not of every event
+    (row 6's 1.8M: 32 -> 5 ms)."""
+    if not len(ev):
+        return 0
+    first = np.r_[True, ev.event[1:] != ev.event[:-1]]
+    return int(len(np.unique(ev.req[first])))
 
 
 def stack_distances(hashes: np.ndarray) -> np.ndarray:
