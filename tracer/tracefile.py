@@ -185,12 +185,10 @@ class Trace:
         if self.room is None or self.data is None:
             return
         try:
-            anchor = ctypes.c_char.from_buffer(self.room)  # only to learn its address
-            addr = ctypes.addressof(anchor)
-            del anchor
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            libc.madvise(addr, len(self.data) // mmap.PAGESIZE * mmap.PAGESIZE, _MADV_DONTNEED)
+            libc.madvise(_address_of(self.room), len(self.data) // mmap.PAGESIZE * mmap.PAGESIZE,
+                         _MADV_DONTNEED)
         except (OSError, AttributeError, ValueError, BufferError):
             pass
 
@@ -283,9 +281,7 @@ def _map_with_room(f):
     span = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     room = mmap.mmap(-1, 2 * span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    anchor = ctypes.c_char.from_buffer(room)  # only to learn its address
-    addr = ctypes.addressof(anchor)
-    del anchor
+    addr = _address_of(room)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
@@ -296,6 +292,16 @@ def _map_with_room(f):
         room.close()
         raise OSError(ctypes.get_errno(), "mmap MAP_FIXED failed")
     return memoryview(room)[:size], room
+
+
+def _address_of(mapping: mmap.mmap) -> int:
+    """Where a writable mmap lies in this process's memory (Python's mmap
+    does not say): a ctypes view made only to learn it, and dropped, so
+    that the mapping can still be closed."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    addr = ctypes.addressof(anchor)
+    del anchor
+    return addr
 
 
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux's; Python's mmap names neither
