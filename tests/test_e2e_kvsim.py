@@ -18,14 +18,18 @@ WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
-@pytest.mark.parametrize("workload,extra", [(w, ()) for w in WORKLOADS] + [
+@pytest.mark.parametrize("workload,extra,perf_uprobes", [(w, (), "0") for w in WORKLOADS] + [
     # a block size that is not a power of two takes the dividing stage
-    ("beam", ("--block-size", 48)), ("swap", ("--block-size", 24))])
-def test_attach_command_matches_truth(tmp_path, workload, extra):
+    ("beam", ("--block-size", 48), "0"), ("swap", ("--block-size", 24), "0"),
+    # perf events, the stop at the entry point included: the programs are
+    # loaded for them (a link's program is refused on a perf event here)
+    ("default", (), "1")])
+def test_attach_command_matches_truth(tmp_path, workload, extra, perf_uprobes):
     out = tmp_path / "agg.json"
     truth_path = tmp_path / "truth.json"
     r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", workload,
-                    *extra, "--truth", truth_path, "--quiet")
+                    *extra, "--truth", truth_path, "--quiet",
+                    env=dict(os.environ, KVTRACE_PERF_UPROBES=perf_uprobes))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["stop_reason"] == "target exited"

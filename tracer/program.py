@@ -19,8 +19,9 @@ program text, kernel and bcc, in a short-lived child process
 
 A tracer then creates the maps through libbcc_bpf, bcc's loader library,
 which links no LLVM, writes its own fds into those instructions and loads the
-programs itself (BPF_PROG_LOAD), each with the attach type that uprobe_multi
-links need (attach_type()).  Why a cache of bcc's output and not a prebuilt
+programs itself (BPF_PROG_LOAD), each with the attach type of the way the
+session attaches it: the one uprobe_multi links need (attach_type()), or 0
+for perf events.  Why a cache of bcc's output and not a prebuilt
 libbpf object: docs/design.md, "Compile once".
 
 The entries live in the tracer's cache directory (cache.py), which only its
@@ -276,13 +277,15 @@ _attach_type = None
 
 
 def attach_type() -> int:
-    """The expected_attach_type every program is loaded with:
-    BPF_TRACE_UPROBE_MULTI where the kernel takes it, so that a program can
-    be attached by a uprobe_multi link (uprobe_pmu.UprobeLink) and, as well,
-    to a perf event (the kernel takes such a program for both); else 0.
-    Decided once per process, by loading a two-instruction program.  The
-    tail-called stages are loaded the same way: since 6.17 the kernel
-    refuses a tail call between programs of different attach types."""
+    """The expected_attach_type a program needs for a uprobe_multi link
+    (uprobe_pmu.UprobeLink): BPF_TRACE_UPROBE_MULTI where the kernel takes
+    it, else 0.  Decided once per process, by loading a two-instruction
+    program.  A program loaded so goes on links only: this VM's 6.18.44
+    kernel refuses it on a perf event (PERF_EVENT_IOC_SET_BPF: EINVAL,
+    seen 2026-12-02; the same version took it before), so every program
+    of a session is loaded for the one way it attaches (session.py), the
+    tail-called stages included: since 6.17 the kernel refuses a tail call
+    between programs of different attach types."""
     global _attach_type
     if _attach_type is None:
         fd = trivial_program(uprobe_pmu.BPF_TRACE_UPROBE_MULTI)
@@ -452,7 +455,7 @@ def _online_cpus() -> list:
 class LoadedProgram:
     """The maps and programs of one cached compile, in the kernel."""
 
-    def __init__(self, entry: dict):
+    def __init__(self, entry: dict, kind: int = 0):
         lib = libbcc_bpf()
         self.maps, self._fds, self._progs = {}, [], {}
         self._readers, self._ringbuf, self._callbacks = [], None, []
@@ -474,8 +477,6 @@ class LoadedProgram:
             if any(prog.get("subprogs") for prog in entry["progs"]):
                 btf_fd = _load_btf(_FUNC_BTF)
                 self._fds.append(btf_fd)
-
-            kind = attach_type()
 
             def load_one(prog):
                 insns = bytearray(base64.b64decode(prog["insns"]))
@@ -699,11 +700,13 @@ def compile_entry(cflags: list, key: str, out_path: str):
         raise EnvironmentProblem(f"the BPF program did not compile: {first}{more}")
 
 
-def load(cflags: list, before_compile=lambda: None) -> tuple:
+def load(cflags: list, before_compile=lambda: None, kind: int = 0) -> tuple:
     """(LoadedProgram, how) for the program with these cflags: from the
     cache when an entry is there, else compiled now (and cached where the
     cache is usable).  `how` says which, for the ready line.
-    before_compile() runs before a compile (the checks only it needs)."""
+    before_compile() runs before a compile (the checks only it needs).
+    kind: the expected_attach_type every program is loaded with, for the
+    way they will be attached (attach_type(): links; 0: perf events)."""
     key = cache_key(cflags)
     directory, why_not = cache.directory()
     if directory is not None:
@@ -711,7 +714,7 @@ def load(cflags: list, before_compile=lambda: None) -> tuple:
         entry = read_entry(path, key)
         if entry is not None:
             try:
-                return LoadedProgram(entry), "cached"
+                return LoadedProgram(entry, kind), "cached"
             except OSError as e:
                 if e.errno in (errno.EPERM, errno.EACCES):
                     raise
@@ -725,11 +728,11 @@ def load(cflags: list, before_compile=lambda: None) -> tuple:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return LoadedProgram(entry), "compiled"
+        return LoadedProgram(entry, kind), "compiled"
     before_compile()
     with tempfile.TemporaryDirectory(prefix="kvtrace-compile-") as tmpdir:
         entry = _compiled(cflags, key, os.path.join(tmpdir, "program.json"))
-    return LoadedProgram(entry), f"compiled, not cached: {why_not}"
+    return LoadedProgram(entry, kind), f"compiled, not cached: {why_not}"
 
 
 def _compiled(cflags: list, key: str, path: str) -> dict:

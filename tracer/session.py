@@ -208,8 +208,16 @@ class Tracer:
         t0 = time.monotonic()
         # compiled once per program text, kernel and bcc (tracer/program.py);
         # a compile needs the kernel headers, a cached program does not
+        # one uprobe_multi link per file and process, where the kernel has
+        # them; KVTRACE_PERF_UPROBES=1 attaches as on older kernels, one perf
+        # event per probe (tests).  Decided before the load: a program
+        # loaded for links goes on links only (program.attach_type())
+        self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
+                          and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
+        self.attach_kind = uprobe_pmu.BPF_TRACE_UPROBE_MULTI if self.use_links else 0
         try:
-            self.bpf, self.program_source = program.load(cflags, check_kernel_headers)
+            self.bpf, self.program_source = program.load(cflags, check_kernel_headers,
+                                                         self.attach_kind)
         except OSError as e:
             raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.compile_seconds = time.monotonic() - t0
@@ -223,11 +231,6 @@ class Tracer:
         except (OSError, KeyError) as e:
             raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.load_seconds = time.monotonic() - t0
-        # one uprobe_multi link per file and process, where the kernel has
-        # them (and the programs were loaded for them); KVTRACE_PERF_UPROBES=1
-        # attaches as on older kernels, one perf event per probe (tests)
-        self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
-                          and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
         # KVTRACE_EMPTY_PROGRAM=1 puts a program that does nothing on every
         # probe in its place: the same sites, links and semaphores (so the
         # plugin still builds its step's tables), nothing counted.  What any
@@ -235,7 +238,7 @@ class Tracer:
         # row 3's floor under the tracer's own figure (docs/bench.md)
         self.empty_prog_fd = -1
         if os.environ.get("KVTRACE_EMPTY_PROGRAM", "") not in ("", "0"):
-            self.empty_prog_fd = program.trivial_program(program.attach_type(),
+            self.empty_prog_fd = program.trivial_program(self.attach_kind,
                                                          b"kvtrace_empty")
             if self.empty_prog_fd < 0:
                 raise EnvironmentProblem("the kernel refused the empty program: "
@@ -455,16 +458,26 @@ class Tracer:
         kernel makes no such link (uprobe_pmu.py says why links first)."""
         prog = self.site_prog.fd if self.empty_prog_fd < 0 else self.empty_prog_fd
         if self.use_links:
-            try:
-                return [UprobeLink(path, [o for o, _, _ in live], pid, prog,
-                                   [sem for _, sem, _ in live])]
-            except NoUprobeMulti:
-                self.use_links = False  # not this kernel: never try again
+            return [self._link(path, [o for o, _, _ in live], pid, prog,
+                               [sem for _, sem, _ in live])]
         return [Uprobe(path, offset, pid, prog, ref_ctr_offset=sem) for offset, sem, _ in live]
 
-    def stop_at_entry(self, pid: int, exe: str, entry_offset: int) -> Uprobe:
-        """A uprobe that SIGSTOPs pid at its program's entry point."""
+    def _link(self, path: str, offsets: list, pid: int, prog: int, sems: list) -> UprobeLink:
+        try:
+            return UprobeLink(path, offsets, pid, prog, sems)
+        except NoUprobeMulti as e:
+            # the programs were loaded for links, and this kernel refuses
+            # them on perf events: no quiet fallback is left
+            raise EnvironmentProblem(
+                f"the kernel refused a uprobe_multi link on {path} ({e}): "
+                "KVTRACE_PERF_UPROBES=1 attaches one perf event per probe") from None
+
+    def stop_at_entry(self, pid: int, exe: str, entry_offset: int):
+        """A uprobe that SIGSTOPs pid at its program's entry point, attached
+        as the session's probes are (a link or a perf event); close() it."""
         self.track(pid)
+        if self.use_links:
+            return self._link(exe, [entry_offset], pid, self.entry_prog.fd, [0])
         return Uprobe(exe, entry_offset, pid, self.entry_prog.fd)
 
     def detach(self):
