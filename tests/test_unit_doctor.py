@@ -21,3 +21,21 @@ def test_describe_probes_names_the_ops():
     assert describe_probes(stock, stock=True) == (
         "2 stock cache op(s) in /v/_C.abi3.so (concat_and_cache_mla, "
         "cpu_attn_reshape_and_cache)")
+
+
+def test_uprobe_links_says_what_attach_will_do(monkeypatch):
+    """The three cases of the link trial: links work; the kernel loads
+    programs for links but makes none (attach would stop, so the fix names
+    the perf-event switch); no link type at all (perf events, quietly)."""
+    from tracer import cmd_doctor, program, uprobe_pmu
+    monkeypatch.setattr(uprobe_pmu, "trial_link", lambda kind: (False, "Invalid argument"))
+    monkeypatch.setattr(program, "attach_type", lambda: uprobe_pmu.BPF_TRACE_UPROBE_MULTI)
+    check = cmd_doctor.check_uprobe_links(privileged=True)
+    assert check.status == cmd_doctor.WARN
+    assert "attach stops" in check.detail and "KVTRACE_PERF_UPROBES=1" in check.fix
+    monkeypatch.setattr(program, "attach_type", lambda: 0)
+    check = cmd_doctor.check_uprobe_links(privileged=True)
+    assert check.status == cmd_doctor.WARN
+    assert "one perf event per probe" in check.detail and "6.6" in check.fix
+    monkeypatch.setattr(uprobe_pmu, "trial_link", lambda kind: (True, ""))
+    assert cmd_doctor.check_uprobe_links(privileged=True).status == cmd_doctor.PASS

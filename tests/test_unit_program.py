@@ -117,14 +117,16 @@ def test_programs_load_costliest_to_verify_first(monkeypatch):
                   for n, c in costs.items()]
     monkeypatch.setattr(program, "libbcc_bpf", FakeLib)
     monkeypatch.setattr(program, "_load_prog", fake_load)
-    monkeypatch.setattr(program, "attach_type", lambda: 48)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one loader: a strict order
-    loaded = program.LoadedProgram(e)
+    loaded = program.LoadedProgram(e, 48)
     assert loads == ["b", "e", "d", "a", "c"]
     assert sorted(loaded._progs) == sorted(costs)
-    # every program with the one attach type: the kernel refuses a tail call
-    # between programs of different attach types
+    # every program with the session's one attach type: the kernel refuses a
+    # tail call between programs of different attach types
     assert kinds == {48}
+    loads.clear(), kinds.clear()
+    program.LoadedProgram(e, 0)  # perf events': a link's program goes on none here
+    assert kinds == {0}
 
 
 def insn(code, dst=0, src=0, off=0, imm=0):
@@ -234,3 +236,18 @@ def test_cache_key_follows_flags_and_text(monkeypatch, tmp_path):
     header = copy / "kvtrace.h"
     header.write_text(header.read_text() + "\n/* one more line */\n")
     assert program.cache_key(["-DX=1"]) != a  # a header the program includes
+
+
+def test_a_refused_link_is_one_clear_error(monkeypatch):
+    """Programs loaded for links go on no perf event here, so a link the
+    kernel refuses ends the attach with what to do, not a quiet fallback
+    that would fail at its first perf event."""
+    from tracer import session
+    from tracer.errors import EnvironmentProblem
+    from tracer.uprobe_pmu import NoUprobeMulti
+
+    def refuse(*args):
+        raise NoUprobeMulti("Invalid argument")
+    monkeypatch.setattr(session, "UprobeLink", refuse)
+    with pytest.raises(EnvironmentProblem, match="KVTRACE_PERF_UPROBES=1"):
+        session.Tracer._link(None, "/x/lib.so", [0x10], 1, 3, [0])

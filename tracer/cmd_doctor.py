@@ -203,10 +203,18 @@ def check_uprobe_links(privileged: bool) -> Check:
     name = "uprobe links"
     if not privileged:
         return Check(name, SKIP, "skipped: needs privileges (see below)")
-    ok, why = uprobe_pmu.trial_link(program.attach_type())
+    kind = program.attach_type()
+    ok, why = uprobe_pmu.trial_link(kind)
     if ok:
         return Check(name, PASS, "a uprobe_multi link opened and closed: one link per "
                                  "traced file, no perf event per probe")
+    if kind == uprobe_pmu.BPF_TRACE_UPROBE_MULTI:
+        # the session loads its programs for links here, and such a program
+        # goes on no perf event (program.attach_type()): attach would stop
+        return Check(name, WARN, f"the kernel loads programs for uprobe_multi links but "
+                                 f"made none ({why}): attach stops at its first probe",
+                     fix="KVTRACE_PERF_UPROBES=1 attaches one perf event per probe "
+                         "(docs/design.md, \"One link per file\")")
     return Check(name, WARN, f"no uprobe_multi link ({why}): one perf event per probe, "
                              "which costs the target at every context switch",
                  fix="Linux >= 6.6 (docs/design.md, \"One link per file\")")
