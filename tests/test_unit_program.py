@@ -124,7 +124,8 @@ def test_programs_load_costliest_to_verify_first(monkeypatch):
     # every program with the session's one attach type: the kernel refuses a
     # tail call between programs of different attach types
     assert kinds == {48}
-    loads.clear(), kinds.clear()
+    loads.clear()
+    kinds.clear()
     program.LoadedProgram(e, 0)  # perf events': a link's program goes on none here
     assert kinds == {0}
 

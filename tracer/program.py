@@ -455,7 +455,7 @@ def _online_cpus() -> list:
 class LoadedProgram:
     """The maps and programs of one cached compile, in the kernel."""
 
-    def __init__(self, entry: dict, kind: int = 0):
+    def __init__(self, entry: dict, kind: int):
         lib = libbcc_bpf()
         self.maps, self._fds, self._progs = {}, [], {}
         self._readers, self._ringbuf, self._callbacks = [], None, []
@@ -700,13 +700,13 @@ def compile_entry(cflags: list, key: str, out_path: str):
         raise EnvironmentProblem(f"the BPF program did not compile: {first}{more}")
 
 
-def load(cflags: list, before_compile=lambda: None, kind: int = 0) -> tuple:
+def load(cflags: list, kind: int, before_compile=lambda: None) -> tuple:
     """(LoadedProgram, how) for the program with these cflags: from the
     cache when an entry is there, else compiled now (and cached where the
     cache is usable).  `how` says which, for the ready line.
-    before_compile() runs before a compile (the checks only it needs).
     kind: the expected_attach_type every program is loaded with, for the
-    way they will be attached (attach_type(): links; 0: perf events)."""
+    way they will be attached (attach_type(): links; 0: perf events).
+    before_compile() runs before a compile (the checks only it needs)."""
     key = cache_key(cflags)
     directory, why_not = cache.directory()
     if directory is not None:
@@ -752,7 +752,7 @@ def _verifier_costs(entry: dict) -> dict:
     5.16): the loader starts the costliest first.  Empty where the kernel
     refuses the entry: the tracer's own load then says why."""
     try:
-        loaded = LoadedProgram(entry)
+        loaded = LoadedProgram(entry, attach_type())  # the default session's
     except OSError:
         return {}
     try:

@@ -205,9 +205,6 @@ class Tracer:
         self.stream = (collector or stream.Collector()) if index_stream else None
         self.stacks = stacks
         self._collided_stacks = {}  # stack id -> frames, from collided_stacks
-        t0 = time.monotonic()
-        # compiled once per program text, kernel and bcc (tracer/program.py);
-        # a compile needs the kernel headers, a cached program does not
         # one uprobe_multi link per file and process, where the kernel has
         # them; KVTRACE_PERF_UPROBES=1 attaches as on older kernels, one perf
         # event per probe (tests).  Decided before the load: a program
@@ -215,9 +212,12 @@ class Tracer:
         self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
                           and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
         self.attach_kind = uprobe_pmu.BPF_TRACE_UPROBE_MULTI if self.use_links else 0
+        t0 = time.monotonic()
+        # compiled once per program text, kernel and bcc (tracer/program.py);
+        # a compile needs the kernel headers, a cached program does not
         try:
-            self.bpf, self.program_source = program.load(cflags, check_kernel_headers,
-                                                         self.attach_kind)
+            self.bpf, self.program_source = program.load(cflags, self.attach_kind,
+                                                         check_kernel_headers)
         except OSError as e:
             raise EnvironmentProblem(f"the kernel refused the BPF program: {e}") from None
         self.compile_seconds = time.monotonic() - t0

@@ -128,16 +128,17 @@ def enable(fd: int):
 
 
 class NoUprobeMulti(Exception):
-    """This kernel makes no uprobe_multi link: attach per probe (Uprobe)."""
+    """This kernel made no uprobe_multi link (the session says what to do:
+    its programs, loaded for links, go on no perf event)."""
 
 
 class UprobeLink:
-    """Uprobes at `offsets` of one file, in one process (its every thread), with
-    one BPF program: a BPF_TRACE_UPROBE_MULTI link, which the program must have
-    been loaded for (program.py loads every program so).  The kernel owns each
-    probe's semaphore (ref_ctr_offsets), as for a perf event.  close()
-    detaches them all.  Raises NoUprobeMulti where the kernel has no such
-    link (before 6.6)."""
+    """Uprobes at `offsets` of one file, in one process (its every thread),
+    with one BPF program: a BPF_TRACE_UPROBE_MULTI link, which the program
+    must have been loaded for (the session loads every program so where it
+    links).  The kernel owns each probe's semaphore (ref_ctr_offsets), as for
+    a perf event.  close() detaches them all.  Raises NoUprobeMulti where the
+    kernel makes no such link."""
 
     def __init__(self, path: str, offsets: list, pid: int, prog_fd: int,
                  ref_ctr_offsets: list):
