@@ -871,7 +871,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     cols = [np.concatenate([p[c] for p in parts]) for c in range(8)]
     group_ids = sorted({p[8] for p in parts})  # addresses: sorted by their index
     gix = np.concatenate([np.full(len(p[0]), group_ids.index(p[8])) for p in parts])
-    ri, blk, nreads, fr, lr, tw, fw, lw, gix = _merged(cols + [gix])
+    (ri, blk, nreads, fr, lr, tw, fw, lw, gix), kept = _merged(cols + [gix])
     gid = np.asarray(group_ids, np.int64)[gix]
 
     # seconds since t0 of each time rank, and NaN (at len(times)) for none
@@ -886,7 +886,10 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     # dicts on row 6's trace, most of the JSON report's time and of its
     # document (docs/bench.md, "Stop 32")
     by = stream.order_by(ri, np.minimum(fw, fr), gix, blk)  # a block has a write or a read
-    reads_of = np.bincount(ri, weights=nreads, minlength=len(ureq)).astype(np.int64).tolist()
+    if kept is not None:  # the rows that _merged summed into another left out
+        by = by[kept[by]]
+    reads_of = np.bincount(ri[by], weights=nreads[by], minlength=len(ureq)).astype(np.int64)
+    reads_of = reads_of.tolist()
     columns = dict(zip(BLOCK_COLUMNS, (
         gid[by], blk[by], tw[by], secs(fw[by]), secs(lw[by]), nreads[by], secs(fr[by]),
         secs(lr[by]))))
@@ -902,39 +905,46 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     return out, stats
 
 
-def _merged(cols: list) -> list:
+def _merged(cols: list) -> tuple:
     """Partial figures (request, block, reads, first read, last read, tokens
-    written, first write, last write, group), one row per (request, group,
-    block): those of a key that occurs more than once are summed (reads and
-    tokens), and their earliest and latest times kept.  Most keys occur once
-    (a request's place that held one block, its writes summed into it), and
+    written, first write, last write, group) merged to one row per (request,
+    group, block): those of a key that occurs more than once are summed
+    (reads and tokens), and their earliest and latest times kept.  Returns
+    (cols, kept): the columns, where each such key's first row (in sorted
+    order) now holds its merged figures, and kept, a mask of the rows that
+    stand for one key each (None: all of them).  Most keys occur once (a
+    request's place that held one block, its writes summed into it), and
     they are found by one sort of the keys' values, where an argsort of all
-    and a reduce per column took 0.5 s of row 6's report."""
+    and a reduce per column took 0.5 s of row 6's report.  The merged
+    figures are written in place, and the rows they replace masked, not cut
+    out: a copy of the rows that occur once and a concatenation after took
+    0.29 s of its 0.4 (911k rows: 66 MB of fresh memory each; docs/bench.md,
+    "Stop 47").  The columns must be the caller's own (written here)."""
     ri, blk, gix = cols[0], cols[1], cols[8]
     try:
         key = np.ravel_multi_index((ri, gix, blk), [int(k.max()) + 1 for k in (ri, gix, blk)])
     except ValueError:  # a product beyond an int64: all of them through the merge
         key = None
-    once = None
     if key is not None:
         s = np.sort(key)
         again = np.unique(s[1:][s[1:] == s[:-1]])
         if not len(again):
-            return cols
+            return cols, None
         at = np.minimum(np.searchsorted(again, key), len(again) - 1)
-        many = again[at] == key  # (np.isin sorted the keys again)
-        once = [c[~many] for c in cols]
-        cols = [c[many] for c in cols]
-        ri, blk, gix = cols[0], cols[1], cols[8]
-    order = stream.order_by(ri, gix, blk)
-    ri, gix, blk = ri[order], gix[order], blk[order]
-    seg = np.flatnonzero(np.r_[True, (ri[1:] != ri[:-1]) | (gix[1:] != gix[:-1])
-                                | (blk[1:] != blk[:-1])])
-    merged = [ri[seg], blk[seg]] + [
-        how.reduceat(c[order], seg) for how, c in zip(
-            (np.add, np.minimum, np.maximum, np.add, np.minimum, np.maximum), cols[2:8])] + \
-        [gix[seg]]
-    return merged if once is None else [np.concatenate([a, b]) for a, b in zip(once, merged)]
+        many = np.flatnonzero(again[at] == key)  # (np.isin sorted the keys again)
+    else:
+        many = np.arange(len(ri))
+    order = many[stream.order_by(ri[many], gix[many], blk[many])]
+    r, g, b = ri[order], gix[order], blk[order]
+    seg = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (g[1:] != g[:-1]) | (b[1:] != b[:-1])])
+    lead = order[seg]  # the row that holds each repeated key's figures
+    for how, c in zip((np.add, np.minimum, np.maximum, np.add, np.minimum, np.maximum),
+                      cols[2:8]):
+        c[lead] = how.reduceat(c[order], seg)
+    kept = np.ones(len(ri), bool)
+    kept[many] = False
+    kept[lead] = True
+    return cols, kept
 
 
 @dataclass

@@ -156,7 +156,7 @@ class Report:
                 per_req, attributed = request_access(self)
                 if access_as is not None:
                     per_req = {r: access_as(f) for r, f in per_req.items()}
-                return (per_req, attributed), lifecycle.residency(self.life)
+                return per_req, attributed
             return lifecycle_figures(self, timelines) if with_lifecycle else None
 
         with ThreadPoolExecutor(1) as beside:
@@ -613,21 +613,23 @@ def request_access(rep: Report, only=None) -> tuple:
 
 def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:
     """The plugin tier's figures (docs/lifecycle.md), or None without it.
-    beside: a function that returns (request_access(rep) of every request,
-    lifecycle.residency(rep.life)), where another thread computes them
-    meanwhile (timelines None)."""
+    beside: a function that returns request_access(rep) of every request,
+    where another thread computes it meanwhile (timelines None)."""
     ev = rep.life
     if not len(ev) and not ev.incomplete:
         return None
     names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
     requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
                                    requests=lifecycle.request_events(rep.ops))
+    # the residency here, while beside makes request_access (beside's side
+    # is the longer: row 6's JSON report waited 0.5 s for it; docs/bench.md,
+    # "Stop 47")
+    res = lifecycle.residency(ev)
     if beside is None:
-        res = lifecycle.residency(ev)
         per_req, attributed = request_access(
             rep, None if timelines is None else [int(r["req"], 16) for r in requests])
     else:
-        (per_req, attributed), res = beside()
+        per_req, attributed = beside()
     for r in requests:
         r["access"] = per_req.get(int(r["req"], 16))
     return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
