@@ -560,3 +560,38 @@ def test_prefix_reuse_falls_back_to_rows_when_a_step_is_unnamed():
     # to tell reuse from computing, so no figure rather than a wrong one
     assert access.prefix_reuse(ops, rows, None, sr) is None
     assert access.prefix_reuse(ops, rows, 0, sr) is None
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_merged_sums_each_repeated_key_once(wide):
+    """_merged against a dict: one row per (request, group, block), reads and
+    tokens summed, the earliest and latest times kept, whichever row of a
+    key carries it.  wide: keys whose product passes an int64 (every row
+    through the merge, none found by the packed sort)."""
+    rng = np.random.default_rng(5)
+    n = 400
+    ri = rng.integers(0, 6, n) + ((1 << 30) if wide else 0)
+    blk = rng.integers(1, 9, n) + ((1 << 40) if wide else 0)
+    gix = rng.integers(0, 2, n)
+    cols = [ri, blk] + [rng.integers(0, 100, n) for _ in range(6)] + [gix]
+    want = {}
+    for row in zip(*(c.tolist() for c in cols)):
+        r, b, reads, fr, lr, tw, fw, lw, g = row
+        w = want.get((r, g, b))
+        want[(r, g, b)] = (reads, fr, lr, tw, fw, lw) if w is None else (
+            w[0] + reads, min(w[1], fr), max(w[2], lr), w[3] + tw, min(w[4], fw), max(w[5], lw))
+    got_cols, kept = access._merged([c.copy() for c in cols])
+    if kept is None:
+        kept = np.ones(n, bool)
+    got = {}
+    for row in zip(*(c[kept].tolist() for c in got_cols)):
+        r, b, reads, fr, lr, tw, fw, lw, g = row
+        assert (r, g, b) not in got
+        got[(r, g, b)] = (reads, fr, lr, tw, fw, lw)
+    assert len(got) < n and got == want
+
+
+def test_merged_without_a_repeated_key_keeps_every_row():
+    cols = [np.arange(5), np.arange(5) + 1] + [np.arange(5) for _ in range(6)] + [np.zeros(5, int)]
+    got, kept = access._merged([c.copy() for c in cols])
+    assert kept is None and all(np.array_equal(a, b) for a, b in zip(got, cols))
