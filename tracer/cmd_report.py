@@ -124,15 +124,8 @@ class Report:
         # alone; CSV: none), beside has time to spare, and computes the
         # generations of the caches that no read scan waits for (row 6's text
         # report: beside was idle its last 0.85 s; docs/bench.md, "Stop 41")
-        gen_groups = occupancy.distinct_caches(ops, trace.block_sizes())
-        keys = [c[0] for g in gen_groups for c in g]
-        first = {self._first_layer(keys, pid) for pid in {k[0] for k in keys}}
         many_requests = with_lifecycle and timelines is None
-        here, there = [], []
-        for g in gen_groups:
-            scanned = any(c[0] in first for c in g)
-            (here if scanned or many_requests else there).append(g)
-        rows_ready, gens_ready, named = Future(), Future(), Future()
+        rows_ready, gens_ready, named, split = Future(), Future(), Future(), Future()
 
         def publish(future, compute):
             try:
@@ -144,7 +137,7 @@ class Report:
         def plugin_side():
             publish(rows_ready, lambda: [access.rows_of(ops, st) for st in self.steps])
             self.rows = rows_ready.result()
-            publish(gens_ready, lambda: occupancy.computed_groups(there))
+            publish(gens_ready, lambda: occupancy.computed_groups(split.result()[1]))
 
             def named_rows():
                 # the plugin tier's block events (empty without the plugin),
@@ -159,9 +152,22 @@ class Report:
                 return per_req, attributed
             return lifecycle_figures(self, timelines) if with_lifecycle else None
 
+        def generation_groups():  # (here, there)
+            gen_groups = occupancy.distinct_caches(ops, trace.block_sizes())
+            keys = [c[0] for g in gen_groups for c in g]
+            first = {self._first_layer(keys, pid) for pid in {k[0] for k in keys}}
+            here, there = [], []
+            for g in gen_groups:
+                scanned = any(c[0] in first for c in g)
+                (here if scanned or many_requests else there).append(g)
+            return here, there
+
         with ThreadPoolExecutor(1) as beside:
+            # beside's rows need nothing of the split, which is made here
+            # meanwhile (beside had waited 0.07 s of row 6's report for it)
             figures = beside.submit(plugin_side)
-            self.gens = occupancy.computed_groups(here)
+            publish(split, generation_groups)
+            self.gens = occupancy.computed_groups(split.result()[0])
             # one pass over each group's reads: per-block figures, and the idle
             # time before reuse of its process's first layer's generations
             self.scans = []
