@@ -276,6 +276,10 @@ def test_rows_of_keeps_every_entry_narrow_or_not(wide, monkeypatch):
            for k in range(len(st))]
     assert got == want
     assert wide is None or wide in rows.entries.tolist()
+    # the lowest and highest entry, found as they were copied (the read
+    # scan's check that all are blocks in range), where narrowed
+    every = [b for step in want for _, entries in step for b in entries]
+    assert rows.bounds == ((min(every), max(every)) if wide is None else None)
 
 
 def step_reqs_and_tables(records, bs, ts_ns=None):

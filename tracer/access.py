@@ -139,6 +139,8 @@ class Rows:
     length: np.ndarray  # per row: how many entries it has
     entries: np.ndarray  # every row's entries, row after row, step after step:
     # int32 where all fit one (block numbers do), else int64
+    bounds: tuple = None  # (lowest, highest) of the entries where known (rows_of
+    # finds them as it narrows them), else None
 
     @property
     def step_of_row(self) -> np.ndarray:
@@ -173,10 +175,13 @@ class Rows:
         e = self.entries
         per_row = self.length.astype(np.int64, copy=True)
         out_of_range = 0
-        # Usually every entry is a block in range: two reductions, which
-        # write nothing, tell (0.06 s for row 6's 100M entries, where masks
-        # of the whole took 0.3-0.7 s, most of it their fresh pages)
-        if len(e) and not (int(e.min()) > 0 and int(e.max()) < max_blocks):
+        # Usually every entry is a block in range: the lowest and highest
+        # tell, which rows_of found as it copied them (two reductions here
+        # were 0.06 s of row 6's 113M entries; masks of the whole took
+        # 0.3-0.7 s, most of it their fresh pages)
+        lowest, highest = self.bounds if self.bounds is not None or not len(e) else \
+            (int(e.min()), int(e.max()))
+        if len(e) and not (lowest > 0 and highest < max_blocks):
             drop = []
             for a in range(0, len(e), _CHUNK_VALUES):  # masks of a chunk, in the caches
                 part = e[a:a + _CHUNK_VALUES]
@@ -242,19 +247,26 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     # entries twice (row 6's trace, a split op in the middle: 0.45 GB more)
     runs = [0, *(np.flatnonzero(lo[1:] < hi[:-1]) + 1).tolist(), len(lo)]
     entries = np.empty(int(length.sum()), np.int32)
+    bounds = []  # each run's (lowest, highest)
     for k0, k1 in zip(runs[:-1], runs[1:]):
         r0, r1 = np.searchsorted(hop, [k0, k1])
         if r0 == r1:
             continue
         at = int(start[r0])
-        if not _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
-                            entries[at:at + int(length[r0:r1].sum())]):
+        got = _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
+                           entries[at:at + int(length[r0:r1].sum())])
+        if got is None:
             entries = values[stream.ranges(hpos + 1, length)]  # beyond an int32: as they are
+            bounds = None
             break
+        if got[0] <= got[1]:  # (a run of empty rows has none)
+            bounds.append(got)
     per_step = np.zeros(len(steps), np.int64)
     per_step[ks] = np.bincount(hop, minlength=len(ks))
     row_lo = np.concatenate([[0], np.cumsum(per_step)])
-    return Rows(steps, row_lo, seq, start, length, entries)
+    if bounds:
+        bounds = (min(b[0] for b in bounds), max(b[1] for b in bounds))
+    return Rows(steps, row_lo, seq, start, length, entries, bounds or None)
 
 
 # values per chunk of _narrow_runs and of the read scan's count: 1M.  A
@@ -265,11 +277,12 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
 _CHUNK_VALUES = 1 << 20
 
 
-def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndarray) -> bool:
+def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndarray):
     """values[at[i]:at[i] + n[i]] for every i, in order (runs that lie in
     ascending order, apart), into out (int32, n.sum() long), if every value
-    fits an int32 (block numbers do); False if one does not (out is then
-    partly written).  A chunk of runs at a time, each by a
+    fits an int32 (block numbers do): returns the lowest and highest value
+    copied ((int32 max, int32 min) where none is); None if one does not fit
+    (out is then partly written).  A chunk of runs at a time, each by a
     boolean mask of its chunk made run by run (a running sum over every
     value to make it took 0.26 s of row 6's report), where one mask of the
     whole span was 145 MB of fresh memory (docs/bench.md, "Stop 44").  The
@@ -278,6 +291,7 @@ def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndar
     lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     span = np.r_[np.diff(at), n[-1:]]  # from a run's start to the next one's
     pos = 0
+    lowest, highest = hi32, lo32
     for r0, r1 in stream.chunks(span, _CHUNK_VALUES):
         first = int(at[r0])
         a, m = at[r0:r1] - first, n[r0:r1]
@@ -285,11 +299,14 @@ def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndar
         mask = np.repeat(np.tile(np.array([False, True]), len(a)),  # each gap, then its run
                          np.stack([gap, m], axis=1).reshape(-1))
         part = values[first:first + len(mask)][mask]
-        if len(part) and not (lo32 <= part.min() and part.max() <= hi32):
-            return False
+        if len(part):
+            low, high = int(part.min()), int(part.max())
+            if not (lo32 <= low and high <= hi32):
+                return None
+            lowest, highest = min(lowest, low), max(highest, high)
         out[pos:pos + len(part)] = part
         pos += len(part)
-    return True
+    return lowest, highest
 
 
 @dataclass
