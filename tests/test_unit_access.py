@@ -599,3 +599,14 @@ def test_merged_without_a_repeated_key_keeps_every_row():
     cols = [np.arange(5), np.arange(5) + 1] + [np.arange(5) for _ in range(6)] + [np.zeros(5, int)]
     got, kept = access._merged([c.copy() for c in cols])
     assert kept is None and all(np.array_equal(a, b) for a, b in zip(got, cols))
+
+
+def test_scan_of_rows_without_entries():
+    """Steps whose rows hold no block (seq_len 0): no entries, no bounds, and
+    a scan that finds nothing read."""
+    ops = op_stream([(stream.TABLE_OP_ID, GROUP, [0, 0], True),
+                     (stream.TABLE_OP_ID, GROUP, [0], True)])
+    rows = access.rows_of(ops, access.steps_of(ops, groups(4))[0])
+    assert len(rows.entries) == 0 and rows.bounds is None
+    scan = rows.scan()
+    assert len(scan.reads_per_block) == 0 and scan.out_of_range == 0

@@ -179,9 +179,13 @@ class Rows:
         # tell, which rows_of found as it copied them (two reductions here
         # were 0.06 s of row 6's 113M entries; masks of the whole took
         # 0.3-0.7 s, most of it their fresh pages)
-        lowest, highest = self.bounds if self.bounds is not None or not len(e) else \
-            (int(e.min()), int(e.max()))
-        if len(e) and not (lowest > 0 and highest < max_blocks):
+        if not len(e):
+            lowest, highest = 1, 0  # none: nothing to drop
+        elif self.bounds is not None:
+            lowest, highest = self.bounds
+        else:
+            lowest, highest = int(e.min()), int(e.max())
+        if not (lowest > 0 and highest < max_blocks):
             drop = []
             for a in range(0, len(e), _CHUNK_VALUES):  # masks of a chunk, in the caches
                 part = e[a:a + _CHUNK_VALUES]

@@ -188,10 +188,10 @@ class Report:
             named.result()  # the views made meanwhile may name rows
             self.meanwhile = meanwhile(self) if meanwhile else None
             # every request's figures (JSON): what each one wrote and read is
-            # most of them, and beside's, with the residency times; the rest
-            # (timelines, the miss ratio curve) is made here, where this side
-            # had been waiting for beside (row 6's JSON report: 1.5 s,
-            # docs/bench.md "Stop 44")
+            # most of them, and beside's; the rest (timelines, the residency
+            # times, the miss ratio curve) is made here, where this side had
+            # been waiting for beside (row 6's JSON report: 1.5 s,
+            # docs/bench.md "Stop 44"; the residency since "Stop 47")
             self.lifecycle = lifecycle_figures(self, None, beside=figures.result) \
                 if many_requests else figures.result()
 
