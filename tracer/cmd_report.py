@@ -627,9 +627,9 @@ def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:
     names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
     requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
                                    requests=lifecycle.request_events(rep.ops))
-    # the residency here, while beside makes request_access (beside's side
-    # is the longer: row 6's JSON report waited 0.5 s for it; docs/bench.md,
-    # "Stop 47")
+    # the residency here, while beside makes request_access (made beside
+    # after it, it ended row 6's JSON report while this side had waited 0.5
+    # s; here, it is 0.96 of that time: docs/bench.md, "Stop 47")
     res = lifecycle.residency(ev)
     if beside is None:
         per_req, attributed = request_access(
