@@ -909,14 +909,15 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     by = stream.order_by(ri, np.minimum(fw, fr), gix, blk)  # a block has a write or a read
     if kept is not None:  # the rows that _merged summed into another left out
         by = by[kept[by]]
-    reads_of = np.bincount(ri[by], weights=nreads[by], minlength=len(ureq)).astype(np.int64)
-    reads_of = reads_of.tolist()
     columns = dict(zip(BLOCK_COLUMNS, (
         gid[by], blk[by], tw[by], secs(fw[by]), secs(lw[by]), nreads[by], secs(fr[by]),
         secs(lr[by]))))
     for k, v in columns.items():
         columns[k] = np.ascontiguousarray(v, _COLUMN_TYPES[k])
-    edges = np.searchsorted(ri[by], np.arange(len(ureq) + 1)).tolist()
+    req_by = ri[by]
+    reads_of = np.bincount(req_by, weights=columns["reads"], minlength=len(ureq))
+    reads_of = reads_of.astype(np.int64).tolist()
+    edges = np.searchsorted(req_by, np.arange(len(ureq) + 1)).tolist()
     for i, r in enumerate(ureq.tolist()):
         a, b = edges[i], edges[i + 1]
         if b > a and r in out:
@@ -959,9 +960,9 @@ def _merged(cols: list) -> tuple:
         twin = np.zeros(len(s), bool)
         twin[1:] = repeat
         twin[:-1] |= repeat
-        many = order = by_key[twin]
+        order = by_key[twin]  # the rows of repeated keys, in key order
     else:
-        many = order = stream.order_by(ri, gix, blk)
+        order = stream.order_by(ri, gix, blk)
     r, g, b = ri[order], gix[order], blk[order]
     seg = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (g[1:] != g[:-1]) | (b[1:] != b[:-1])])
     lead = order[seg]  # the row that holds each repeated key's figures
@@ -969,7 +970,7 @@ def _merged(cols: list) -> tuple:
                       cols[2:8]):
         c[lead] = how.reduceat(c[order], seg)
     kept = np.ones(len(ri), bool)
-    kept[many] = False
+    kept[order] = False
     kept[lead] = True
     return cols, kept
 

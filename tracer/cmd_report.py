@@ -629,7 +629,8 @@ def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:
                                    requests=lifecycle.request_events(rep.ops))
     # the residency here, while beside makes request_access (made beside
     # after it, it ended row 6's JSON report while this side had waited 0.5
-    # s; here, it is 0.96 of that time: docs/bench.md, "Stop 47")
+    # s; here, and with _merged's copies gone, 0.96 of that time:
+    # docs/bench.md, "Stop 47")
     res = lifecycle.residency(ev)
     if beside is None:
         per_req, attributed = request_access(
