@@ -250,11 +250,19 @@ def test_prefix_reuse_a_new_request_on_a_finished_ones_blocks():
                    "steps_without_writes": 1, "by": "rows"}
 
 
-@pytest.mark.parametrize("wide", [None, 2**40, -2**35])
-def test_rows_of_keeps_every_entry_narrow_or_not(wide, monkeypatch):
-    """Entries are kept as int32 where every one fits one, else as they
-    came (int64): a garbage entry beyond an int32 is kept, not wrapped.
-    Chunks of 7 values: every chunk edge falls somewhere in the rows."""
+@pytest.mark.parametrize("layout", ["in order", "one op past the end"])
+@pytest.mark.parametrize("wide, dtype", [
+    (None, np.int16), (32766, np.int16), (-32768, np.int16), (32767, np.int32),
+    (70000, np.int32), (-40000, np.int32), (2**31 - 2, np.int32), (2**31 - 1, np.int64),
+    (2**40, np.int64), (-2**35, np.int64)])
+def test_rows_of_keeps_every_entry_narrow_or_not(wide, dtype, layout, monkeypatch):
+    """Entries are kept in the narrowest of int16 and int32 that every one
+    fits below its highest value (so that the highest + 1 fits too), else as
+    they came (int64): a garbage entry beyond an int32 is kept, not wrapped.
+    The entry that does not fit comes late, after runs of ops already kept
+    narrower (one op past the end: the ops lie in two runs, steps 0-5 and
+    6-39, and the first is kept as int16 before step 17 needs more).  Chunks of 7 values:
+    every chunk edge falls somewhere in the rows."""
     monkeypatch.setattr(access, "_CHUNK_VALUES", 7)
     rng = np.random.default_rng(9)
     bs, records, want = 4, [], []
@@ -268,9 +276,14 @@ def test_rows_of_keeps_every_entry_narrow_or_not(wide, monkeypatch):
         records.append((stream.TABLE_OP_ID, GROUP, vals, True))
         want.append(live_sets(vals, bs))
     ops = op_stream(records)
+    if layout == "one op past the end":  # step 5's op, as a split one lies
+        a, b = int(ops.ops["start"][5]), int(ops.ops["stop"][5])
+        ops = stream.OpStream(ops.ops.copy(), np.concatenate([ops.values, ops.values[a:b]]))
+        ops.values[a:b] = 10**6  # not to be read
+        ops.ops["start"][5], ops.ops["stop"][5] = len(ops.values) - (b - a), len(ops.values)
     st = access.steps_of(ops, groups(bs))[0]
     rows = access.rows_of(ops, st)
-    assert rows.entries.dtype == (np.int32 if wide is None else np.int64)
+    assert rows.entries.dtype == dtype
     got = [[(int(rows.seq[r]), rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
              .tolist()) for r in range(rows.row_lo[k], rows.row_lo[k + 1])]
            for k in range(len(st))]
@@ -279,7 +292,7 @@ def test_rows_of_keeps_every_entry_narrow_or_not(wide, monkeypatch):
     # the lowest and highest entry, found as they were copied (the read
     # scan's check that all are blocks in range), where narrowed
     every = [b for step in want for _, entries in step for b in entries]
-    assert rows.bounds == ((min(every), max(every)) if wide is None else None)
+    assert rows.bounds == ((min(every), max(every)) if dtype != np.int64 else None)
 
 
 def step_reqs_and_tables(records, bs, ts_ns=None):

@@ -138,7 +138,7 @@ class Rows:
     start: np.ndarray  # per row: where its entries begin in `entries`
     length: np.ndarray  # per row: how many entries it has
     entries: np.ndarray  # every row's entries, row after row, step after step:
-    # int32 where all fit one (block numbers do), else int64
+    # the narrowest of int16 and int32 that all fit (_narrow_runs), else int64
     bounds: tuple = None  # (lowest, highest) of the entries where known (rows_of
     # finds them as it narrows them), else None
 
@@ -250,15 +250,28 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     # into one array: a part per run, then their concatenation, held the
     # entries twice (row 6's trace, a split op in the middle: 0.45 GB more)
     runs = [0, *(np.flatnonzero(lo[1:] < hi[:-1]) + 1).tolist(), len(lo)]
-    entries = np.empty(int(length.sum()), np.int32)
+    total = int(length.sum())
+    # int16 first (a cache of fewer than 32767 blocks, as on the CPU and in
+    # kvsim), widened to int32 at the first entry that does not fit it (a
+    # GPU's cache): row 6's 110M entries are 0.22 GB of fresh memory as
+    # int16, 0.44 as int32 (docs/bench.md, "Stop 48")
+    entries = np.empty(total, _NARROW[0])
     bounds = []  # each run's (lowest, highest)
     for k0, k1 in zip(runs[:-1], runs[1:]):
         r0, r1 = np.searchsorted(hop, [k0, k1])
         if r0 == r1:
             continue
         at = int(start[r0])
-        got = _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
-                           entries[at:at + int(length[r0:r1].sum())])
+        got = None
+        while got is None:
+            got = _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
+                               entries[at:at + int(length[r0:r1].sum())])
+            if got is None and entries.dtype == _NARROW[-1]:
+                break
+            if got is None:  # the next type, with what the runs before wrote
+                wider = np.empty(total, _NARROW[_NARROW.index(entries.dtype) + 1])
+                wider[:at] = entries[:at]
+                entries = wider
         if got is None:
             entries = values[stream.ranges(hpos + 1, length)]  # beyond an int32: as they are
             bounds = None
@@ -281,21 +294,29 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
 _CHUNK_VALUES = 1 << 20
 
 
+# the types rows_of keeps entries in, narrowest first
+_NARROW = (np.dtype(np.int16), np.dtype(np.int32))
+
+
 def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndarray):
     """values[at[i]:at[i] + n[i]] for every i, in order (runs that lie in
-    ascending order, apart), into out (int32, n.sum() long), if every value
-    fits an int32 (block numbers do): returns the lowest and highest value
-    copied ((int32 max, int32 min) where none is); None if one does not fit
-    (out is then partly written).  A chunk of runs at a time, each by a
-    boolean mask of its chunk made run by run (a running sum over every
-    value to make it took 0.26 s of row 6's report), where one mask of the
-    whole span was 145 MB of fresh memory (docs/bench.md, "Stop 44").  The
-    int64 copy was 0.9 GB of fresh memory on row 6's trace; the int32 one is
-    half that, and each later pass over it reads half the bytes."""
-    lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    ascending order, apart), into out (an integer type of _NARROW, n.sum()
+    long), if every value fits out's type below its highest value (so that
+    a count of blocks, the highest entry + 1, is one too: numpy 2 wraps a
+    Python int beyond an array's type in np.where, as in prefix_reuse's
+    keys): returns the lowest and highest value copied (lowest > highest
+    where none is); None if one does not fit (out is then partly written).
+
+    A chunk of runs at a time, each by a boolean mask of its chunk made run
+    by run (a running sum over every value to make it took 0.26 s of row
+    6's report), where one mask of the whole span was 145 MB of fresh memory
+    (docs/bench.md, "Stop 44").  The int64 copy was 0.9 GB of fresh memory
+    on row 6's trace; an int16 one is a quarter of that, and each later pass
+    over it reads a quarter of the bytes."""
+    fits_lo, fits_hi = np.iinfo(out.dtype).min, np.iinfo(out.dtype).max - 1
     span = np.r_[np.diff(at), n[-1:]]  # from a run's start to the next one's
     pos = 0
-    lowest, highest = hi32, lo32
+    lowest, highest = fits_hi, fits_lo
     for r0, r1 in stream.chunks(span, _CHUNK_VALUES):
         first = int(at[r0])
         a, m = at[r0:r1] - first, n[r0:r1]
@@ -305,7 +326,7 @@ def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndar
         part = values[first:first + len(mask)][mask]
         if len(part):
             low, high = int(part.min()), int(part.max())
-            if not (lo32 <= low and high <= hi32):
+            if not (fits_lo <= low and high <= fits_hi):
                 return None
             lowest, highest = min(lowest, low), max(highest, high)
         out[pos:pos + len(part)] = part
