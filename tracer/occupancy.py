@@ -228,40 +228,44 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     has = w_len > 0
     w_idx, w_start, w_len = w_idx[has], w_start[has], w_len[has]
     op_at = np.cumsum(w_len) - w_len  # each op's first slot among slots
-    slots = stream.gather(cache_ops.values, w_start, w_len)
 
     def offset(s):  # a slot's place in its block
         if bs & (bs - 1) == 0:  # a power of two, as block sizes are: a mask, 6x a %
             return s & (bs - 1)  # (the same for negative slots, as % rounds down)
         return s % bs
 
-    # a run starts at a block's first slot, and where the slot before is not
-    # the one before it.  A chunk at a time: the offsets and the shifted
-    # slots of every write were two int64 arrays as long as the slots (row
-    # 6's 27M: 0.43 GB of fresh memory, while the rows are made beside)
-    brk = np.empty(len(slots), bool)
-    for a in range(0, len(slots), _CHUNK_SLOTS):
-        s, b = slots[a:a + _CHUNK_SLOTS], brk[a:a + _CHUNK_SLOTS]
-        np.equal(offset(s), 0, out=b)
+    # a run starts at a block's first slot, where the slot before is not the
+    # one before it, and at an op's first slot.  The slots are gathered a
+    # chunk of ops at a time (no run spans two ops, so none spans two
+    # chunks), and only each run's first and last slot are kept: the slots
+    # of every write, and their breaks, were 0.12 GB of fresh memory on row
+    # 6's trace, and a GB first touched costs 0.5-0.8 s of CPU on these VMs
+    # (row 6's first touch: 2-3 us a page; docs/bench.md, "Stop 48"), as the
+    # offsets and shifted slots of every write had before them ("Stop 44")
+    first_l, first_slot_l, last_slot_l = [], [], []
+    for o0, o1 in stream.chunks(w_len, _CHUNK_SLOTS):
+        s = stream.gather(cache_ops.values, w_start[o0:o1], w_len[o0:o1])
+        b = offset(s) == 0
         b[1:] |= s[1:] != s[:-1] + 1
-        if a:
-            b[0] |= s[0] != slots[a - 1] + 1
-    if len(slots):
-        brk[0] = True
-    brk[op_at] = True
-    first = np.flatnonzero(brk)
-    del brk
-    w_n = np.diff(np.append(first, len(slots)))  # writes per run
+        b[op_at[o0:o1] - op_at[o0]] = True
+        f = np.flatnonzero(b)
+        first_l.append(f + op_at[o0])
+        first_slot_l.append(s[f])
+        last_slot_l.append(s[np.r_[f[1:], len(s)] - 1])
+    first = np.concatenate([np.zeros(0, np.int64)] + first_l)
+    first_slot = np.concatenate([np.zeros(0, np.int64)] + first_slot_l)
+    last_slot = np.concatenate([np.zeros(0, np.int64)] + last_slot_l)
+    del first_l, first_slot_l, last_slot_l
+    w_n = np.diff(np.append(first, int(w_len.sum())))  # writes per run
     # an invalid (negative) slot is no write; a run of them never reaches a
     # valid one (after -1 comes 0, a block's first slot), so runs are kept
     # or left whole, by their first
-    first_slot = slots[first]
     keep = first_slot >= 0
-    first, w_n, first_slot = first[keep], w_n[keep], first_slot[keep]
-    last_off = offset(slots[first + w_n - 1])
+    first, w_n, first_slot, last_slot = first[keep], w_n[keep], first_slot[keep], last_slot[keep]
+    last_off = offset(last_slot)
     w_off = offset(first_slot)
     w_block = first_slot // bs
-    del slots, first_slot
+    del first_slot, last_slot
     run_of = np.searchsorted(op_at, first, side="right") - 1  # which op's
     w_op, w_in = w_idx[run_of], first - op_at[run_of]
     del first, run_of
