@@ -338,6 +338,41 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
         assert watched.error is e.value
 
 
+def test_write_json_writes_the_bytes_of_one_dumps_in_pieces():
+    """write_json writes the document a piece at a time (the members of its
+    dicts, two levels deep; a long list's items 64 at a time) and in writes
+    of a MiB or more: the bytes are one orjson.dumps of the whole, for lists
+    of every length around a piece's, nested dicts, number keys, numpy
+    columns, fragments made before, NaN and text that is not ASCII."""
+    import orjson
+    from tracer import cmd_report
+    from tracer.files import WatchedStdout
+    opts = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 63, 64, 65, 128, 129, 6000):
+        doc = {"schema": "x", "empty": {}, "none": [], "mixed": {7: "seven", "a": 1},
+               "part": orjson.Fragment(orjson.dumps({"a": [1, 2]})),
+               "lifecycle": {"summary": {"é": 1.5, 3: float("nan")},
+                             "requests": [{"req": f"{i:x}", "t": [i / 7, None],
+                                           "access": orjson.Fragment(orjson.dumps(
+                                               {"b": rng.integers(0, 9, (i % 5) * 40)}, option=opts))}
+                                          for i in range(n)],
+                             "col": rng.random(n)}}
+        want = orjson.dumps(doc, option=opts | orjson.OPT_APPEND_NEWLINE)
+        assert b"".join(cmd_report._json_pieces(doc)) + b"\n" == want, n
+        raw = io.BytesIO()
+        wrapped = WatchedStdout(io.TextIOWrapper(raw, encoding="utf-8"))
+        writes = []
+        real = wrapped.write_bytes
+        wrapped.write_bytes = lambda data: (writes.append(len(data)), real(data))[1]
+        cmd_report.write_json(doc, wrapped)
+        wrapped.flush()
+        assert raw.getvalue() == want, n
+        # every write but the last a MiB or more
+        assert all(k >= cmd_report._JSON_WRITE_BYTES for k in writes[:-1]), writes
+    assert len(writes) > 1  # the 6000 requests took several
+
+
 def layers_trace(path):
     """Three layers (caches 10, 11, 12 of one process): 11 writes what 10
     writes, 12 other slots in ops of the same sizes."""

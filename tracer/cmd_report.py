@@ -833,11 +833,54 @@ def write_json(doc: dict, out):
     """The document, compact, on one line.  orjson rather than the standard
     library's encoder: row 6's 66 MB document in 0.2 s where json.dumps took
     1.1 s, the same bytes (docs/design.md, "The report's JSON").  A NaN is
-    null, where json wrote NaN, which is no JSON."""
-    data = orjson.dumps(doc, option=_JSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
+    null, where json wrote NaN, which is no JSON.
+
+    Written a piece at a time (_json_pieces), the same bytes as one
+    orjson.dumps(doc): the whole document as one bytes object, grown as it
+    was made, was the last of row 6's report's fresh memory (66 MB and more,
+    at 2-3 us a page first touched on these VMs; docs/bench.md, "Stop 48")."""
     # the CLI's stdout notes a failed write; WatchedStdout also knows how to
     # put bytes on any text stream (to its buffer, or decoded without one)
-    (out if isinstance(out, WatchedStdout) else WatchedStdout(out)).write_bytes(data)
+    w = out if isinstance(out, WatchedStdout) else WatchedStdout(out)
+    # pieces gathered into writes of a MiB or more: a small write the file's
+    # buffer kept would meet a full disk again when the file is closed
+    pending, size = [], 0
+    for piece in _json_pieces(doc):
+        pending.append(piece)
+        size += len(piece)
+        if size >= _JSON_WRITE_BYTES:
+            w.write_bytes(b"".join(pending))
+            pending, size = [], 0
+    w.write_bytes(b"".join(pending + [b"\n"]))
+
+
+# the items of a long list serialized at once by _json_pieces (row 6's 6000
+# requests in pieces of about 0.7 MB), and the least bytes write_json writes
+# at once (but the last)
+_JSON_LIST_PIECE = 64
+_JSON_WRITE_BYTES = 1 << 20
+
+
+def _json_pieces(value, depth: int = 0):
+    """orjson.dumps(value)'s bytes, in pieces: the members of a dict (of
+    string keys, the document and its parts, two levels deep) one by one,
+    the items of a long list _JSON_LIST_PIECE at a time, anything else
+    whole.  orjson's compact form has no space between tokens, so the
+    pieces joined are its bytes for the whole (tests/test_unit_report.py)."""
+    if depth < 2 and isinstance(value, dict) and value and all(type(k) is str for k in value):
+        sep = b"{"
+        for k, v in value.items():
+            yield sep + orjson.dumps(k) + b":"
+            yield from _json_pieces(v, depth + 1)
+            sep = b","
+        yield b"}"
+    elif isinstance(value, list) and len(value) > _JSON_LIST_PIECE:
+        for i in range(0, len(value), _JSON_LIST_PIECE):
+            part = orjson.dumps(value[i:i + _JSON_LIST_PIECE], option=_JSON_OPTIONS)
+            yield (b"," if i else b"[") + part[1:-1]  # the items, without their brackets
+        yield b"]"
+    else:
+        yield orjson.dumps(value, option=_JSON_OPTIONS)
 
 
 def write_csv(rep: Report, table: str, hm: heatmap.Heatmap, out):
