@@ -306,6 +306,41 @@ def test_write_heatmap_holds_every_slot_of_its_range(tmp_path):
     assert views[50][0].zoomed and views[50][0].total_blocks == blocks
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_heatmap_of_events_in_time_order_or_not_equals_a_cell_by_cell_count(weighted):
+    """compute_chunks finds a time-ordered chunk's rows by a search of the
+    rows' edges, and any other by a row number per event: both equal a
+    plain count of every event into its cell, with times on and around the
+    rows' edges and the range's ends, blocks outside the block range, and
+    row counts that do not divide the range.  block_counts (the zoom's
+    counts) too, by a slice or a mask."""
+    rng = np.random.default_rng(11)
+    for rows, t0, t1, b0, b1 in ((7, 100, 1000, 3, 40), (20, 0, 19, 0, 63), (3, 5, 6, 10, 10)):
+        t = np.sort(np.concatenate([rng.integers(t0 - 50, t1 + 50, 400),
+                                    [t0 + -(-k * (t1 - t0) // rows) + d
+                                     for k in range(rows + 1) for d in (-1, 0, 1)]]))
+        b = rng.integers(0, 70, len(t))
+        w = rng.integers(1, 5, len(t)) if weighted else None
+        want = np.zeros((rows, b1 - b0 + 1), np.int64)
+        for i in range(len(t)):
+            if t0 <= t[i] < t1 and b0 <= b[i] <= b1:
+                want[(t[i] - t0) * rows // (t1 - t0), b[i] - b0] += 1 if w is None else w[i]
+        cols = b1 - b0 + 1  # a column per block: the cells are the counts
+        shuffled = rng.permutation(len(t))
+        for chunks in ([(t, b, w)],  # in order
+                       [(t[:150], b[:150], None if w is None else w[:150]),
+                        (t[150:], b[150:], None if w is None else w[150:])],
+                       [(t[shuffled], b[shuffled], None if w is None else w[shuffled])]):
+            got = heatmap.compute_chunks(chunks, rows, cols, (t0, t1), (b0, b1))
+            assert got.cells.tolist() == want.tolist()
+            # the zoom's count per block: every block up to the highest of
+            # any time, those in the range counted
+            in_range = (t >= t0) & (t < t1)
+            plain = np.bincount(b[in_range], None if w is None else w[in_range],
+                                minlength=int(b.max()) + 1).astype(np.int64)
+            assert heatmap.block_counts(chunks, (t0, t1)).tolist() == plain.tolist()
+
+
 def test_write_json_is_json_that_the_standard_library_reads_back():
     """report --format json's writer (orjson): numpy columns written as
     lists, contiguous slices of them too, a NaN as null (json.dumps wrote

@@ -229,6 +229,9 @@ class Report:
         in the histograms.  Only caches with a known block size have
         generations, and only they have blocks."""
         for g in self.gens.values():
+            if not len(g.run_block) or int(g.run_block.max()) < tracefile.MAX_BLOCKS:
+                yield g.run_ns - self.t0, g.run_block, g.run_writes  # (no mask to apply)
+                continue
             keep = g.run_block < tracefile.MAX_BLOCKS
             yield g.run_ns[keep] - self.t0, g.run_block[keep], g.run_writes[keep]
 
@@ -279,14 +282,7 @@ class Report:
             named = {"what": "block reads (once per step per KV-cache group)", "key": "reads"}
         # one pass for the highest block and the blocks used in the time
         # range (the zoom), one for the cells
-        used = np.zeros(0, np.int64)
-        for t, b, w in runs:
-            keep = (t >= time_range[0]) & (t < time_range[1])
-            c = np.bincount(b[keep], None if w is None else w[keep],
-                            minlength=int(b.max()) + 1 if len(b) else 0).astype(np.int64)
-            if len(c) > len(used):
-                used = np.concatenate([used, np.zeros(len(c) - len(used), np.int64)])
-            used[:len(c)] += c
+        used = heatmap.block_counts(runs, time_range)
         nb = max([c["num_blocks"] for c in self.caches + self.groups] + [len(used), 1])
         zoomed = block_range is None
         if zoomed:

@@ -99,6 +99,27 @@ def compute(t_ns: np.ndarray, blocks: np.ndarray, rows: int, cols: int,
                           total_blocks, zoomed, **named)
 
 
+def block_counts(chunks, time_range: tuple) -> np.ndarray:
+    """Events per block (0 .. the highest block of any chunk) in time_range
+    ((t0, t1) ns, t1 exclusive), over compute_chunks' (t_ns, blocks, counts)
+    chunks: the blocks a heatmap zooms to (live.block_window).  A chunk in
+    time order (as the write and read runs are) has the range as a slice,
+    found by a search."""
+    used = np.zeros(0, np.int64)
+    for t, b, w in chunks:
+        if len(t) > 1 and not np.all(t[1:] >= t[:-1]):
+            keep = (t >= time_range[0]) & (t < time_range[1])
+            tb, tw = b[keep], None if w is None else w[keep]
+        else:
+            lo, hi = np.searchsorted(t, time_range).tolist()
+            tb, tw = b[lo:hi], None if w is None else w[lo:hi]
+        c = np.bincount(tb, tw, minlength=int(b.max()) + 1 if len(b) else 0).astype(np.int64)
+        if len(c) > len(used):
+            used = np.concatenate([used, np.zeros(len(c) - len(used), np.int64)])
+        used[:len(c)] += c
+    return used
+
+
 def compute_chunks(chunks, rows: int, cols: int, time_range: tuple, block_range: tuple,
                    total_blocks: int = 0, zoomed: bool = False, **named) -> Heatmap:
     """compute() over the events given a part at a time: chunks yields
@@ -109,13 +130,36 @@ def compute_chunks(chunks, rows: int, cols: int, time_range: tuple, block_range:
     b0, b1 = int(block_range[0]), int(block_range[1]) + 1
     n = b1 - b0
     per_block = np.zeros(rows * n, np.int64)
+    # row k holds the times t with (t - t0) * rows // (t1 - t0) == k: those
+    # from t0 + ceil(k (t1 - t0) / rows) on (Python ints: no overflow)
+    edges = [t0 + -(-k * (t1 - t0) // rows) for k in range(rows + 1)]
     for t_ns, blocks, counts in chunks:
-        keep = (t_ns >= t0) & (t_ns < t1) & (blocks >= b0) & (blocks < b1)
-        r = ((t_ns[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
-        b = (blocks[keep] - b0).astype(np.int64)
-        # weights are float64: exact for counts below 2**53
-        per_block += np.bincount(r * n + b, None if counts is None else counts[keep],
-                                 minlength=rows * n).astype(np.int64)
+        if len(t_ns) > 1 and not np.all(t_ns[1:] >= t_ns[:-1]):
+            keep = (t_ns >= t0) & (t_ns < t1) & (blocks >= b0) & (blocks < b1)
+            r = ((t_ns[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
+            b = (blocks[keep] - b0).astype(np.int64)
+            # weights are float64: exact for counts below 2**53
+            per_block += np.bincount(r * n + b, None if counts is None else counts[keep],
+                                     minlength=rows * n).astype(np.int64)
+            continue
+        # in time order (the write runs, the read runs, as the ops are):
+        # each row's events are a slice, found by a search of its edges, and
+        # counted by one bincount each, with no row number, mask or key per
+        # event (row 6's 3.2M write runs: 0.05 -> 0.02 s)
+        at = np.searchsorted(t_ns, edges).tolist()
+        inside = len(blocks) and int(blocks[at[0]:at[-1]].min(initial=b0)) >= b0 and \
+            int(blocks[at[0]:at[-1]].max(initial=b0)) < b1
+        w = None if counts is None else counts.astype(np.float64)  # once, not per row
+        for k in range(rows):
+            lo, hi = at[k], at[k + 1]
+            if lo == hi:
+                continue
+            b, wk = blocks[lo:hi], None if w is None else w[lo:hi]
+            if not inside:
+                keep = (b >= b0) & (b < b1)
+                b, wk = b[keep], None if wk is None else wk[keep]
+            per_block[k * n:(k + 1) * n] += np.bincount(b - b0 if b0 else b, wk,
+                                                        minlength=n).astype(np.int64)
     per_block = per_block.reshape(rows, n)
     lo, hi = col_edges(n, cols)
     # a prefix sum per row: each column is the difference at its edges
