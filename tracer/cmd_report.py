@@ -552,7 +552,11 @@ def _pcts(values) -> list:
     v = v[~np.isnan(v)]
     if not len(v):
         return []
-    return [[p, float(np.percentile(v, p))] for p in access.PERCENTILES]
+    # one call for every percentile: one partition of the values for all of
+    # them, where a call each was 0.06 s of row 6's JSON report (888k idle
+    # times); numpy's interpolation is the same either way
+    return [[p, float(x)] for p, x in zip(access.PERCENTILES,
+                                          np.percentile(v, access.PERCENTILES))]
 
 
 def access_figures(rep: Report) -> list:
