@@ -71,6 +71,8 @@ def events(ops: stream.OpStream) -> Events:
     for op_id, kind in KIND_OF_OP.items():
         kind_table[op_id] = abi.LIFE.index(kind)
     keep = blocks > 0
+    if keep.all():  # no null id (as usual): no copy of each field to drop one
+        keep = slice(None)
 
     def per_event(per_op):  # an op's field, for each of its events kept
         return np.repeat(per_op, n)[keep]
