@@ -564,6 +564,19 @@ def test_prefix_reuse_by_name_forks_and_returns_are_not_new(leader):
     assert access.prefix_reuse(ops, rows, leader, access.step_requests(ops)) == NAMED_WANT
 
 
+def test_prefix_reuse_by_name_counts_only_the_requests_its_rows_name():
+    """A fifth step's step_reqs names a request D whose table op came
+    incomplete (no rows: its live set is not whole): D is in step_reqs,
+    and no row of the group is D's, so it is no new request of the group."""
+    D = 0xD0D0
+    records = STEPS_NAMED + [(SR, 0, [D, 4], True), (WRITE, LEADER, [40, 41, 42, 43], True),
+                             (stream.TABLE_OP_ID, GROUP, [4, 10], False)]
+    ops, (rows,) = step_reqs_and_tables(records, 4)
+    sr = access.step_requests(ops)
+    assert D in sr.req.tolist()
+    assert access.prefix_reuse(ops, rows, LEADER, sr) == NAMED_WANT
+
+
 def test_prefix_reuse_falls_back_to_rows_when_a_step_is_unnamed():
     """Step 3's step_reqs record lost: step 3 is nobody's, so the names
     cannot say whose first step it was; the rows' reading is used, as

@@ -752,15 +752,17 @@ def _prefix_reuse_by_name(rows: Rows, sr: "StepRequests"):
     ok, row, el = named
     if not len(row) or not np.all(ok | ~st.complete):
         return None
-    req = sr.req[el]
+    ri = sr.req_index[el]
     step = rows.step_of_row[row]
-    _, first, inv = np.unique(req, return_index=True, return_inverse=True)
-    is_first = step == step[first][inv.ravel()]  # every row of a request's first step
+    # each request's first step: its rows' lowest (no sort of the hashes)
+    first_step = np.full(len(sr.ureq), len(st), np.int64)
+    np.minimum.at(first_step, ri, step)
+    is_first = step == first_step[ri]  # every row of a request's first step
     r = row[is_first]
     cached = np.clip(rows.seq[r] - sr.tokens[el[is_first]], 0, None) // st.block_size
     found = rows.entries[stream.ranges(rows.start[r], np.minimum(cached, rows.length[r]))]
     blocks, n = np.unique(found[found > 0], return_counts=True)  # null entries: no read
-    return {"requests": len(first), "blocks": int(n.sum()),
+    return {"requests": int(np.count_nonzero(first_step < len(st))), "blocks": int(n.sum()),
             "per_block": dict(zip(blocks.tolist(), n.tolist())),
             "steps_without_writes": 0, "by": "request ids"}
 
@@ -777,17 +779,25 @@ class StepRequests:
     lo: np.ndarray  # len(pos) + 1
     req: np.ndarray  # uint64 request hash
     tokens: np.ndarray  # int64: tokens it computes (writes) at the step
+    ureq: np.ndarray  # the distinct hashes, sorted
+    req_index: np.ndarray  # per entry of req: its hash's place in ureq
 
 
 def step_requests(ops: stream.OpStream) -> StepRequests:
+    """The step_reqs ops, with each request's place among the distinct ones
+    found once, for request_access (beside) and prefix reuse (the main
+    side's document), where each sorted the 808k hashes of row 6's trace
+    (a stable sort for the latter: 0.05 s)."""
     o = ops.ops
     pos = np.flatnonzero((o["op"] == stream.STEP_REQS_OP_ID) & o["complete"])
     n = o["items"][pos].astype(np.int64)
     start = o["start"][pos].astype(np.int64)
     vals = ops.values
+    req = vals[stream.ranges(start, n)].view(np.uint64)
+    ureq, req_index = np.unique(req, return_inverse=True)
     return StepRequests(pos, o["pid"][pos].astype(np.int64), np.concatenate([[0], np.cumsum(n)]),
-                        vals[stream.ranges(start, n)].view(np.uint64),
-                        vals[stream.ranges(start + n, n)].astype(np.int64))
+                        req, vals[stream.ranges(start + n, n)].astype(np.int64), ureq,
+                        req_index.reshape(-1))
 
 
 def name_rows(sr: StepRequests, rows: Rows):
@@ -830,7 +840,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     if not len(sr.pos):
         return out, stats
     # per request: steps scheduled and tokens written, from step_reqs alone
-    ureq, inv = np.unique(sr.req, return_inverse=True)
+    ureq, inv = sr.ureq, sr.req_index
     steps = np.bincount(inv, minlength=len(ureq))
     toks = np.bincount(inv, weights=sr.tokens, minlength=len(ureq))
     wanted = np.ones(len(ureq), bool) if only is None else \
