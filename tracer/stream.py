@@ -191,7 +191,11 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
     total = int(ends_s[-1]) if len(ends_s) else 0
 
     # one group of chunks per seq: where its values are, how many, contiguous?
-    useq, first = np.unique(seq_s, return_index=True)
+    # (seq_s is sorted: each group starts where the seq changes, with no
+    # second sort, which np.unique's was: 0.03 s of row 6's 953k chunks)
+    first = np.flatnonzero(np.r_[True, seq_s[1:] != seq_s[:-1]]) if len(seq_s) else \
+        np.zeros(0, np.intp)
+    useq = seq_s[first]
     if len(useq):
         g_start = starts_s[first]
         g_count = np.add.reduceat(count_s, first)
