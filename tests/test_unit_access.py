@@ -261,8 +261,8 @@ def test_rows_of_keeps_every_entry_narrow_or_not(wide, dtype, layout, monkeypatc
     they came (int64): a garbage entry beyond an int32 is kept, not wrapped.
     The entry that does not fit comes late, after runs of ops already kept
     narrower (one op past the end: the ops lie in two runs, steps 0-5 and
-    6-39, and the first is kept as int16 before step 17 needs more).  Chunks of 7 values:
-    every chunk edge falls somewhere in the rows."""
+    6-39, and the first is kept as int16 before step 17 needs more).
+    Chunks of 7 values: every chunk edge falls somewhere in the rows."""
     monkeypatch.setattr(access, "_CHUNK_VALUES", 7)
     rng = np.random.default_rng(9)
     bs, records, want = 4, [], []

@@ -390,7 +390,8 @@ def test_write_json_writes_the_bytes_of_one_dumps_in_pieces():
                "lifecycle": {"summary": {"é": 1.5, 3: float("nan")},
                              "requests": [{"req": f"{i:x}", "t": [i / 7, None],
                                            "access": orjson.Fragment(orjson.dumps(
-                                               {"b": rng.integers(0, 9, (i % 5) * 40)}, option=opts))}
+                                               {"b": rng.integers(0, 9, (i % 5) * 40)},
+                                               option=opts))}
                                           for i in range(n)],
                              "col": rng.random(n)}}
         want = orjson.dumps(doc, option=opts | orjson.OPT_APPEND_NEWLINE)

@@ -261,17 +261,14 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
         r0, r1 = np.searchsorted(hop, [k0, k1])
         if r0 == r1:
             continue
-        at = int(start[r0])
-        got = None
-        while got is None:
-            got = _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1],
-                               entries[at:at + int(length[r0:r1].sum())])
-            if got is None and entries.dtype == _NARROW[-1]:
-                break
-            if got is None:  # the next type, with what the runs before wrote
-                wider = np.empty(total, _NARROW[_NARROW.index(entries.dtype) + 1])
-                wider[:at] = entries[:at]
-                entries = wider
+        at, until = int(start[r0]), int(start[r0]) + int(length[r0:r1].sum())
+        got = _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1], entries[at:until])
+        while got is None and entries.dtype != _NARROW[-1]:
+            # the next type, with what the runs before wrote, and this run again
+            wider = np.empty(total, _NARROW[_NARROW.index(entries.dtype) + 1])
+            wider[:at] = entries[:at]
+            entries = wider
+            got = _narrow_runs(values, hpos[r0:r1] + 1, length[r0:r1], entries[at:until])
         if got is None:
             entries = values[stream.ranges(hpos + 1, length)]  # beyond an int32: as they are
             bounds = None

@@ -99,6 +99,12 @@ def compute(t_ns: np.ndarray, blocks: np.ndarray, rows: int, cols: int,
                           total_blocks, zoomed, **named)
 
 
+def _in_time_order(t_ns: np.ndarray) -> bool:
+    """Whether a chunk's times never go back (the write and read runs'
+    do not, as the ops are): its rows and range are then slices."""
+    return len(t_ns) < 2 or bool(np.all(t_ns[1:] >= t_ns[:-1]))
+
+
 def block_counts(chunks, time_range: tuple) -> np.ndarray:
     """Events per block (0 .. the highest block of any chunk) in time_range
     ((t0, t1) ns, t1 exclusive), over compute_chunks' (t_ns, blocks, counts)
@@ -107,7 +113,7 @@ def block_counts(chunks, time_range: tuple) -> np.ndarray:
     found by a search."""
     used = np.zeros(0, np.int64)
     for t, b, w in chunks:
-        if len(t) > 1 and not np.all(t[1:] >= t[:-1]):
+        if not _in_time_order(t):
             keep = (t >= time_range[0]) & (t < time_range[1])
             tb, tw = b[keep], None if w is None else w[keep]
         else:
@@ -134,7 +140,7 @@ def compute_chunks(chunks, rows: int, cols: int, time_range: tuple, block_range:
     # from t0 + ceil(k (t1 - t0) / rows) on (Python ints: no overflow)
     edges = [t0 + -(-k * (t1 - t0) // rows) for k in range(rows + 1)]
     for t_ns, blocks, counts in chunks:
-        if len(t_ns) > 1 and not np.all(t_ns[1:] >= t_ns[:-1]):
+        if not _in_time_order(t_ns):
             keep = (t_ns >= t0) & (t_ns < t1) & (blocks >= b0) & (blocks < b1)
             r = ((t_ns[keep] - t0) * rows // (t1 - t0)).astype(np.int64)
             b = (blocks[keep] - b0).astype(np.int64)
