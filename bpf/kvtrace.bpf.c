@@ -55,7 +55,11 @@
 #endif
 
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
-BPF_HASH(sites, struct kvtrace_site_key, struct kvtrace_site, 4096);
+BPF_ARRAY(sites, struct kvtrace_site, KVTRACE_MAX_SITES);
+#ifndef KVTRACE_SITE_COOKIES
+BPF_HASH(site_index, struct kvtrace_site_key, u32, KVTRACE_MAX_SITES);
+#endif
+BPF_ARRAY(cache_memo, struct kvtrace_cache_memo, KVTRACE_MAX_SITES);
 BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, KVTRACE_CACHE_ENTRIES);
 BPF_F_TABLE("array", u32, struct kvtrace_cache_stats, cache_stats, KVTRACE_CACHE_ENTRIES,
 	    BPF_F_MMAPABLE);
@@ -460,6 +464,21 @@ static __always_inline u64 fetch_arg(struct pt_regs *ctx,
 	else
 		val >>= spec->bitshift & 63;
 	return val;
+}
+
+/* The memo word of cache_id at a site (struct kvtrace_cache_memo); NULL for
+ * an id the memo cannot hold. */
+static __always_inline u64 *memo_word(u32 site_idx, u64 cache_id)
+{
+	if ((cache_id & 15) || (cache_id >> 48))
+		return NULL;
+	struct kvtrace_cache_memo *m = cache_memo.lookup(&site_idx);
+	if (!m)
+		return NULL;
+	/* Fibonacci hashing: the layers' caches lie a constant stride apart,
+	 * which a plain mask would put in one slot */
+	u64 slot = ((cache_id >> 4) * 0x9E3779B97F4A7C15ULL) >> 58;
+	return &m->slot[slot & (KVTRACE_MEMO_SLOTS - 1)];
 }
 
 /* The cache (layer) an op touches; a new one gets the next row. */
@@ -1418,13 +1437,21 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	u64 pid_tgid = bpf_get_current_pid_tgid();
 	u32 pid = pid_tgid >> 32;
 
-	/* A uprobe in a shared library fires for every process mapping it.
-	 * Sites are keyed by pid and written only for traced processes, so a
-	 * hit on one needs no other lookup; a miss is told apart (a process we
-	 * were not asked to trace, or a site not described) only then. */
+	/* The site's row: a link's cookie (row + 1), or on perf events the
+	 * row of (pid, address).  A uprobe in a shared library fires for every
+	 * process mapping it; a row holds its process's pid and is written only
+	 * for traced processes, so a hit on one needs no other lookup; a miss
+	 * is told apart (a process we were not asked to trace, or a site not
+	 * described) only then. */
+#ifdef KVTRACE_SITE_COOKIES
+	u32 site_idx = (u32)bpf_get_attach_cookie(ctx) - 1;
+#else
 	struct kvtrace_site_key skey = {.pid = pid, .ip = PT_REGS_IP(ctx)};
-	struct kvtrace_site *site = sites.lookup(&skey);
-	if (!site) {
+	u32 *found = site_index.lookup(&skey);
+	u32 site_idx = found ? *found : KVTRACE_MAX_SITES;
+#endif
+	struct kvtrace_site *site = sites.lookup(&site_idx);
+	if (!site || site->pid != pid) {
 		global_add(traced_pids.lookup(&pid) ? KVTRACE_G_NO_SITE
 						    : KVTRACE_G_FOREIGN, 1);
 		return 0;
@@ -1465,19 +1492,32 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 			start_record(w);
 			return finish(ctx, w);
 		}
-		struct kvtrace_cache *c = cache_of(pid, a[3], op);
-		if (!c)
-			return 0;
-		if (!c->block_size) { /* first seen by a copy or swap */
-			c->block_size = bs;
-			c->num_blocks = a[4];
+		/* a cache this site wrote before is in its memo: no hash lookup */
+		u64 *memo = memo_word(site_idx, a[3]);
+		u64 seen = memo ? *memo : 0;
+		u32 index;
+		if (seen && seen >> KVTRACE_MEMO_INDEX_BITS == a[3] >> 4) {
+			index = (seen & ((1 << KVTRACE_MEMO_INDEX_BITS) - 1)) - 1;
+		} else {
+			struct kvtrace_cache *c = cache_of(pid, a[3], op);
+			if (!c)
+				return 0;
+			if (!c->block_size) { /* first seen by a copy or swap */
+				c->block_size = bs;
+				c->num_blocks = a[4];
+			}
+			index = c->index;
+			/* memoized once its block size is set, so that a hit
+			 * never needs the entry */
+			if (memo)
+				*memo = (a[3] >> 4) << KVTRACE_MEMO_INDEX_BITS | (index + 1);
 		}
 		w->arr = a[0];
 		w->n = n;
 		w->block_size = bs;
-		w->keep = c->index < KVTRACE_MAX_CACHES;
-		w->row = w->keep ? c->index : 0;
-		w->ev.cache_index = c->index;
+		w->keep = index < KVTRACE_MAX_CACHES;
+		w->row = w->keep ? index : 0;
+		w->ev.cache_index = index;
 		w->ev.cache_id = a[3];
 		w->ev.items = n;
 		stage = KVTRACE_STAGE_SLOTS;
@@ -1597,8 +1637,44 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	}
 
 	start_record(w);
-	if (w->n)
-		stages.call(ctx, stage);
+	/* One call per stage, each with its key a constant: the JIT makes
+	 * such a tail call a direct jump, where a key known only at run time
+	 * costs two loads and an indirect jump, a retpoline here (cold, as in
+	 * vLLM, 0.25 us: docs/bench.md, stop 49).  The asm after each keeps
+	 * clang from merging them back into one call with a variable key.
+	 * (bcc rewrites no map call inside a macro: each is written out.) */
+	if (w->n) {
+		switch (stage) {
+		case KVTRACE_STAGE_SLOTS:
+			stages.call(ctx, KVTRACE_STAGE_SLOTS);
+			asm volatile("/* SLOTS */");
+			break;
+		case KVTRACE_STAGE_SLOTS_POW2:
+			stages.call(ctx, KVTRACE_STAGE_SLOTS_POW2);
+			asm volatile("/* SLOTS_POW2 */");
+			break;
+		case KVTRACE_STAGE_PAIRS:
+			stages.call(ctx, KVTRACE_STAGE_PAIRS);
+			asm volatile("/* PAIRS */");
+			break;
+		case KVTRACE_STAGE_SIZES:
+			stages.call(ctx, KVTRACE_STAGE_SIZES);
+			asm volatile("/* SIZES */");
+			break;
+		case KVTRACE_STAGE_TABLE:
+			stages.call(ctx, KVTRACE_STAGE_TABLE);
+			asm volatile("/* TABLE */");
+			break;
+		case KVTRACE_STAGE_IDS:
+			stages.call(ctx, KVTRACE_STAGE_IDS);
+			asm volatile("/* IDS */");
+			break;
+		case KVTRACE_STAGE_HASHES:
+			stages.call(ctx, KVTRACE_STAGE_HASHES);
+			asm volatile("/* HASHES */");
+			break;
+		}
+	}
 	/* reached with nothing to read, or if the stage is missing */
 	w->err = w->n ? 1 : 0;
 	w->trunc = w->n; /* block_table: no row was read */

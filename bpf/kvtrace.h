@@ -212,7 +212,16 @@ struct kvtrace_tensor_layout {
 	__u16 pad[3];
 };
 
-/* sites: one entry per attached probe address in one process */
+/*
+ * Sites: one row of `sites` per attached probe address in one process, its
+ * index given by the front end.  A uprobe_multi link carries index + 1 as
+ * each probe's cookie, so a hit finds its row by the cookie, with no hash
+ * lookup (cold, as every hit in vLLM is, a hash lookup cost 0.5-0.7 us
+ * here: docs/bench.md, stop 49); on perf events, which have no cookie,
+ * `site_index` maps (pid, address) to the row.
+ */
+#define KVTRACE_MAX_SITES 4096
+
 struct kvtrace_site_key {
 	__u32 pid;
 	__u32 pad;
@@ -223,11 +232,26 @@ struct kvtrace_site {
 	__u32 op; /* enum kvtrace_op */
 	__u32 nargs;
 	/* the process's index (struct kvtrace_proc), here too: a hit on a
-	 * known site then costs one hash lookup, not two */
+	 * known site then needs no lookup of its process */
 	__u32 proc;
-	__u32 pad;
+	__u32 pid; /* the process's: a cookie's row is checked against it */
 	struct kvtrace_arg_spec args[KVTRACE_MAX_ARGS];
 	struct kvtrace_tensor_layout tensor; /* for KVTRACE_ARG_TENSOR_* */
+};
+
+/*
+ * A site's memo of the caches its write ops named: slot = a hash of the
+ * cache id, value = (cache id >> 4) << 20 | (cache index + 1), one word, so
+ * that a hit on another CPU reads a whole entry or none.  Only cache ids
+ * with their low 4 bits clear and below 2^48 (a user address that malloc,
+ * torch or a static array gives) have one; any other takes the caches hash
+ * every time.
+ */
+#define KVTRACE_MEMO_SLOTS 64
+#define KVTRACE_MEMO_INDEX_BITS 20 /* > log2(KVTRACE_CACHE_ENTRIES) */
+
+struct kvtrace_cache_memo {
+	__u64 slot[KVTRACE_MEMO_SLOTS];
 };
 
 /* caches: one entry per (process, cache id); a cache id is one layer */

@@ -216,6 +216,29 @@ def test_ops_longer_than_the_read_limit_are_truncated_exactly(tmp_path):
     assert sum(int((v >= 0).sum()) for _, v in writes) == truth["slots_written"]
 
 
+@pytest.mark.parametrize("perf_uprobes", ["0", "1"])
+def test_many_layers_through_one_site_are_each_exact(tmp_path, perf_uprobes):
+    """One write site serves every layer, and the program keeps each site's
+    caches in a memo of 64 slots (bpf/kvtrace.h): with kvsim's most layers,
+    64, some share a slot and push each other out (that none does has odds
+    of 64!/64^64, about 1e-26).  Every layer's row is still kvsim's own, by
+    links (the site found by its cookie) and by perf events (by its
+    address)."""
+    layers = 64
+    shape = kvsim_truth(tmp_path, "default", "--layers", layers)
+    assert shape["num_layers"] == layers
+    max_blocks = 1 << (shape["num_blocks"] - 1).bit_length()
+    out, truth_path = tmp_path / "agg.json", tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--json", out, "--max-layers", layers,
+                    "--max-blocks", max_blocks, "--", KVSIM, "--workload", "default",
+                    "--layers", layers, "--truth", truth_path, "--quiet",
+                    env=dict(os.environ, KVTRACE_PERF_UPROBES=perf_uprobes))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["processes"][0]["layers"]) == layers
+    assert_matches_truth(doc, json.loads(truth_path.read_text()))
+
+
 def test_limits_are_reported_not_hidden(tmp_path):
     """Blocks and layers beyond --max-blocks / --max-layers: what is kept is
     exact, the rest is counted as out of range and the run says NOT exact.

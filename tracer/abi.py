@@ -52,6 +52,7 @@ CALLBACK_MARK = define("KVTRACE_CB_MARK")  # the high half of a callback's marke
 GLOBALS = _strip("KVTRACE_G_", _enum("kvtrace_global"))
 ARG_KINDS = _strip("KVTRACE_ARG_", _enum("kvtrace_arg_kind"))
 MAX_ARGS = define("KVTRACE_MAX_ARGS")
+MAX_SITES = define("KVTRACE_MAX_SITES")  # rows of `sites`: probe addresses per tracer
 CHUNK = define("KVTRACE_CHUNK")
 RECORD_VALUES = CHUNK * define("KVTRACE_RECORD_CHUNKS")  # most values per stream record
 DEFAULT_MAX_BLOCKS = define("KVTRACE_MAX_BLOCKS")

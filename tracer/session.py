@@ -212,6 +212,10 @@ class Tracer:
         self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
                           and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
         self.attach_kind = uprobe_pmu.BPF_TRACE_UPROBE_MULTI if self.use_links else 0
+        if self.use_links:
+            # a link gives each probe a cookie: its row in `sites`, found
+            # without a hash lookup (bpf/kvtrace.h)
+            cflags.append("-DKVTRACE_SITE_COOKIES")
         t0 = time.monotonic()
         # compiled once per program text, kernel and bcc (tracer/program.py);
         # a compile needs the kernel headers, a cached program does not
@@ -297,6 +301,7 @@ class Tracer:
                 wakeup_bytes=0 if wakeup_every else perf_pages * mmap.PAGESIZE // 4)
             self._poll_fns = (self.bpf.perf_buffer_poll, self.bpf.perf_buffer_consume)
         self.procs = {}  # pid -> TracedProcess
+        self.site_rows = {}  # (pid, address) -> its row in `sites`, never reused
         self.started = time.monotonic()
 
     def _map_u64(self, name: str, shape: tuple, words: int = None) -> np.ndarray:
@@ -405,7 +410,8 @@ class Tracer:
             if path in proc.probe_files:  # attached again after detach()
                 proc.skipped = [(p, why) for p, why in proc.skipped if p.path != path]
             proc.probe_files[path] = probes
-            live = []  # (offset, semaphore offset, address) of the probes to attach
+            # (offset, semaphore offset, cookie, address) of the probes to attach
+            live = []
             for probe in probes:
                 if probe.name not in abi.OPS:
                     proc.skipped.append((probe, "unknown probe name"))
@@ -421,12 +427,16 @@ class Tracer:
                 if probe.stock and tensor_layout is None:
                     specs = catalog.arg_specs(probe.recipe, calls_only=True)
                     proc.calls_only = True
-                key = sites.Key()
-                key.pid, key.ip = pid, ip
+                row = self.site_rows.get((pid, ip), len(self.site_rows))
+                if row >= abi.MAX_SITES:
+                    proc.skipped.append((probe, f"more than {abi.MAX_SITES} probe sites"))
+                    continue
+                self.site_rows[(pid, ip)] = row
                 site = sites.Leaf()
                 site.op = abi.OPS[probe.name]
                 site.nargs = len(specs)
                 site.proc = proc.index
+                site.pid = pid
                 if tensor_layout is not None:
                     for name, _ in site.tensor._fields_:
                         if not name.startswith("pad"):
@@ -438,9 +448,15 @@ class Tracer:
                     site.args[i].is_signed = spec.is_signed
                     site.args[i].bitshift = spec.bitshift
                 # the site is described before its uprobe exists: no hit
-                # can arrive that the program cannot decode
-                sites[key] = site
-                live.append((probe.offset, probe.sem_offset, ip))
+                # can arrive that the program cannot decode.  Its memo is
+                # emptied: a pid can be reused, and the caches with it
+                self.bpf["cache_memo"][ctypes.c_int(row)] = self.bpf["cache_memo"].Leaf()
+                sites[ctypes.c_int(row)] = site
+                if not self.use_links:
+                    key = self.bpf["site_index"].Key()
+                    key.pid, key.ip = pid, ip
+                    self.bpf["site_index"][key] = ctypes.c_uint32(row)
+                live.append((probe.offset, probe.sem_offset, row + 1, ip))
             if not live:
                 continue
             proc.uprobes.extend(self._open_uprobes(path, pid, live))
@@ -448,23 +464,24 @@ class Tracer:
                 # bcc reads /proc/PID/maps on a pid's first lookup and
                 # keeps it: look once now, while the target lives, so
                 # stacks still resolve after it exits
-                self.bpf.sym(live[0][2], pid)
+                self.bpf.sym(live[0][3], pid)
             added += len(live)
         return added
 
     def _open_uprobes(self, path: str, pid: int, live: list) -> list:
-        """The uprobes at `live` (offset, semaphore offset, address) of one
+        """The uprobes at `live` (offset, semaphore offset, cookie, address) of one
         file in pid: one uprobe_multi link, or one perf event each where the
         kernel makes no such link (uprobe_pmu.py says why links first)."""
         prog = self.site_prog.fd if self.empty_prog_fd < 0 else self.empty_prog_fd
         if self.use_links:
-            return [self._link(path, [o for o, _, _ in live], pid, prog,
-                               [sem for _, sem, _ in live])]
-        return [Uprobe(path, offset, pid, prog, ref_ctr_offset=sem) for offset, sem, _ in live]
+            return [self._link(path, [p[0] for p in live], pid, prog,
+                               [p[1] for p in live], [p[2] for p in live])]
+        return [Uprobe(path, p[0], pid, prog, ref_ctr_offset=p[1]) for p in live]
 
-    def _link(self, path: str, offsets: list, pid: int, prog: int, sems: list) -> UprobeLink:
+    def _link(self, path: str, offsets: list, pid: int, prog: int, sems: list,
+              cookies=None) -> UprobeLink:
         try:
-            return UprobeLink(path, offsets, pid, prog, sems)
+            return UprobeLink(path, offsets, pid, prog, sems, cookies)
         except NoUprobeMulti as e:
             # the programs were loaded for links, and this kernel refuses
             # them on perf events: no quiet fallback is left

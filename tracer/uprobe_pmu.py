@@ -141,18 +141,20 @@ class UprobeLink:
     kernel makes no such link."""
 
     def __init__(self, path: str, offsets: list, pid: int, prog_fd: int,
-                 ref_ctr_offsets: list):
+                 ref_ctr_offsets: list, cookies=None):
         from . import program  # program imports this module
         self.path, self.offsets, self.pid = path, tuple(offsets), pid
         n = len(offsets)
         path_buf = ctypes.create_string_buffer(os.fsencode(path))
         offs = (ctypes.c_uint64 * n)(*offsets)
         refs = (ctypes.c_uint64 * n)(*ref_ctr_offsets)
+        # each probe's bpf_get_attach_cookie(): the program's row for it
+        cooks = (ctypes.c_uint64 * n)(*cookies) if cookies else None
         attr = ctypes.create_string_buffer(64)  # union bpf_attr, link_create's part
         struct.pack_into("<IIIIQQQQIII", attr, 0, prog_fd, 0, BPF_TRACE_UPROBE_MULTI, 0,
                          ctypes.addressof(path_buf), ctypes.addressof(offs),
                          ctypes.addressof(refs) if any(ref_ctr_offsets) else 0,
-                         0, n, 0, pid)
+                         ctypes.addressof(cooks) if cooks else 0, n, 0, pid)
         # (an architecture without a known bpf() number: ENOSYS, so perf events,
         # which say it is unsupported)
         fd = program.bpf_syscall(_BPF_LINK_CREATE, attr)
