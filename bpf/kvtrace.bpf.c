@@ -790,6 +790,19 @@ static __always_inline int stage_state(struct work **w, struct chunk **buf)
 	return !*w || !*buf;
 }
 
+/*
+ * Tail-call a stage whose key is a constant where this is inlined: the JIT
+ * makes such a call a direct jump, where a key known only at run time costs
+ * two loads and an indirect jump, a retpoline here (cold, as in vLLM, 0.25
+ * us: docs/bench.md, stop 49).  The asm takes the key as an immediate, so
+ * clang cannot merge two calls into one with a variable key.
+ */
+static __always_inline void stage_call(struct pt_regs *ctx, const u32 stage)
+{
+	stages.call(ctx, stage);
+	asm volatile("" : : "i"(stage));
+}
+
 /* A stage's last step: go on with the next segment of the array if any is
  * left, else (or when the kernel's 33 tail calls are used up) finish. */
 static __always_inline int next_segment_or_finish(struct pt_regs *ctx,
@@ -1464,20 +1477,22 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	 * other layers' calls are known by two arguments, before the other six
 	 * are read (stock vLLM's op reads 27 words of tensors for all eight,
 	 * at every layer: a model of 32 layers wasted 31 such reads a step) */
+	u64 a[KVTRACE_MAX_ARGS] = {};
+	u32 fetched = 0; /* the arguments already in a[], by bit */
 	if (site->op == KVTRACE_OP_BLOCK_TABLE && site->nargs == 8) {
-		struct kvtrace_group_key gkey = {
-		    .pid = pid, .group_id = fetch_arg(ctx, site, &site->args[5])};
+		a[5] = fetch_arg(ctx, site, &site->args[5]); /* group id */
+		a[7] = fetch_arg(ctx, site, &site->args[7]); /* layer id */
+		fetched = 1 << 5 | 1 << 7;
+		struct kvtrace_group_key gkey = {.pid = pid, .group_id = a[5]};
 		struct kvtrace_group *g = groups.lookup(&gkey);
-		if (g && g->leader != fetch_arg(ctx, site, &site->args[7])) {
+		if (g && g->leader != a[7]) {
 			__sync_fetch_and_add(&g->layer_calls, 1);
 			return 0;
 		}
 	}
-
-	u64 a[KVTRACE_MAX_ARGS] = {};
 #pragma unroll
 	for (int i = 0; i < KVTRACE_MAX_ARGS; i++)
-		if (i < site->nargs)
+		if (i < site->nargs && !(fetched & (1 << i)))
 			a[i] = fetch_arg(ctx, site, &site->args[i]);
 
 	u32 zero = 0;
@@ -1651,42 +1666,16 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 	}
 
 	start_record(w);
-	/* One call per stage, each with its key a constant: the JIT makes
-	 * such a tail call a direct jump, where a key known only at run time
-	 * costs two loads and an indirect jump, a retpoline here (cold, as in
-	 * vLLM, 0.25 us: docs/bench.md, stop 49).  The asm after each keeps
-	 * clang from merging them back into one call with a variable key.
-	 * (bcc rewrites no map call inside a macro: each is written out.) */
+	/* one call site per stage, each key a constant (stage_call()) */
 	if (w->n) {
 		switch (stage) {
-		case KVTRACE_STAGE_SLOTS:
-			stages.call(ctx, KVTRACE_STAGE_SLOTS);
-			asm volatile("/* SLOTS */");
-			break;
-		case KVTRACE_STAGE_SLOTS_POW2:
-			stages.call(ctx, KVTRACE_STAGE_SLOTS_POW2);
-			asm volatile("/* SLOTS_POW2 */");
-			break;
-		case KVTRACE_STAGE_PAIRS:
-			stages.call(ctx, KVTRACE_STAGE_PAIRS);
-			asm volatile("/* PAIRS */");
-			break;
-		case KVTRACE_STAGE_SIZES:
-			stages.call(ctx, KVTRACE_STAGE_SIZES);
-			asm volatile("/* SIZES */");
-			break;
-		case KVTRACE_STAGE_TABLE:
-			stages.call(ctx, KVTRACE_STAGE_TABLE);
-			asm volatile("/* TABLE */");
-			break;
-		case KVTRACE_STAGE_IDS:
-			stages.call(ctx, KVTRACE_STAGE_IDS);
-			asm volatile("/* IDS */");
-			break;
-		case KVTRACE_STAGE_HASHES:
-			stages.call(ctx, KVTRACE_STAGE_HASHES);
-			asm volatile("/* HASHES */");
-			break;
+		case KVTRACE_STAGE_SLOTS: stage_call(ctx, KVTRACE_STAGE_SLOTS); break;
+		case KVTRACE_STAGE_SLOTS_POW2: stage_call(ctx, KVTRACE_STAGE_SLOTS_POW2); break;
+		case KVTRACE_STAGE_PAIRS: stage_call(ctx, KVTRACE_STAGE_PAIRS); break;
+		case KVTRACE_STAGE_SIZES: stage_call(ctx, KVTRACE_STAGE_SIZES); break;
+		case KVTRACE_STAGE_TABLE: stage_call(ctx, KVTRACE_STAGE_TABLE); break;
+		case KVTRACE_STAGE_IDS: stage_call(ctx, KVTRACE_STAGE_IDS); break;
+		case KVTRACE_STAGE_HASHES: stage_call(ctx, KVTRACE_STAGE_HASHES); break;
 		}
 	}
 	/* reached with nothing to read, or if the stage is missing */
