@@ -401,7 +401,8 @@ class Tracer:
         if all(path in proc.attached for path in files):
             return 0  # called on every scan: nothing new, no need to read the maps
         maps = discover.read_maps(pid)
-        sites = self.bpf["sites"]
+        sites, memos = self.bpf["sites"], self.bpf["cache_memo"]
+        rows = None if self.use_links else self.bpf["site_index"]  # cookies on links
         added = 0
         for path, probes in files.items():
             if path in proc.attached:
@@ -450,12 +451,12 @@ class Tracer:
                 # the site is described before its uprobe exists: no hit
                 # can arrive that the program cannot decode.  Its memo is
                 # emptied: a pid can be reused, and the caches with it
-                self.bpf["cache_memo"][ctypes.c_int(row)] = self.bpf["cache_memo"].Leaf()
+                memos[ctypes.c_int(row)] = memos.Leaf()
                 sites[ctypes.c_int(row)] = site
-                if not self.use_links:
-                    key = self.bpf["site_index"].Key()
+                if rows is not None:
+                    key = rows.Key()
                     key.pid, key.ip = pid, ip
-                    self.bpf["site_index"][key] = ctypes.c_uint32(row)
+                    rows[key] = ctypes.c_uint32(row)
                 live.append((probe.offset, probe.sem_offset, row + 1, ip))
             if not live:
                 continue
