@@ -402,7 +402,7 @@ class Tracer:
             return 0  # called on every scan: nothing new, no need to read the maps
         maps = discover.read_maps(pid)
         sites, memos = self.bpf["sites"], self.bpf["cache_memo"]
-        rows = None if self.use_links else self.bpf["site_index"]  # cookies on links
+        site_index = None if self.use_links else self.bpf["site_index"]  # cookies on links
         added = 0
         for path, probes in files.items():
             if path in proc.attached:
@@ -453,10 +453,10 @@ class Tracer:
                 # emptied: a pid can be reused, and the caches with it
                 memos[ctypes.c_int(row)] = memos.Leaf()
                 sites[ctypes.c_int(row)] = site
-                if rows is not None:
-                    key = rows.Key()
+                if site_index is not None:
+                    key = site_index.Key()
                     key.pid, key.ip = pid, ip
-                    rows[key] = ctypes.c_uint32(row)
+                    site_index[key] = ctypes.c_uint32(row)
                 live.append((probe.offset, probe.sem_offset, row + 1, ip))
             if not live:
                 continue
