@@ -34,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tracer import abi, discover, files  # noqa: E402
+from tracer import abi, files
+from tracer.probes import discover  # noqa: E402
 
 BENCH = ROOT / "bench"
 KVBENCH = BENCH / "kvbench"
@@ -334,7 +335,7 @@ def uprobe_floor(*argvs):
     program (compiled once) on its probe site, attached as the tracer
     attaches (uprobe PMU, semaphore on): what the trap into the kernel and
     back costs here, whatever the program does."""
-    from tracer.uprobe_pmu import Uprobe
+    from tracer.kernel.uprobes import Uprobe
     bpf, fd = empty_program()
     # the write probe `kvbench loop` fires (kvbench also has a block_table one)
     probe = next(p for p in discover.read_probes(str(KVBENCH)) if p.name == "reshape_and_cache")
@@ -357,8 +358,8 @@ def entry_costs(ops, reps):
     do, which it single-steps out of line; and on the site the tracer picks
     in that same prologue (catalog.entry_site)."""
     from elftools.elf.elffile import ELFFile
-    from tracer import catalog
-    from tracer.uprobe_pmu import Uprobe
+    from tracer.probes import catalog
+    from tracer.kernel.uprobes import Uprobe
     bpf, fd = empty_program()
     with open(KVBENCH, "rb") as f:
         elf = ELFFile(f)
@@ -383,7 +384,7 @@ def entry_costs(ops, reps):
 
 
 def row_site(q, res):
-    from tracer.session import Tracer
+    from tracer.kernel.session import Tracer
     big = 4096  # per slot: (t(4096) - t(1)) / 4095, well above the noise per op
     ops, reps = (300_000, 3) if q else (2_000_000, 9)
     sizes = f"1,{big}"
@@ -508,7 +509,7 @@ def _site_costs(q, flag, big):
     compiled out (a), detached (b) and attached (c), alternating process by
     process as row 1 does.  (a, b, c) as {items: [ns per op]}, the
     tracer's maps after the traced run, and what kvbench passed its site."""
-    from tracer.session import Tracer
+    from tracer.kernel.session import Tracer
     ops, reps = (200_000, 3) if q else (1_000_000, 7)
     sizes = f"1,{big}"
     runs = alternate([("a", KVBENCH_NOPROBES), ("b", KVBENCH), ("a_again", KVBENCH_NOPROBES)],
@@ -1058,7 +1059,7 @@ def rate_step(tr, rate, slots_per_op, ms, tmp):
 
 
 def row_capacity(q, res):
-    from tracer.session import Tracer
+    from tracer.kernel.session import Tracer
     # (slots per op, slots/s asked; 0: as fast as it goes).  Small ops load
     # the per-op record path, large ones the per-slot counting.
     steps = [(32, 1_000_000), (32, 0), (512, 10_000_000)] if q else \

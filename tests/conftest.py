@@ -477,8 +477,9 @@ def no_leftovers(bpf_env):
 def trace_stream(tmp_path, workload, *extra, perf_pages=256):
     """Trace one paused kvsim through the Tracer API with the index stream on.
     Returns (OpStream, the final map snapshot, kvsim's ground truth)."""
-    from tracer import discover, stream
-    from tracer.session import Tracer
+    from tracer.probes import discover
+    from tracer.trace import stream
+    from tracer.kernel.session import Tracer
 
     sim = Kvsim(tmp_path, workload, *extra)
     tracer = None

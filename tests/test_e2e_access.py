@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import dense
-from tracer import access, cmd_report, heatmap, tracefile
+from tracer.analysis import access, heatmap
+from tracer.commands import report as cmd_report
+from tracer.trace import tracefile
 from test_e2e_record import folded, record, report_json
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

@@ -14,8 +14,7 @@ import pytest
 from conftest import NOBODY, ROOT, Kvsim, kvtrace_cmd, run_as, semaphore_values, unused_pid
 # the real-vLLM workload and its model, from their one home (a fixture too)
 from test_e2e_vllm import Workload, tiny_model  # noqa: F401
-from tracer.cmd_doctor import (FAIL, PASS, Check, config_state, exit_code,
-                               parse_kernel_config)
+from tracer.commands.doctor import FAIL, PASS, Check, config_state, exit_code, parse_kernel_config
 
 EXIT_OK, EXIT_ENV, EXIT_TARGET = 0, 2, 3
 ENVIRONMENT_CHECKS = ("architecture", "kernel config", "uprobe PMU", "BPF program load",

@@ -80,7 +80,7 @@ def test_a_library_mapped_later_is_found_and_an_unchanged_process_costs_no_maps(
     first saw it (dlopen) has it found at the next scan.  Between changes a
     scan reads no /proc/PID/maps (the kernel formats vLLM's in about 4 ms a
     process): only the executable code sizes in /proc/PID/status."""
-    from tracer import discover, follow
+    from tracer.probes import discover, follow
 
     lib = os.path.realpath(ROOT / "tests" / "target" / "libkvsim_ops.so")
     loader = ("import ctypes, sys\n"
@@ -121,7 +121,7 @@ def test_the_tree_is_listed_again_after_any_process_is_created():
     """The follower lists /proc again only when the kernel's last pid moved
     (Follower.tree): it must move with every new process, and a child
     started after a listing must be in the next one."""
-    from tracer import follow
+    from tracer.probes import follow
 
     sleeper = subprocess.Popen(["sleep", "30"])
     try:

@@ -12,7 +12,8 @@ import pytest
 from conftest import (KVSIM, Kvsim, Tracer, WRITE_OPS, assert_log_covers, assert_matches_truth,
                       assert_reads_match_truth, code_differences, dense, kvsim_ops_log,
                       kvsim_truth, read_line, run_kvtrace, semaphore_values, truth_records)
-from tracer import abi, tracefile
+from tracer import abi
+from tracer.trace import tracefile
 
 WORKLOADS = ("default", "beam", "swap", "stress", "mla", "prefix", "window")
 pytestmark = pytest.mark.usefixtures("no_leftovers")

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import KVSIM, Kvsim, Tracer, dense, kvsim_ops_log, run_kvtrace
 from test_e2e_record import report_json
-from tracer import abi, tracefile
+from tracer import abi
+from tracer.trace import tracefile
 
 KINDS = ("alloc", "hit", "cache", "free", "evict")
 BLOCK_OPS = tuple(f"block_{k}" for k in KINDS)

@@ -102,7 +102,7 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
     import ctypes
     import struct
 
-    from tracer import program
+    from tracer.kernel import program
 
     [path] = entries(compiled[1])
     entry = json.loads(path.read_text())
@@ -177,7 +177,8 @@ def test_a_directory_others_can_write_is_not_used(tmp_path):
 def test_a_compile_error_names_clangs_first_error():
     """The compile runs in a child; its failure still reaches the user as
     one line that names the compiler's first error, not bcc's summary."""
-    from tracer import abi, program
+    from tracer import abi
+    from tracer.kernel import program
     from tracer.errors import EnvironmentProblem
 
     with pytest.raises(EnvironmentProblem) as e:

@@ -312,7 +312,7 @@ def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
     (its --truth residency), in vLLM's buckets; and with -o (every value
     streamed) equal, bucket by bucket, to `report` of the same run.
     Without -o the program streams the block events' ids alone."""
-    from tracer.lifecycle import LiveResidency
+    from tracer.analysis.lifecycle import LiveResidency
 
     port = free_port()
     trace = tmp_path / "run.kvt"

@@ -49,8 +49,8 @@ sys.stdin.read()
 
 @pytest.mark.parametrize("readable, n", [(300, 600), (700, 800)])
 def test_chunks_ahead_of_a_fault_count_and_the_op_is_a_read_error(readable, n):
-    from tracer import discover
-    from tracer.session import Tracer
+    from tracer.probes import discover
+    from tracer.kernel.session import Tracer
 
     proc = subprocess.Popen([sys.executable, "-c", TARGET, str(LIB), str(readable), str(n)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

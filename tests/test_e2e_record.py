@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from tracer import abi, tracefile
+from tracer import abi
+from tracer.trace import tracefile
 from conftest import (KVSIM, KVSIM_LIB, Kvsim, WRITE_OPS, assert_matches_truth, kvsim_truth,
                       kvtrace_cmd, read_line, run_kvtrace, ROOT)
 

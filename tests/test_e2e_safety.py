@@ -117,8 +117,8 @@ def test_100_attach_detach_cycles_leave_kvsim_intact(tmp_path):
     traced window counts exactly what kvsim did in it, each untraced one
     nothing; the kernel leaves no semaphore on and no int3 behind; kvsim's
     KV bytes (checked by kvsim as every sequence finishes) stay intact."""
-    from tracer import discover
-    from tracer.session import Tracer as BpfTracer
+    from tracer.probes import discover
+    from tracer.kernel.session import Tracer as BpfTracer
 
     # swap: writes, swap-out, swap-in and the offload batch in every round
     sim = Kvsim(tmp_path, "swap", "--rounds", 2 * CYCLES)

@@ -10,8 +10,10 @@ import pytest
 
 from conftest import (WRITE_OPS, assert_log_covers, assert_matches_truth, kvsim_ops_log,
                       trace_stream, truth_records)
-from tracer import abi, occupancy, session
-from tracer.aggregate import Aggregate
+from tracer import abi
+from tracer.analysis import occupancy
+from tracer.kernel import session
+from tracer.analysis.aggregate import Aggregate
 
 pytestmark = [pytest.mark.usefixtures("no_leftovers"),
               # bcc 0.26 warns about str map names when used in-process

@@ -10,7 +10,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from conftest import Kvsim
-from tracer.symbolize import Symbolizer
+from tracer.kernel.symbolize import Symbolizer
 
 LIB = "libkvsim_ops.so"
 

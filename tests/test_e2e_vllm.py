@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, Tracer, code_byte, code_differences, dense, kvtrace_cmd, read_line
-from tracer import abi, catalog, tracefile
+from tracer import abi
+from tracer.probes import catalog
+from tracer.trace import tracefile
 
 pytestmark = pytest.mark.vllm
 

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from conftest import KVSIM, run_kvtrace
 from test_unit_tracefile import synthetic_ops, write_trace
-from tracer import cli, tracefile
+from tracer import cli
+from tracer.trace import tracefile
 from tracer.errors import DataError
 
 EXIT_DATA = 4

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from tracer import abi, access, stream
+from tracer import abi
+from tracer.analysis import access
+from tracer.trace import stream
 
 
 def test_idle_before_reuse_measures_from_the_last_read_strictly_before():
@@ -131,7 +133,8 @@ def test_read_heatmap_from_runs_of_steps_equals_one_read_at_a_time(times, monkey
     tables), for whole, partial and empty time ranges, nulls and a block
     past max_blocks, steps out of time order, and reads counted a few
     values at a time."""
-    from tracer import cmd_report, heatmap
+    from tracer.commands import report as cmd_report
+    from tracer.analysis import heatmap
     rng = np.random.default_rng(21)
     bs, records = 4, []
     for step in range(70):

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from tracer import aggregate
-from tracer.aggregate import Aggregate, bucket, rates
+from tracer.analysis import aggregate
+from tracer.analysis.aggregate import Aggregate, bucket, rates
 
 MAX_BLOCKS = 16  # row length of the fake block_writes / block_moves maps
 COUNTERS = ("calls", "items", "slots", "padding", "bytes", "truncated",

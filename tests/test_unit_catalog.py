@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tracer import abi, catalog, torch_layout
-from tracer.discover import process_probe_files
+from tracer import abi
+from tracer.probes import catalog, torch_layout
+from tracer.probes.discover import process_probe_files
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PKG = ROOT / ".venv-vllm" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" \
@@ -257,7 +258,7 @@ def test_process_probe_files_finds_stock_sites():
 
 
 def test_cuda_graph_warning_only_for_cuda_without_eager():
-    from tracer.follow import cuda_graph_warning
+    from tracer.probes.follow import cuda_graph_warning
     cuda = ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/x/vllm/_C.abi3.so"]
     assert "CUDA graphs" in cuda_graph_warning(cuda, ["vllm serve m"])
     assert cuda_graph_warning(cuda, ["python", "vllm serve m --enforce-eager"]) == ""

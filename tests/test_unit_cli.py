@@ -76,20 +76,20 @@ def test_usage_errors(args):
 
 
 @pytest.mark.parametrize("argv,absent", [
-    (["report", "--help"], "tracer.cmd_attach"),  # report needs none of attach's modules
-    (["--debug", "export", "--help"], "tracer.session"),
-    (["probes", "--help"], "tracer.cmd_report"),
+    (["report", "--help"], "tracer.commands.attach"),  # report needs none of attach's modules
+    (["--debug", "export", "--help"], "tracer.kernel.session"),
+    (["probes", "--help"], "tracer.commands.report"),
 ])
 def test_one_subcommand_imports_one_module(argv, absent):
     """A subcommand's run imports its own module, not every other one."""
     code = ("import sys\nfrom tracer import cli\ntry:\n    cli.main(sys.argv[1:])\n"
             "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules "
-            "if m.startswith('tracer.cmd_') or m == 'tracer.session'))")
+            "if m.startswith('tracer.commands.') or m == 'tracer.kernel.session'))")
     r = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     loaded = eval(r.stdout.strip().splitlines()[-1])
-    assert f"tracer.cmd_{argv[-2]}" in loaded and absent not in loaded, loaded
+    assert f"tracer.commands.{argv[-2]}" in loaded and absent not in loaded, loaded
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h", "report"], ["--debug", "--help", "attach"]])

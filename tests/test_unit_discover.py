@@ -12,7 +12,8 @@ import subprocess
 
 import pytest
 
-from tracer import abi, discover
+from tracer import abi
+from tracer.probes import discover
 from tracer.errors import TargetError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

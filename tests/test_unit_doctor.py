@@ -1,7 +1,7 @@
 """doctor's words for what it found (no BPF, no processes)."""
 
-from tracer.cmd_doctor import describe_probes
-from tracer.discover import Probe
+from tracer.commands.doctor import describe_probes
+from tracer.probes.discover import Probe
 
 
 def probe(name, path):
@@ -27,9 +27,10 @@ def test_uprobe_links_says_what_attach_will_do(monkeypatch):
     """The three cases of the link trial: links work; the kernel loads
     programs for links but makes none (attach would stop, so the fix names
     the perf-event switch); no link type at all (perf events, quietly)."""
-    from tracer import cmd_doctor, program, uprobe_pmu
-    monkeypatch.setattr(uprobe_pmu, "trial_link", lambda kind: (False, "Invalid argument"))
-    monkeypatch.setattr(program, "attach_type", lambda: uprobe_pmu.BPF_TRACE_UPROBE_MULTI)
+    from tracer.commands import doctor as cmd_doctor
+    from tracer.kernel import program, uprobes
+    monkeypatch.setattr(uprobes, "trial_link", lambda kind: (False, "Invalid argument"))
+    monkeypatch.setattr(program, "attach_type", lambda: uprobes.BPF_TRACE_UPROBE_MULTI)
     check = cmd_doctor.check_uprobe_links(privileged=True)
     assert check.status == cmd_doctor.WARN
     assert "attach stops" in check.detail and "KVTRACE_PERF_UPROBES=1" in check.fix
@@ -37,5 +38,5 @@ def test_uprobe_links_says_what_attach_will_do(monkeypatch):
     check = cmd_doctor.check_uprobe_links(privileged=True)
     assert check.status == cmd_doctor.WARN
     assert "one perf event per probe" in check.detail and "6.6" in check.fix
-    monkeypatch.setattr(uprobe_pmu, "trial_link", lambda kind: (True, ""))
+    monkeypatch.setattr(uprobes, "trial_link", lambda kind: (True, ""))
     assert cmd_doctor.check_uprobe_links(privileged=True).status == cmd_doctor.PASS

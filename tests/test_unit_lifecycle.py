@@ -4,7 +4,9 @@ KVCacheMetricsCollector defines them, worked out here by hand."""
 import numpy as np
 import pytest
 
-from tracer import abi, lifecycle, stream
+from tracer import abi
+from tracer.analysis import lifecycle
+from tracer.trace import stream
 
 
 def make_stream(events):

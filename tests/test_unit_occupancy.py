@@ -8,7 +8,9 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from test_unit_stream import Wire
-from tracer import abi, occupancy, stream
+from tracer import abi
+from tracer.analysis import occupancy
+from tracer.trace import stream
 
 
 def gens_of(w, block_size):

@@ -11,7 +11,8 @@ import struct
 
 import pytest
 
-from tracer import abi, cache, program
+from tracer import abi, cache
+from tracer.kernel import program
 
 # descriptions in bcc's JSON form, as bpf_table_key_desc returns them
 DESCS = [
@@ -243,9 +244,9 @@ def test_a_refused_link_is_one_clear_error(monkeypatch):
     """Programs loaded for links go on no perf event here, so a link the
     kernel refuses ends the attach with what to do, not a quiet fallback
     that would fail at its first perf event."""
-    from tracer import session
+    from tracer.kernel import session
     from tracer.errors import EnvironmentProblem
-    from tracer.uprobe_pmu import NoUprobeMulti
+    from tracer.kernel.uprobes import NoUprobeMulti
 
     def refuse(*args):
         raise NoUprobeMulti("Invalid argument")

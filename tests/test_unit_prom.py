@@ -3,7 +3,7 @@ and the model name read from a command line (no BPF, no root)."""
 
 import pytest
 
-from tracer import prom
+from tracer.exporters import prometheus
 from tracer.errors import UsageError
 
 
@@ -17,21 +17,21 @@ from tracer.errors import UsageError
     ("localhost:9472", ("localhost", 9472)),
 ])
 def test_endpoint_values(text, want):
-    assert prom.parse_endpoint(text) == want
+    assert prometheus.parse_endpoint(text) == want
 
 
 @pytest.mark.parametrize("text", ["abc", "0", "65536", "99999999", "-1", "1.5", "",
                                   "127.0.0.1:", "127.0.0.1:x", "::1:9472", "[::1]"])
 def test_bad_endpoint_values(text):
     with pytest.raises(UsageError, match="--prometheus"):
-        prom.parse_endpoint(text)
+        prometheus.parse_endpoint(text)
 
 
 def test_default_port_is_none_of_the_neighbours():
     # vLLM and Dynamo's frontend, Dynamo's usual DYN_SYSTEM_PORT,
     # ebpf_exporter, Prometheus and its alertmanager/pushgateway, node_exporter
-    assert prom.DEFAULT_PORT not in (8000, 8081, 9435, 9090, 9091, 9093, 9100)
-    assert prom.DEFAULT_ADDR == "127.0.0.1"
+    assert prometheus.DEFAULT_PORT not in (8000, 8081, 9435, 9090, 9091, 9093, 9100)
+    assert prometheus.DEFAULT_ADDR == "127.0.0.1"
 
 
 @pytest.mark.parametrize("comm,want", [
@@ -39,7 +39,7 @@ def test_default_port_is_none_of_the_neighbours():
     ("VllmWorker-1", "worker"), ("VLLM::Worker_TP", "worker"),
     ("python3", "other"), ("kvsim", "other")])
 def test_roles(comm, want):
-    assert prom.role(comm) == want
+    assert prometheus.role(comm) == want
 
 
 @pytest.mark.parametrize("argv,want", [
@@ -51,7 +51,7 @@ def test_roles(comm, want):
     ("python3 serve.py", ""),
 ])
 def test_model_name(argv, want):
-    assert prom.model_name(argv) == want
+    assert prometheus.model_name(argv) == want
 
 
 def test_lifecycle_metrics_from_a_plugin_process():
@@ -62,7 +62,7 @@ def test_lifecycle_metrics_from_a_plugin_process():
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
 
-    from tracer.aggregate import Aggregate, Process
+    from tracer.analysis.aggregate import Aggregate, Process
 
     z = dict(calls=0, items=0, slots=0, padding=0, bytes=0, truncated=0, read_errors=0,
              out_of_range=0)
@@ -76,7 +76,7 @@ def test_lifecycle_metrics_from_a_plugin_process():
                 ops={"request": {**z, "calls": 3}, "req_finish": {**z, "calls": 1},
                      "req_preempt": {**z, "calls": 2, "items": 40}})
     agg = Aggregate(time=1.0, processes={7: p}, log2={}, globals={}, records=0, lost=0)
-    exp = prom.Exporter()
+    exp = prometheus.Exporter()
     exp.publish(agg)
     reg = CollectorRegistry()
     reg.register(exp)
@@ -107,7 +107,8 @@ def _records(*recs):
     op name, pid, [ids]) or ("chunk", seq, offset, [values])."""
     import numpy as np
 
-    from tracer import abi, stream
+    from tracer import abi
+    from tracer.trace import stream
 
     out = []
     for r in recs:
@@ -142,7 +143,7 @@ def test_generation_fill_buckets_by_hand():
     The second layer's counts are not added: every layer writes the same."""
     import numpy as np
 
-    from tracer.aggregate import Layer, Process
+    from tracer.analysis.aggregate import Layer, Process
 
     ended = np.zeros(2048, dtype=np.uint64)
     ended[[1, 12, 13, 24]] = [2, 1, 1, 3]
@@ -151,7 +152,7 @@ def test_generation_fill_buckets_by_hand():
                                   out_of_range=0, writes=np.zeros(8, dtype=np.uint64),
                                   fill_ended=fill, fill_unseen=5 + n)
     p = Process(pid=7, comm="x", layers=[layer(0, ended), layer(1, ended * 7)])
-    got = prom._generation_fill(p)
+    got = prometheus._generation_fill(p)
     want = {1: 2, 8: 3, 9: 4, 16: 7}
     cum, c = [], 0
     for k in range(1, 17):
@@ -161,7 +162,7 @@ def test_generation_fill_buckets_by_hand():
     assert got["buckets"][0][0] == "0.0625" and got["buckets"][-2][0] == "1.0"
     assert got["sum"] == pytest.approx((2 * 1 + 12 + 13 + 3 * 24) / 24)
     assert got["unseen"] == 5
-    assert prom._generation_fill(Process(pid=8, comm="x")) is None
+    assert prometheus._generation_fill(Process(pid=8, comm="x")) is None
 
 
 def test_stream_tap_keeps_block_ids_only_and_waits_for_late_op_records():
@@ -169,7 +170,8 @@ def test_stream_tap_keeps_block_ids_only_and_waits_for_late_op_records():
     values are gone after the poll that saw its op record; a chunk whose
     op record comes a poll later is kept until then; one whose record never
     comes is dropped after EARLY_POLLS polls."""
-    from tracer import lifecycle, stream
+    from tracer.analysis import lifecycle
+    from tracer.trace import stream
 
     S = 10 ** 9
     tap = lifecycle.StreamTap()
@@ -197,7 +199,8 @@ def test_live_residency_holds_back_recent_events_and_matches_offline():
     """Events reach the histograms HOLD_S after they happened, in time order
     even when a later event is read first; the result equals report's
     offline residency() of the same events, bucket by bucket."""
-    from tracer import lifecycle, stream
+    from tracer.analysis import lifecycle
+    from tracer.trace import stream
 
     S = 10 ** 9
     raw = [("chunk", 1, 0, [5, 6]), ("op", 1, 0, "block_alloc", 7, 2),
@@ -236,7 +239,8 @@ def test_live_residency_holds_back_recent_events_and_matches_offline():
 def test_index_stream_only_with_o_or_prometheus(argv, streams):
     """Plain attach streams nothing; --prometheus only the block events'
     ids; only -o streams every value and takes the larger buffers."""
-    from tracer import cli, cmd_attach
+    from tracer import cli
+    from tracer.commands import attach as cmd_attach
 
     args = cli.build_parser().parse_args(["attach", *argv])
     cmd_attach._validate(args)

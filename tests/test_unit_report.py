@@ -12,7 +12,8 @@ from rich.console import Console
 
 from conftest import run_kvtrace
 from test_unit_tracefile import BS, write_trace, synthetic_ops
-from tracer import cmd_report, heatmap
+from tracer.commands import report as cmd_report
+from tracer.analysis import heatmap
 
 
 def test_heatmap_cells_and_footer():
@@ -211,7 +212,7 @@ def test_report_resol_is_honoured_exactly(tmp_path):
 def _trace_with_process(path, process_extra, end_processes=None):
     """One write process whose process document has process_extra."""
     from test_unit_tracefile import CACHE_ID, PID
-    from tracer import tracefile
+    from tracer.trace import tracefile
     w = tracefile.TraceWriter(str(path), tracefile.trace_meta({"pid": PID}))
     w.meta("process", {"pid": PID, "comm": "worker", "cmdline": [], "probe_files": [
         {"path": "/x/_C.abi3.so", "build_id": None}], **process_extra})
@@ -287,7 +288,8 @@ def test_write_heatmap_holds_every_slot_of_its_range(tmp_path):
     """Report.heatmap counts the slot writes as the generations' runs (a
     run: one op's consecutive slots in one block): every slot of the time
     and block range once, at its op's time."""
-    from tracer import cmd_report, tracefile
+    from tracer.commands import report as cmd_report
+    from tracer.trace import tracefile
     nops, per_op, blocks = 40, 30, 200
     path = write_trace(tmp_path / "h.kvt", [synthetic_ops(nops, per_op, blocks)],
                        blocks=blocks)
@@ -347,7 +349,7 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
     NaN, which no strict reader takes), number keys as strings, one line;
     to a text stream, and as bytes to the CLI's stdout after text written
     first; a full disk behind it is noted as the CLI's stdout's error."""
-    from tracer.cmd_report import write_json
+    from tracer.commands.report import write_json
     from tracer.files import WatchedStdout
     col = np.array([0.5, np.nan, 1e-05, 2.25])
     doc = {"a": np.arange(5, dtype=np.int64)[1:4], "t": col[1:], "n": 7, 3: "x",
@@ -380,7 +382,7 @@ def test_write_json_writes_the_bytes_of_one_dumps_in_pieces():
     of every length around a piece's, nested dicts, number keys, numpy
     columns, fragments made before, NaN and text that is not ASCII."""
     import orjson
-    from tracer import cmd_report
+    from tracer.commands import report as cmd_report
     from tracer.files import WatchedStdout
     opts = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
     rng = np.random.default_rng(3)
@@ -426,7 +428,9 @@ def test_report_generations_on_either_side_are_by_caches(tmp_path, monkeypatch, 
     where few are (text).  Either way, each layer's equal those of
     occupancy.by_cache, in its order."""
     import threading
-    from tracer import cmd_report, occupancy, tracefile
+    from tracer.commands import report as cmd_report
+    from tracer.analysis import occupancy
+    from tracer.trace import tracefile
     trace = tracefile.load(str(layers_trace(tmp_path / "l.kvt")))
     want = occupancy.by_cache(trace.ops, trace.block_sizes())
     where, computed = {}, occupancy.computed
@@ -454,7 +458,9 @@ def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, wher
     the main one: an error there (damage found late, a bug) must reach the
     caller as itself, not leave the report waiting for what never comes."""
     import threading
-    from tracer import access, cmd_report, lifecycle, occupancy, tracefile
+    from tracer.analysis import access, lifecycle, occupancy
+    from tracer.commands import report as cmd_report
+    from tracer.trace import tracefile
     path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20) \
         if where != "generations" else layers_trace(tmp_path / "t.kvt")
     trace = tracefile.load(str(path))
@@ -492,7 +498,8 @@ def test_report_pauses_the_cycle_collector_and_restores_it(tmp_path, monkeypatch
     after, whether the report ended well or not: a test process runs many."""
     import contextlib
     import gc
-    from tracer import cli, cmd_report
+    from tracer import cli
+    from tracer.commands import report as cmd_report
     path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20)
     seen = []
     real = cmd_report.write_json

@@ -12,7 +12,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from tracer import abi, stream
+from tracer import abi
+from tracer.trace import stream
 
 
 class Wire:

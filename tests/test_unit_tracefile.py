@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, assert_one_line_error, run_kvtrace
-from tracer import abi, stream, tracefile
+from tracer import abi
+from tracer.trace import stream, tracefile
 from tracer.errors import DataError
 
 EXIT_DATA = 4
@@ -344,7 +345,7 @@ def test_loading_a_trace_stops_numpys_huge_page_advice_unless_the_user_chose(
     if env is not None:
         environ["NUMPY_MADVISE_HUGEPAGE"] = env
     code = ("import sys; from numpy._core.multiarray import _get_madvise_hugepage as get\n"
-            "from tracer import tracefile\n"
+            "from tracer.trace import tracefile\n"
             "before = get(); tracefile.load(sys.argv[1]); print(before, get())")
     r = subprocess.run([sys.executable, "-c", code, str(trace_path)], env=environ,
                        cwd=ROOT, capture_output=True, text=True, check=True)

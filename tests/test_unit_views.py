@@ -1,4 +1,4 @@
-"""Unit tests of the outputs that need no BPF: folded stacks (export.py) and
+"""Unit tests of the outputs that need no BPF: folded stacks (folded.py) and
 the rich live view (live.py), fed with hand-built data."""
 
 import io
@@ -9,10 +9,11 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from tracer import abi, live
-from tracer.aggregate import Aggregate, Layer, Process
-from tracer import export
-from tracer.export import folded_lines
+from tracer import abi
+from tracer.views import live
+from tracer.analysis.aggregate import Aggregate, Layer, Process
+from tracer.exporters import folded
+from tracer.exporters.folded import folded_lines
 
 # -- folded stacks -----------------------------------------------------------
 
@@ -106,7 +107,7 @@ def test_block_lines_hierarchy_and_padding():
     rows = [("vllm-9", "reshape_and_cache", 0, 5, 3), ("vllm-9", "reshape_and_cache", 0, 12, 4),
             ("vllm-9", "reshape_and_cache", 0, 130, 1), ("vllm-9", "copy_blocks", 1, 7, 2),
             ("vllm-9", "reshape_and_cache", 1, 5, 0)]  # weight 0: no line
-    lines = export.block_lines(rows, group=64)
+    lines = folded.block_lines(rows, group=64)
     assert lines == [
         "vllm-9;copy_blocks;layer_01;blocks_000-063;block_007 2",
         "vllm-9;reshape_and_cache;layer_00;blocks_000-063;block_005 3",
@@ -115,7 +116,7 @@ def test_block_lines_hierarchy_and_padding():
     # flamegraph.pl sorts lines as strings: that order is the cache's order
     assert lines == sorted(lines)
     check_grammar(lines)
-    assert export.block_lines([], 64) == []
+    assert folded.block_lines([], 64) == []
 
 
 # -- live view -------------------------------------------------------------------
@@ -422,9 +423,9 @@ def test_reads_panel_from_groups():
 
 
 def test_probed_ops_of_a_traced_process():
-    from tracer.cmd_attach import probed_ops
-    from tracer.discover import Probe
-    from tracer.session import TracedProcess
+    from tracer.commands.attach import probed_ops
+    from tracer.probes.discover import Probe
+    from tracer.kernel.session import TracedProcess
 
     def probe(name, path="/lib/a.so"):
         return Probe(path, "vllm", name, 0x10, 0x10, 0, 0, "")
@@ -441,7 +442,7 @@ def test_probed_ops_of_a_traced_process():
 def test_cmd_output_path_choice():
     import argparse
     import os
-    from tracer.cmd_attach import _drop_if_empty, cmd_output_path
+    from tracer.commands.attach import _drop_if_empty, cmd_output_path
 
     def args(**kw):
         return argparse.Namespace(**{"command": ["x"], "cmd_output": None, **kw})
@@ -482,7 +483,7 @@ def test_lifecycle_panel_says_what_the_scheduler_did():
     """The plugin tier's panel: per event the blocks, the share of needed
     blocks the prefix cache served (3 hits of 3 + 9 needed: 25.0%), the
     requests, and the blocks hit most; nothing for a process without it."""
-    from tracer.aggregate import Process
+    from tracer.analysis.aggregate import Process
 
     u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
     p = Process(pid=5, comm="EngineCore", tier="plugin",

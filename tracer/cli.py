@@ -1,4 +1,4 @@
-"""`kvtrace-bpf`: the command line.  One module per subcommand (cmd_*.py)."""
+"""`kvtrace-bpf`: the command line.  One module per subcommand (commands/)."""
 
 import argparse
 import faulthandler
@@ -32,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# the subcommands, in --help's order, by module (cmd_*.py)
+# the subcommands, in --help's order, by module (commands/)
 COMMANDS = ("attach", "record", "report", "export", "probes", "doctor")
 
 
@@ -60,7 +60,7 @@ def build_parser(command=None):
                         help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS if command is None else (command,):
-        importlib.import_module(f".cmd_{name}", __package__).add_parser(sub)
+        importlib.import_module(f".commands.{name}", __package__).add_parser(sub)
     return parser
 
 

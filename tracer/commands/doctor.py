@@ -21,10 +21,12 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
-from . import __version__, abi, cache, catalog, discover, follow, program, session, uprobe_pmu
-from . import target as target_mod
-from .cmd_attach import positive_int
-from .errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
+from .. import __version__, abi, cache
+from ..probes import catalog, discover, follow
+from ..kernel import program, session, uprobes
+from ..probes import target as target_mod
+from .attach import positive_int
+from ..errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
 
 EXAMPLES = """\
 examples:
@@ -139,8 +141,8 @@ def check_kernel_config() -> list:
 
 def check_uprobe_pmu() -> Check:
     try:
-        pmu = uprobe_pmu.pmu_type()
-        shift = uprobe_pmu._pmu_format_shift("ref_ctr_offset")
+        pmu = uprobes.pmu_type()
+        shift = uprobes._pmu_format_shift("ref_ctr_offset")
     except EnvironmentProblem as e:
         return Check("uprobe PMU", FAIL, str(e),
                      fix="a kernel >= 4.20 built with CONFIG_UPROBE_EVENTS=y")
@@ -204,11 +206,11 @@ def check_uprobe_links(privileged: bool) -> Check:
     if not privileged:
         return Check(name, SKIP, "skipped: needs privileges (see below)")
     kind = program.attach_type()
-    ok, why = uprobe_pmu.trial_link(kind)
+    ok, why = uprobes.trial_link(kind)
     if ok:
         return Check(name, PASS, "a uprobe_multi link opened and closed: one link per "
                                  "traced file, no perf event per probe")
-    if kind == uprobe_pmu.BPF_TRACE_UPROBE_MULTI:
+    if kind == uprobes.BPF_TRACE_UPROBE_MULTI:
         # the session loads its programs for links here, and such a program
         # goes on no perf event (program.attach_type()): attach would stop
         return Check(name, WARN, f"the kernel loads programs for uprobe_multi links but "

@@ -1,7 +1,7 @@
 """Load the BPF program, attach it to probe sites, poll, read, detach.
 
 Attaching goes through one uprobe_multi link per traced file (or the uprobe
-PMU's perf events where the kernel has no such link: uprobe_pmu.py), so the
+PMU's perf events where the kernel has no such link: uprobes.py), so the
 kernel owns the USDT semaphores; program.py loads the program bcc compiled once
 (cached) and owns the maps and the perf buffer.  Reading the exact counters
 is a snapshot of the maps (aggregate.py turns it into histograms); the perf
@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import abi, catalog, discover, program, stream, uprobe_pmu
-from .errors import EnvironmentProblem, TargetError
-from .uprobe_pmu import NoUprobeMulti, Uprobe, UprobeLink
+from .. import abi
+from ..probes import catalog, discover
+from . import program, uprobes
+from ..trace import stream
+from ..errors import EnvironmentProblem, TargetError
+from .uprobes import NoUprobeMulti, Uprobe, UprobeLink
 
 # The capabilities tracing involves (linux/capability.h), by CapEff bit
 CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
@@ -209,9 +212,9 @@ class Tracer:
         # them; KVTRACE_PERF_UPROBES=1 attaches as on older kernels, one perf
         # event per probe (tests).  Decided before the load: a program
         # loaded for links goes on links only (program.attach_type())
-        self.use_links = (program.attach_type() == uprobe_pmu.BPF_TRACE_UPROBE_MULTI
+        self.use_links = (program.attach_type() == uprobes.BPF_TRACE_UPROBE_MULTI
                           and os.environ.get("KVTRACE_PERF_UPROBES", "") in ("", "0"))
-        self.attach_kind = uprobe_pmu.BPF_TRACE_UPROBE_MULTI if self.use_links else 0
+        self.attach_kind = uprobes.BPF_TRACE_UPROBE_MULTI if self.use_links else 0
         if self.use_links:
             # a link gives each probe a cookie: its row in `sites`, found
             # without a hash lookup (bpf/kvtrace.h)
@@ -472,7 +475,7 @@ class Tracer:
     def _open_uprobes(self, path: str, pid: int, live: list) -> list:
         """The uprobes at `live` (offset, semaphore offset, cookie, address) of one
         file in pid: one uprobe_multi link, or one perf event each where the
-        kernel makes no such link (uprobe_pmu.py says why links first)."""
+        kernel makes no such link (uprobes.py says why links first)."""
         prog = self.site_prog.fd if self.empty_prog_fd < 0 else self.empty_prog_fd
         if self.use_links:
             return [self._link(path, [p[0] for p in live], pid, prog,

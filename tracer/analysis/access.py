@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import abi, stream
-from .tracefile import MAX_BLOCKS
+from .. import abi
+from ..trace import stream
+from ..trace.tracefile import MAX_BLOCKS
 
 PERCENTILES = (0, 25, 50, 75, 90, 99, 100)
 

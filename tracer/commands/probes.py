@@ -4,9 +4,10 @@ like bcc's tplist -v."""
 import argparse
 import os
 
-from . import abi, catalog, discover
-from .cmd_attach import positive_int
-from .errors import TargetError, UsageError
+from .. import abi
+from ..probes import catalog, discover
+from .attach import positive_int
+from ..errors import TargetError, UsageError
 
 EXAMPLES = """\
 examples:

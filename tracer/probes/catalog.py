@@ -22,7 +22,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from . import abi
+from .. import abi
 from .discover import ArgSpec, Probe, vaddr_to_offset
 
 # The System V x86_64 integer argument registers, as pt_regs byte offsets.

@@ -29,10 +29,12 @@ import sys
 
 import numpy as np
 
-from . import abi, access, stream, tracefile
-from .errors import UsageError
-from .export import block_lines, folded_lines, process_frame
-from .files import Outputs, check_writable, write_file
+from .. import abi
+from ..analysis import access
+from ..trace import stream, tracefile
+from ..errors import UsageError
+from ..exporters.folded import block_lines, folded_lines, process_frame
+from ..files import Outputs, check_writable, write_file
 
 EXAMPLES = """\
 examples:

@@ -18,8 +18,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import abi, access, aggregate
-from .aggregate import Aggregate, bucket, log2_range, rates
+from .. import abi
+from ..analysis import access, aggregate
+from ..analysis.aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
 HIST_ROWS = 6

@@ -29,7 +29,7 @@ import platform
 import re
 import struct
 
-from .errors import EnvironmentProblem, TargetError
+from ..errors import EnvironmentProblem, TargetError
 
 _PMU_DIR = "/sys/bus/event_source/devices/uprobe"
 _SYS_perf_event_open = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
@@ -177,7 +177,8 @@ def trial_link(attach_type: int) -> tuple:
     one on this process's own program entry point, which it has run past,
     with a two-instruction program of that attach type, closed at once
     (`doctor`)."""
-    from . import discover, program  # program imports this module
+    from ..probes import discover
+    from . import program  # program imports this module
     if attach_type != BPF_TRACE_UPROBE_MULTI:
         return False, "the kernel refused a program of its attach type"
     exe = os.path.realpath("/proc/self/exe")

@@ -15,14 +15,18 @@ from rich.live import Live
 from rich.segment import Segment
 from rich.style import Style
 
-from . import abi, discover, follow, lifecycle, live, prom, target as target_mod
-from .aggregate import Aggregate, probed_ops
-from .errors import TargetError, UsageError
-from .export import folded_lines
-from .files import Outputs, check_writable, open_private, write_file
+from .. import abi
+from ..probes import discover, follow, target as target_mod
+from ..analysis import lifecycle
+from ..views import live
+from ..exporters import prometheus
+from ..analysis.aggregate import Aggregate, probed_ops
+from ..errors import TargetError, UsageError
+from ..exporters.folded import folded_lines
+from ..files import Outputs, check_writable, open_private, write_file
 # session imports no bcc at module level: --help still works without it
-from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
-from .tracefile import Recorder
+from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
+from ..trace.tracefile import Recorder
 
 EXAMPLES = """\
 examples:
@@ -199,10 +203,10 @@ def add_parser(sub):
                    "(removed at exit if the command wrote nothing); otherwise, or "
                    "with '-', the tracer's own terminal")
     p.add_argument("--prometheus", nargs="?", metavar="[ADDR:]PORT",
-                   const=f"{prom.DEFAULT_ADDR}:{prom.DEFAULT_PORT}",
+                   const=f"{prometheus.DEFAULT_ADDR}:{prometheus.DEFAULT_PORT}",
                    help="serve Prometheus metrics on http://ADDR:PORT/metrics while "
-                   f"tracing (ADDR defaults to {prom.DEFAULT_ADDR}; the flag alone: "
-                   f"port {prom.DEFAULT_PORT}; docs/metrics.md)")
+                   f"tracing (ADDR defaults to {prometheus.DEFAULT_ADDR}; the flag alone: "
+                   f"port {prometheus.DEFAULT_PORT}; docs/metrics.md)")
     p.add_argument("--prometheus-linger", type=non_negative_float, default=0.0, metavar="S",
                    help="--prometheus: when the target exits, serve its final figures "
                    "for S seconds more, so that the scraper's next scrape sees them "
@@ -234,7 +238,7 @@ def _validate(args):
     else:
         args.stack_storage_size = abi.STACK_BUCKETS
     # `record` shares run() and has no --prometheus
-    args.prometheus_at = prom.parse_endpoint(args.prometheus) \
+    args.prometheus_at = prometheus.parse_endpoint(args.prometheus) \
         if getattr(args, "prometheus", None) else None
     if getattr(args, "prometheus_linger", 0) and not args.prometheus_at:
         raise UsageError("--prometheus-linger goes with --prometheus")
@@ -289,7 +293,7 @@ def run(args) -> int:
     if getattr(args, "cpu", None):
         os.sched_setaffinity(0, args.cpu)
     # imported here so that `--help` and `probes` work without bcc
-    from .session import Tracer, check_privileges
+    from ..kernel.session import Tracer, check_privileges
 
     check_privileges()
     exporter = server = residency = None
@@ -300,8 +304,8 @@ def run(args) -> int:
         # after the Recorder took it)
         residency = lifecycle.LiveResidency(lifecycle.StreamTap(keep_all=bool(args.output)))
         # bound before any BPF is loaded: a busy port fails in a second
-        exporter = prom.Exporter(_model_name(args), residency)
-        server = prom.start_server(*args.prometheus_at, exporter)
+        exporter = prometheus.Exporter(_model_name(args), residency)
+        server = prometheus.start_server(*args.prometheus_at, exporter)
     follower = None
     if args.pid:
         target_mod.check_pid(args.pid)
@@ -332,7 +336,7 @@ def run(args) -> int:
         recorder = _open_recorder(args, tracer, target)
         if server is not None:
             _say(f"metrics on http://{_where(args.prometheus_at)}/metrics" +
-                 ("" if prom.is_loopback(args.prometheus_at[0]) else
+                 ("" if prometheus.is_loopback(args.prometheus_at[0]) else
                   " (not loopback: whoever reaches it sees the traffic's shape)"))
         _announce(args, tracer, target, follower, t_start)
 
@@ -362,7 +366,7 @@ def run(args) -> int:
         if server is not None:
             if traced:
                 _serve_final(args, tracer, exporter, recorder, stop)
-            prom.stop_server(server)
+            prometheus.stop_server(server)
         for s, h in old.items():
             signal.signal(s, h)
     try:
@@ -555,7 +559,7 @@ def _title(tracer, target) -> str:
 def _model_name(args) -> str:
     """model_name for the metrics' labels, from the command line (ours, or
     the -p process's); '' when it does not name one."""
-    return prom.model_name(args.command if args.command else follow.cmdline(args.pid))
+    return prometheus.model_name(args.command if args.command else follow.cmdline(args.pid))
 
 
 def _where(at) -> str:

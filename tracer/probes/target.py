@@ -9,7 +9,7 @@ import signal
 import time
 
 from . import discover
-from .errors import TargetError
+from ..errors import TargetError
 
 
 class Target:

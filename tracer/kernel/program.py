@@ -6,7 +6,7 @@ that does it keeps ~60 MB of LLVM resident.  The program's text depends only
 on its cflags (limits, stacks, index stream, transport), never on the target:
 probe sites are data in the `sites` map.  So the compile is done once per
 program text, kernel and bcc, in a short-lived child process
-(`python -m tracer.program`), which writes what bcc produced:
+(`python -m tracer.kernel.program`), which writes what bcc produced:
 
 - every map's spec as the kernel took it (type, key and value size, entries,
   flags) and bcc's JSON description of its key and value types;
@@ -44,8 +44,9 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from . import abi, cache, symbolize, uprobe_pmu
-from .errors import EnvironmentProblem
+from .. import abi, cache
+from . import symbolize, uprobes
+from ..errors import EnvironmentProblem
 
 FORMAT = 3  # bump when the cache entry's layout changes (2: verified_insns, 3: subprogs)
 BPF_PROG_TYPE_KPROBE = 2
@@ -278,7 +279,7 @@ _attach_type = None
 
 def attach_type() -> int:
     """The expected_attach_type a program needs for a uprobe_multi link
-    (uprobe_pmu.UprobeLink): BPF_TRACE_UPROBE_MULTI where the kernel takes
+    (uprobes.UprobeLink): BPF_TRACE_UPROBE_MULTI where the kernel takes
     it, else 0.  Decided once per process, by loading a two-instruction
     program.  A program loaded so goes on links only: this VM's 6.18.44
     kernel refuses it on a perf event (PERF_EVENT_IOC_SET_BPF: EINVAL,
@@ -288,10 +289,10 @@ def attach_type() -> int:
     between programs of different attach types."""
     global _attach_type
     if _attach_type is None:
-        fd = trivial_program(uprobe_pmu.BPF_TRACE_UPROBE_MULTI)
+        fd = trivial_program(uprobes.BPF_TRACE_UPROBE_MULTI)
         if fd >= 0:
             os.close(fd)
-        _attach_type = uprobe_pmu.BPF_TRACE_UPROBE_MULTI if fd >= 0 else 0
+        _attach_type = uprobes.BPF_TRACE_UPROBE_MULTI if fd >= 0 else 0
     return _attach_type
 
 
@@ -531,7 +532,7 @@ class LoadedProgram:
     def open_perf_buffer(self, map_name: str, callback, page_cnt: int, lost_cb,
                          wakeup_events: int = 1, wakeup_bytes: int = 0):
         """A bcc perf reader per CPU on an event that this opens itself
-        (uprobe_pmu.bpf_output_event): bcc's own opener cannot wake the
+        (uprobes.bpf_output_event): bcc's own opener cannot wake the
         reader by the bytes waiting, only per so many records."""
         lib, table = libbcc_bpf(), self.maps[map_name]
         for cpu in _online_cpus():
@@ -543,11 +544,11 @@ class LoadedProgram:
                 raise _oserror(f"opening the perf buffer on CPU {cpu}")
             self._readers.append(reader)  # perf_reader_free closes its fd too
             self._callbacks.append((raw_fn, lost_fn))  # alive as long as the reader
-            fd = uprobe_pmu.bpf_output_event(cpu, wakeup_events, wakeup_bytes)
+            fd = uprobes.bpf_output_event(cpu, wakeup_events, wakeup_bytes)
             lib.perf_reader_set_fd(reader, fd)
             if lib.perf_reader_mmap(reader) < 0:
                 raise _oserror(f"mapping the perf buffer on CPU {cpu}")
-            uprobe_pmu.enable(fd)
+            uprobes.enable(fd)
             table[ctypes.c_int(cpu)] = ctypes.c_int(fd)
 
     def open_ring_buffer(self, map_name: str, callback):
@@ -681,7 +682,7 @@ def read_entry(path: str, key: str):
 def compile_entry(cflags: list, key: str, out_path: str):
     """Compile in a child process, which writes the entry to out_path.
     The child has LLVM mapped; this process never does."""
-    proc = subprocess.run([sys.executable, "-m", "tracer.program", out_path, key, *cflags],
+    proc = subprocess.run([sys.executable, "-m", "tracer.kernel.program", out_path, key, *cflags],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                               [str(abi.BPF_DIR.parent)] +

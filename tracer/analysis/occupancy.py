@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import abi, stream
+from .. import abi
+from ..trace import stream
 
 KINDS = ("write", "copy", "swap_in", "before")  # how a generation started
 _K_WRITE, _K_COPY, _K_SWAP_IN, _K_BEFORE = range(4)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import abi
+from .. import abi
 
 EVENT = abi.struct_dtype("kvtrace_event")
 CHUNK_HDR = abi.struct_dtype("kvtrace_chunk_hdr")

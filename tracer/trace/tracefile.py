@@ -34,10 +34,12 @@ import orjson
 # before anything else could start (docs/bench.md, "Stop 36")
 from zlib_ng.zlib_ng import crc32
 
-from . import __version__, abi, occupancy, stream
-from .aggregate import probed_ops
-from .errors import DataError
-from .files import IsNotRegular, open_private, open_regular
+from .. import __version__, abi
+from ..analysis import occupancy
+from . import stream
+from ..analysis.aggregate import probed_ops
+from ..errors import DataError
+from ..files import IsNotRegular, open_private, open_regular
 
 MAGIC = b"KVTRACE\0"
 VERSION = 1

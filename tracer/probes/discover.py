@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import abi, cache as _cache
-from .errors import TargetError
-from .files import IsNotRegular, open_regular
+from .. import abi, cache as _cache
+from ..errors import TargetError
+from ..files import IsNotRegular, open_regular
 
 # Byte offsets of the registers in the kernel's struct pt_regs (x86_64),
 # keyed by every name an SDT argument may use for them.
@@ -298,7 +298,7 @@ def read_semaphore(pid: int, maps: list, probe: Probe):
 
 def check_arch():
     if platform.machine() != "x86_64":
-        from .errors import EnvironmentProblem
+        from ..errors import EnvironmentProblem
         raise EnvironmentProblem(
             f"SDT argument decoding is implemented for x86_64 only, not {platform.machine()}")
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import cache, discover
+from .. import cache
+from . import discover
 
 TIMEOUT_S = 120
 
@@ -212,6 +213,6 @@ class Discovery:
         _store(self.libc10, self.layout)
 
 
-if __name__ == "__main__":  # kvtrace's own check: python -m tracer.torch_layout PID
+if __name__ == "__main__":  # kvtrace's own check: python -m tracer.probes.torch_layout PID
     d = Discovery(int(sys.argv[1])).start()
     print(d.result() or d.error)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import abi
+from .. import abi
 
 JSON_SCHEMA = "kvtrace-bpf/aggregate"
 JSON_VERSION = 1

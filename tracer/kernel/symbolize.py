@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 
-from . import abi
+from .. import abi
 
 
 class Symbolizer:
@@ -51,7 +51,7 @@ class Symbolizer:
         try:
             if self._child is None:
                 self._child = subprocess.Popen(
-                    [sys.executable, "-m", "tracer.symbolize"], stdin=subprocess.PIPE,
+                    [sys.executable, "-m", "tracer.kernel.symbolize"], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                     # its own session: the Ctrl-C that stops a trace must not
                     # stop it before the summary's stacks are named

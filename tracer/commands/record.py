@@ -6,9 +6,10 @@ loop (cmd_attach), one writer (tracefile.Recorder).
 
 import argparse
 
-from . import abi, cmd_attach
-from .cmd_attach import positive_float, positive_int
-from .session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
+from .. import abi
+from . import attach
+from .attach import positive_float, positive_int
+from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 
 EXAMPLES = """\
 examples:
@@ -41,7 +42,7 @@ def add_parser(sub):
     p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
                    metavar="N", help=f"layers counted in the maps (default "
                    f"{abi.DEFAULT_MAX_CACHES})")
-    cmd_attach.add_stack_storage_size(p)
+    attach.add_stack_storage_size(p)
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and record it")
     p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0,
@@ -51,4 +52,4 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    return cmd_attach.run(args)
+    return attach.run(args)

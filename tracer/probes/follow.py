@@ -17,7 +17,7 @@ import os
 import time
 
 from . import discover, torch_layout
-from .errors import TargetError
+from ..errors import TargetError
 
 
 def children_map() -> dict:

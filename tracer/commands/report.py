@@ -24,10 +24,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import abi, access, heatmap, lifecycle, live, occupancy, stream, tracefile
-from .aggregate import Aggregate
-from .errors import UsageError
-from .files import WatchedStdout
+from .. import abi
+from ..analysis import access, heatmap, lifecycle, occupancy
+from ..views import live
+from ..trace import stream, tracefile
+from ..analysis.aggregate import Aggregate
+from ..errors import UsageError
+from ..files import WatchedStdout
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
 # 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
