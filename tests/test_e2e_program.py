@@ -102,15 +102,15 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
     import ctypes
     import struct
 
-    from tracer.kernel import program
+    from tracer.kernel import bpf, program
 
     [path] = entries(compiled[1])
     entry = json.loads(path.read_text())
-    lib = program.libbcc_bpf()
+    lib = bpf.libbcc_bpf()
     fds = [lib.bcc_create_map(m["type"], m["name"][:15].encode(), m["key_size"],
                               m["value_size"], m["max_entries"], m["flags"])
            for m in entry["maps"]]
-    fds.append(program._load_btf(program._FUNC_BTF))
+    fds.append(bpf.load_btf(bpf.FUNC_BTF))
     try:
         assert min(fds) >= 0
         said = {}
@@ -121,9 +121,9 @@ def test_the_entry_holds_what_the_verifier_walked(compiled):
             log = ctypes.create_string_buffer(1 << 16)
             buf = (ctypes.c_char * len(insns)).from_buffer(insns)
             # as the tracer loads it; log level 4: the statistics
-            fd = program._load_prog(prog["name"][:15].encode(), buf, len(insns),
-                                    entry["license"].encode(), entry["kern_version"], fds[-1],
-                                    prog.get("subprogs") or [], log, 4, program.attach_type())
+            fd = bpf.load_prog(prog["name"][:15].encode(), buf, len(insns),
+                               entry["license"].encode(), entry["kern_version"], fds[-1],
+                               prog.get("subprogs") or [], log, 4, program.attach_type())
             assert fd >= 0, prog["name"]
             os.close(fd)
             said[prog["name"]] = int(re.search(rb"processed (\d+) insns", log.value).group(1))

@@ -117,7 +117,7 @@ def test_programs_load_costliest_to_verify_first(monkeypatch):
                        **({} if c is None else {"verified_insns": c}))
                   for n, c in costs.items()]
     monkeypatch.setattr(program, "libbcc_bpf", FakeLib)
-    monkeypatch.setattr(program, "_load_prog", fake_load)
+    monkeypatch.setattr(program, "load_prog", fake_load)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one loader: a strict order
     loaded = program.LoadedProgram(e, 48)
     assert loads == ["b", "e", "d", "a", "c"]

@@ -108,21 +108,21 @@ def _records(*recs):
     import numpy as np
 
     from tracer import abi
-    from tracer.trace import stream
+    from tracer.kernel import records
 
     out = []
     for r in recs:
         if r[0] == "op":
             _, seq, ts, op, pid, n = r
-            e = np.zeros(1, dtype=stream.EVENT)
-            e["type"], e["seq"], e["ts_ns"], e["op"], e["pid"] = stream.REC_OP, seq, ts, \
+            e = np.zeros(1, dtype=records.EVENT)
+            e["type"], e["seq"], e["ts_ns"], e["op"], e["pid"] = records.REC_OP, seq, ts, \
                 abi.OPS[op], pid
             e["items"], e["chunks"] = n, 1 if n else 0
             out.append(e.tobytes())
         else:
             _, seq, offset, values = r
-            h = np.zeros(1, dtype=stream.CHUNK_HDR)
-            h["type"], h["count"], h["seq"], h["offset"] = stream.REC_CHUNK, len(values), seq, \
+            h = np.zeros(1, dtype=records.CHUNK_HDR)
+            h["type"], h["count"], h["seq"], h["offset"] = records.REC_CHUNK, len(values), seq, \
                 offset
             out.append(h.tobytes() + np.array(values, dtype=np.int64).tobytes())
     return out
@@ -171,6 +171,7 @@ def test_stream_tap_keeps_block_ids_only_and_waits_for_late_op_records():
     op record comes a poll later is kept until then; one whose record never
     comes is dropped after EARLY_POLLS polls."""
     from tracer.analysis import lifecycle
+    from tracer.kernel import records
     from tracer.trace import stream
 
     S = 10 ** 9
@@ -189,7 +190,7 @@ def test_stream_tap_keeps_block_ids_only_and_waits_for_late_op_records():
     ops = stream.decode(tap.take_life())
     assert ops.ops["seq"].tolist() == [3] and ops.ops["complete"].all()
     assert ops.values_of(0).tolist() == [5]
-    assert [len(h) for _, h, _ in tap._early] == [stream.CHUNK_HDR.itemsize]  # seq 9 waits
+    assert [len(h) for _, h, _ in tap._early] == [records.CHUNK_HDR.itemsize]  # seq 9 waits
     for _ in range(lifecycle.EARLY_POLLS):
         tap.poll()
     assert tap._early == [] and tap.take_life() == []

@@ -14,6 +14,7 @@ import pytest
 
 from tracer import abi
 from tracer.trace import stream
+from tracer.kernel import records
 
 
 class Wire:
@@ -35,15 +36,15 @@ class Wire:
             if n in drop_chunks:
                 flags |= abi.EV_CHUNKS_LOST
                 continue
-            h = np.zeros(1, stream.CHUNK_HDR)
-            h["type"], h["count"], h["seq"], h["offset"] = stream.REC_CHUNK, len(part), seq, at
+            h = np.zeros(1, records.CHUNK_HDR)
+            h["type"], h["count"], h["seq"], h["offset"] = records.REC_CHUNK, len(part), seq, at
             self.hdrs.append(h.tobytes())
             self.values.append(part.tobytes())
             sent += 1
         if items is None:
             items = len(values) // (2 if name in ("copy_blocks", "swap_blocks") else 1)
-        e = np.zeros(1, stream.EVENT)
-        e["type"], e["seq"], e["op"], e["items"] = stream.REC_OP, seq, abi.OPS[name], items
+        e = np.zeros(1, records.EVENT)
+        e["type"], e["seq"], e["op"], e["items"] = records.REC_OP, seq, abi.OPS[name], items
         e["chunks"], e["flags"], e["pid"], e["cache_id"] = sent, flags, pid, cache_id
         e["ts_ns"] = 1000 * seq if ts is None else ts
         e["slots"] = int((values >= 0).sum()) if name in abi.WRITE_OPS else 0
@@ -52,7 +53,7 @@ class Wire:
         return seq
 
     def batch(self):
-        return stream.RawBatch(b"".join(self.ops), b"".join(self.hdrs), b"".join(self.values))
+        return records.RawBatch(b"".join(self.ops), b"".join(self.hdrs), b"".join(self.values))
 
 
 def c_layouts(structs: dict, tmp_path) -> dict:
@@ -104,8 +105,8 @@ def test_layouts_are_the_c_compilers(tmp_path):
         assert list(fields) == list(dt.names), name
         for f, (offset, fsize) in fields.items():
             assert (dt.fields[f][1], dt.fields[f][0].itemsize) == (offset, fsize), (name, f)
-    assert stream.EVENT == handled["kvtrace_event"]
-    assert stream.CHUNK_HDR == handled["kvtrace_chunk_hdr"]
+    assert records.EVENT == handled["kvtrace_event"]
+    assert records.CHUNK_HDR == handled["kvtrace_chunk_hdr"]
 
 
 def test_values_are_reassembled_per_op_in_order():
@@ -137,8 +138,8 @@ def test_interleaved_cpus_and_batches(parallel, monkeypatch):
     w.op("reshape_and_cache", b)
     # shuffle: chunks of b first, then a's last chunk, op records reversed
     hdrs, vals = w.hdrs, w.values
-    first = stream.RawBatch(w.ops[1], hdrs[3] + hdrs[4] + hdrs[2], vals[3] + vals[4] + vals[2])
-    second = stream.RawBatch(w.ops[0], hdrs[1] + hdrs[0], vals[1] + vals[0])
+    first = records.RawBatch(w.ops[1], hdrs[3] + hdrs[4] + hdrs[2], vals[3] + vals[4] + vals[2])
+    second = records.RawBatch(w.ops[0], hdrs[1] + hdrs[0], vals[1] + vals[0])
     s = stream.decode([first, second])
     assert s.complete
     assert np.array_equal(s.values_of(0), a) and np.array_equal(s.values_of(1), b)
@@ -185,10 +186,10 @@ def test_collector_sorts_raw_records():
 
     w = Wire()
     w.op("reshape_and_cache", np.arange(70))
-    c = stream.Collector()
-    records = [w.hdrs[0] + w.values[0], w.hdrs[1] + w.values[1], w.ops[0],
-               b"\x09\x00\x00\x00" + b"\x00" * 20]  # an unknown type
-    for rec in records:
+    c = records.Collector()
+    raw = [w.hdrs[0] + w.values[0], w.hdrs[1] + w.values[1], w.ops[0],
+           b"\x09\x00\x00\x00" + b"\x00" * 20]  # an unknown type
+    for rec in raw:
         buf = ctypes.create_string_buffer(rec + b"\0\0\0\0")  # perf pads to 8 bytes
         c.add(ctypes.addressof(buf), len(rec) + 4)
     assert (c.op_records, c.chunk_records, c.unknown_records) == (1, 2, 1)
@@ -202,9 +203,9 @@ def test_collector_takes_records_as_large_as_the_program_sends():
 
     w = Wire(per=abi.RECORD_VALUES)
     w.op("reshape_and_cache", np.arange(abi.RECORD_VALUES + 5))
-    too_big = np.zeros(1, stream.CHUNK_HDR)
-    too_big["type"], too_big["count"] = stream.REC_CHUNK, abi.RECORD_VALUES + 1
-    c = stream.Collector()
+    too_big = np.zeros(1, records.CHUNK_HDR)
+    too_big["type"], too_big["count"] = records.REC_CHUNK, abi.RECORD_VALUES + 1
+    c = records.Collector()
     for rec in (w.hdrs[0] + w.values[0], w.hdrs[1] + w.values[1], w.ops[0],
                 too_big.tobytes() + b"\0" * 8 * (abi.RECORD_VALUES + 1)):
         buf = ctypes.create_string_buffer(rec)
@@ -230,7 +231,7 @@ def test_inconsistent_input_is_refused():
     w.op("reshape_and_cache", np.arange(10))
     b = w.batch()
     with pytest.raises(ValueError):
-        stream.decode(stream.RawBatch(b.ops, b.chunk_hdrs, b.values[:-8]))
+        stream.decode(records.RawBatch(b.ops, b.chunk_hdrs, b.values[:-8]))
 
 
 def test_chunks_cover_every_item_whole_in_order():

@@ -16,6 +16,7 @@ import pytest
 from conftest import ROOT, assert_one_line_error, run_kvtrace
 from tracer import abi
 from tracer.trace import stream, tracefile
+from tracer.kernel import records
 from tracer.errors import DataError
 
 EXIT_DATA = 4
@@ -27,20 +28,20 @@ def synthetic_ops(nops, per_op, blocks, t0=10**9, seq0=0, op="reshape_and_cache"
     """nops write ops of per_op slots each, slots cycling through `blocks`
     blocks in order from slot0 (default: where op seq0 of one stream of
     such ops would be), as raw records (vectorized: no loop per chunk)."""
-    ev = np.zeros(nops, stream.EVENT)
+    ev = np.zeros(nops, records.EVENT)
     nch = -(-per_op // abi.CHUNK)
-    ev["type"], ev["seq"] = stream.REC_OP, seq0 + np.arange(nops)
+    ev["type"], ev["seq"] = records.REC_OP, seq0 + np.arange(nops)
     ev["ts_ns"] = t0 + 1000 * np.arange(nops)
     ev["pid"], ev["tid"], ev["op"], ev["cache_id"] = PID, PID, abi.OPS[op], cache_id
     ev["items"] = ev["slots"] = per_op
     ev["chunks"], ev["stack_id"] = nch, -1
-    hdr = np.zeros(nops * nch, stream.CHUNK_HDR)
-    hdr["type"], hdr["seq"] = stream.REC_CHUNK, np.repeat(ev["seq"], nch)
+    hdr = np.zeros(nops * nch, records.CHUNK_HDR)
+    hdr["type"], hdr["seq"] = records.REC_CHUNK, np.repeat(ev["seq"], nch)
     off = np.tile(np.arange(nch) * abi.CHUNK, nops)
     hdr["offset"], hdr["count"] = off, np.minimum(abi.CHUNK, per_op - off)
     first = seq0 * per_op if slot0 is None else slot0
     slots = (first + np.arange(nops * per_op, dtype=np.int64)) % (blocks * BS)
-    return stream.RawBatch(ev.tobytes(), hdr.tobytes(), slots.tobytes())
+    return records.RawBatch(ev.tobytes(), hdr.tobytes(), slots.tobytes())
 
 
 def write_trace(path, batches, blocks=512, end=True, cache_ids=(CACHE_ID,)):
@@ -93,11 +94,11 @@ def _split(batch, at_chunk):
     """batch as two batches, its chunk records cut before chunk at_chunk:
     an op whose chunks straddle the cut is split between them, as a poll
     that comes while a program run is sending its records splits it."""
-    h = np.frombuffer(batch.chunk_hdrs, stream.CHUNK_HDR)
+    h = np.frombuffer(batch.chunk_hdrs, records.CHUNK_HDR)
     v = np.frombuffer(batch.values, np.int64)
     cut = int(h["count"][:at_chunk].sum())
-    return [stream.RawBatch(batch.ops, h[:at_chunk].tobytes(), v[:cut].tobytes()),
-            stream.RawBatch(b"", h[at_chunk:].tobytes(), v[cut:].tobytes())]
+    return [records.RawBatch(batch.ops, h[:at_chunk].tobytes(), v[:cut].tobytes()),
+            records.RawBatch(b"", h[at_chunk:].tobytes(), v[cut:].tobytes())]
 
 
 def _three_chunk_ops(tmp_path, name):
@@ -295,7 +296,7 @@ def test_garbage_block_numbers_are_left_out_and_said(tmp_path):
     b = synthetic_ops(4, 20, 8)
     values = np.frombuffer(b.values, np.int64).copy()
     values[5] = 2**60  # op 0's 6th slot
-    path = write_trace(tmp_path / "g.kvt", [stream.RawBatch(b.ops, b.chunk_hdrs,
+    path = write_trace(tmp_path / "g.kvt", [records.RawBatch(b.ops, b.chunk_hdrs,
                                                             values.tobytes())], blocks=8)
     r = run_kvtrace("report", path, "--format", "json")
     assert r.returncode == 0, r.stderr

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import abi
 from ..trace import stream
+from ..kernel import records
 
 # vllm/v1/metrics/buckets.py KV_CACHE_RESIDENCY_BUCKETS (seconds), the
 # buckets of vllm:kv_block_lifetime_seconds, idle_before_evict, reuse_gap
@@ -430,7 +431,7 @@ def miss_ratio_curve(ev: Events, sizes=None) -> dict:
 EARLY_POLLS = 3
 
 
-class StreamTap(stream.Collector):
+class StreamTap(records.Collector):
     """The index stream's collector while the residency histograms are live.
 
     The block ids of the plugin's events come only in the index stream, and
@@ -449,7 +450,7 @@ class StreamTap(stream.Collector):
         # mid-way): (polls waited, header bytes, value bytes)
         self._early = []
 
-    def take(self) -> stream.RawBatch:
+    def take(self) -> records.RawBatch:
         batch = super().take()
         self._pick(batch)
         return batch
@@ -465,12 +466,12 @@ class StreamTap(stream.Collector):
         return out
 
     def _pick(self, batch):
-        ops = np.frombuffer(batch.ops, dtype=stream.EVENT)
+        ops = np.frombuffer(batch.ops, dtype=records.EVENT)
         life = ops[np.isin(ops["op"], list(KIND_OF_OP))]
         parts = [(0, batch.chunk_hdrs, batch.values), *self._early]
-        hdr = np.concatenate([np.frombuffer(h, dtype=stream.CHUNK_HDR) for _, h, _ in parts])
+        hdr = np.concatenate([np.frombuffer(h, dtype=records.CHUNK_HDR) for _, h, _ in parts])
         vals = np.concatenate([np.frombuffer(v, dtype=stream.VALUE) for _, _, v in parts])
-        waited = np.concatenate([np.full(len(h) // stream.CHUNK_HDR.itemsize, n, np.int64)
+        waited = np.concatenate([np.full(len(h) // records.CHUNK_HDR.itemsize, n, np.int64)
                                  for n, h, _ in parts])
         count = hdr["count"].astype(np.int64)
         at = np.cumsum(count) - count  # where each chunk's values are in vals
@@ -481,7 +482,7 @@ class StreamTap(stream.Collector):
 
         mine = np.isin(hdr["seq"], life["seq"])
         if len(life):
-            self._life.append(stream.RawBatch(life.tobytes(), *chunks(mine)))
+            self._life.append(records.RawBatch(life.tobytes(), *chunks(mine)))
         # An op's chunks come before its op record (from the same CPU, or in
         # the ring buffer's order): a chunk whose record is not here yet is
         # of an op the reader caught mid-way, kept for the next polls, or,

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 from .. import __version__, abi, cache
 from ..probes import catalog, discover, follow
-from ..kernel import program, session, uprobes
+from ..kernel import bpf, program, session, uprobes
 from ..probes import target as target_mod
 from .attach import positive_int
 from ..errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
@@ -163,7 +163,7 @@ def load_trivial_program() -> int:
     kernel answered."""
     major, minor, patch = _kernel_version()
     # checked against the running kernel's version before 5.0
-    fd = program.trivial_program(0, b"kvtrace_doctor",
+    fd = bpf.trivial_program(0, b"kvtrace_doctor",
                                  (major << 16) | (minor << 8) | min(patch, 255))
     if fd < 0:
         return ctypes.get_errno()

@@ -17,7 +17,7 @@ program text, kernel and bcc, in a short-lived child process
   link_callbacks does it, and the loader gives the kernel the BTF function
   info that a program with callbacks needs).
 
-A tracer then creates the maps through libbcc_bpf, bcc's loader library,
+A tracer then creates the maps through libbcc_bpf, bcc's loader library (bpf.py),
 which links no LLVM, writes its own fds into those instructions and loads the
 programs itself (BPF_PROG_LOAD), each with the attach type of the way the
 session attaches it: the one uprobe_multi links need (attach_type()), or 0
@@ -46,20 +46,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import abi, cache
 from . import symbolize, uprobes
+from .bpf import (BPF_TRACE_UPROBE_MULTI, FUNC_BTF, LOST_CB, PROG_INFO_SIZE,
+                  PROG_INFO_VERIFIED_INSNS, RAW_CB, RINGBUF_CB, libbcc_bpf, load_btf,
+                  load_prog, map_info, obj_info, oserror, trivial_program)
 from ..errors import EnvironmentProblem
 
 FORMAT = 3  # bump when the cache entry's layout changes (2: verified_insns, 3: subprogs)
-BPF_PROG_TYPE_KPROBE = 2
 BPF_PSEUDO_MAP_FD = 1
 BPF_PSEUDO_FUNC = 4
-BPF_PROG_LOAD, BPF_BTF_LOAD = 5, 18
-_SYS_bpf = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine)
 _MOV64_X = 0xbf  # BPF_ALU64 | BPF_MOV | BPF_X: dst = src
 _LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
-# struct bpf_map_info's head (uapi/linux/bpf.h): type, id, key_size,
-# value_size, max_entries, map_flags
-_MAP_INFO = struct.Struct("<6I")
-_MAP_INFO_SIZE = 88
 
 # bcc's names for C scalar types in its JSON type descriptions, as its own
 # Python module decodes them (bcc/__init__.py, BPF.str2ctype)
@@ -108,172 +104,6 @@ def decode_type(desc):
     return type(str(name), (base,), body)
 
 
-# -- libbcc_bpf: bcc's map, program and buffer calls, without LLVM ------------
-
-_RAW_CB = ctypes.CFUNCTYPE(None, ctypes.py_object, ctypes.c_void_p, ctypes.c_int)
-_LOST_CB = ctypes.CFUNCTYPE(None, ctypes.py_object, ctypes.c_ulonglong)
-_RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
-
-
-class _Symbol(ctypes.Structure):  # bcc's struct bcc_symbol
-    _fields_ = [("name", ctypes.c_char_p), ("demangle_name", ctypes.c_char_p),
-                ("module", ctypes.POINTER(ctypes.c_char)), ("offset", ctypes.c_ulonglong)]
-
-
-_lib = None
-
-
-def libbcc_bpf():
-    global _lib
-    if _lib is None:
-        try:
-            lib = ctypes.CDLL("libbcc_bpf.so.0", use_errno=True)
-        except OSError as e:
-            raise EnvironmentProblem(
-                f"bcc's loader library is missing ({e}): install libbpfcc "
-                "(`make setup` does)") from None
-        vp, i = ctypes.c_void_p, ctypes.c_int
-        for name, res, args in (
-                ("bcc_create_map", i, [i, ctypes.c_char_p, i, i, i, i]),
-                ("bpf_lookup_elem", i, [i, vp, vp]),
-                ("bpf_update_elem", i, [i, vp, vp, ctypes.c_ulonglong]),
-                ("bpf_delete_elem", i, [i, vp]),
-                ("bpf_get_next_key", i, [i, vp, vp]),
-                ("bpf_obj_get_info", i, [i, vp, ctypes.POINTER(ctypes.c_uint32)]),
-                ("perf_reader_new", vp, [_RAW_CB, _LOST_CB, ctypes.py_object, i]),
-                ("perf_reader_set_fd", None, [vp, i]),
-                ("perf_reader_mmap", i, [vp]),
-                ("perf_reader_poll", i, [i, ctypes.POINTER(vp), i]),
-                ("perf_reader_consume", i, [i, ctypes.POINTER(vp)]),
-                ("perf_reader_free", None, [vp]),
-                ("bpf_new_ringbuf", vp, [i, _RINGBUF_CB, vp]),
-                ("bpf_poll_ringbuf", i, [vp, i]),
-                ("bpf_consume_ringbuf", i, [vp]),
-                ("bpf_free_ringbuf", None, [vp]),
-                ("bcc_symcache_new", vp, [i, vp]),
-                ("bcc_symcache_resolve", i, [vp, ctypes.c_ulonglong, ctypes.POINTER(_Symbol)]),
-                ("bcc_symbol_free_demangle_name", None, [ctypes.POINTER(_Symbol)])):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        _lib = lib
-    return _lib
-
-
-def _oserror(what: str) -> OSError:
-    err = ctypes.get_errno()
-    return OSError(err, f"{what}: {os.strerror(err)}")
-
-
-# struct bpf_prog_info (uapi/linux/bpf.h): its size as far as we read it,
-# and the offsets of the fields we read (checked against it with offsetof)
-PROG_INFO_SIZE = 232
-PROG_INFO_RECURSION_MISSES = 208  # u64, 5.12+
-PROG_INFO_VERIFIED_INSNS = 216  # u32, 5.16+
-
-
-def obj_info(fd: int, size: int) -> bytes:
-    """The first `size` bytes of a BPF object's info (BPF_OBJ_GET_INFO_BY_FD:
-    struct bpf_map_info or bpf_prog_info, uapi/linux/bpf.h); what an older
-    kernel does not fill stays zero."""
-    buf = ctypes.create_string_buffer(size)
-    length = ctypes.c_uint32(size)
-    if libbcc_bpf().bpf_obj_get_info(fd, buf, ctypes.byref(length)) < 0:
-        raise _oserror("BPF_OBJ_GET_INFO_BY_FD")
-    return buf.raw
-
-
-def map_info(fd: int) -> tuple:
-    """(type, key_size, value_size, max_entries, flags) of a map, from the kernel."""
-    mtype, _id, key_size, value_size, entries, flags = _MAP_INFO.unpack_from(
-        obj_info(fd, _MAP_INFO_SIZE))
-    return mtype, key_size, value_size, entries, flags
-
-
-# -- programs with bpf_loop() callbacks ------------------------------------------
-#
-# The kernel takes a callback (an ld_imm64 of kind BPF_PSEUDO_FUNC) only in a
-# program that comes with BTF function info: one record per function, the
-# program's own at instruction 0 and one where each callback starts.  bcc's
-# loader path has none to give, so these programs are loaded here with the
-# bpf() syscall and the least BTF that says so: an int, a prototype returning
-# it, and two functions of that prototype.  Static linkage: the verifier
-# checks no argument types against it.
-
-def _btf(types: list, strings: bytes) -> bytes:
-    body = b"".join(types)
-    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(body), len(body), len(strings))
-    return header + body + strings
-
-
-def _btf_type(name_off: int, kind: int, vlen: int, size_or_type: int) -> bytes:
-    return struct.pack("<III", name_off, kind << 24 | vlen, size_or_type)
-
-
-_BTF_KIND_INT, _BTF_KIND_FUNC, _BTF_KIND_FUNC_PROTO = 1, 12, 13
-_BTF_FUNC_MAIN, _BTF_FUNC_CALLBACK = 3, 4  # type ids below
-_FUNC_BTF = _btf([
-    _btf_type(1, _BTF_KIND_INT, 0, 4) + struct.pack("<I", 1 << 24 | 32),  # [1] int, signed
-    _btf_type(0, _BTF_KIND_FUNC_PROTO, 0, 1),                            # [2] int (void)
-    _btf_type(5, _BTF_KIND_FUNC, 0, 2),                                  # [3] main
-    _btf_type(10, _BTF_KIND_FUNC, 0, 2),                                 # [4] callback
-], b"\0int\0main\0callback\0")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-def bpf_syscall(cmd: int, attr) -> int:
-    """bpf(cmd, &attr, sizeof attr): what the kernel answers, -1 with errno
-    set on failure.  attr: a ctypes buffer or structure."""
-    if _SYS_bpf is None:
-        ctypes.set_errno(errno.ENOSYS)
-        return -1
-    return _libc.syscall(_SYS_bpf, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
-
-
-def _load_btf(blob: bytes) -> int:
-    data = ctypes.create_string_buffer(blob, len(blob))
-    attr = ctypes.create_string_buffer(32)  # union bpf_attr, BPF_BTF_LOAD's part
-    struct.pack_into("<QQI", attr, 0, ctypes.addressof(data), 0, len(blob))
-    fd = bpf_syscall(BPF_BTF_LOAD, attr)
-    if fd < 0:
-        raise _oserror("loading the programs' BTF")
-    return fd
-
-
-def _load_prog(name: bytes, insns, size: int, license_: bytes, kern_version: int,
-               btf_fd: int, subprogs: list, log=None, log_level: int = 0,
-               attach_type: int = 0) -> int:
-    """BPF_PROG_LOAD of a kprobe program whose callbacks start at `subprogs`
-    (none: no BTF needed, btf_fd 0): the fd, or -1 with errno set.  log: a
-    buffer for the verifier's log, at log_level (1: every instruction, 4: the
-    statistics).  attach_type: the expected_attach_type (attach_type())."""
-    records = [(0, _BTF_FUNC_MAIN)] + [(at, _BTF_FUNC_CALLBACK) for at in subprogs]
-    func_info = ctypes.create_string_buffer(b"".join(struct.pack("<II", *r) for r in records))
-    lic = ctypes.create_string_buffer(license_)
-    attr = ctypes.create_string_buffer(144)  # union bpf_attr, BPF_PROG_LOAD's part
-    struct.pack_into("<IIQQIIQII16sIIIIQI", attr, 0,
-                     BPF_PROG_TYPE_KPROBE, size // 8, ctypes.addressof(insns),
-                     ctypes.addressof(lic), log_level if log else 0, len(log) if log else 0,
-                     ctypes.addressof(log) if log else 0, kern_version, 0, name,
-                     0, attach_type,  # prog_ifindex, expected_attach_type
-                     btf_fd if subprogs else 0, 8 if subprogs else 0,
-                     ctypes.addressof(func_info) if subprogs else 0,
-                     len(records) if subprogs else 0)
-    return bpf_syscall(BPF_PROG_LOAD, attr)
-
-
-def trivial_program(attach_type: int, name: bytes = b"kvtrace_probe",
-                    kern_version: int = 0) -> int:
-    """A loaded `r0 = 0; exit` kprobe program of that attach type: its fd, or
-    -1 with errno set.  kern_version: what kernels before 5.0 check against
-    their own (later ones ignore it)."""
-    code = struct.pack("<BBhi", 0xB7, 0, 0, 0) + struct.pack("<BBhi", 0x95, 0, 0, 0)
-    buf = ctypes.create_string_buffer(code, len(code))
-    return _load_prog(name, buf, len(code), b"GPL", kern_version, 0, [],
-                      attach_type=attach_type)
-
-
 _attach_type = None
 
 
@@ -289,10 +119,10 @@ def attach_type() -> int:
     between programs of different attach types."""
     global _attach_type
     if _attach_type is None:
-        fd = trivial_program(uprobes.BPF_TRACE_UPROBE_MULTI)
+        fd = trivial_program(BPF_TRACE_UPROBE_MULTI)
         if fd >= 0:
             os.close(fd)
-        _attach_type = uprobes.BPF_TRACE_UPROBE_MULTI if fd >= 0 else 0
+        _attach_type = BPF_TRACE_UPROBE_MULTI if fd >= 0 else 0
     return _attach_type
 
 
@@ -320,11 +150,11 @@ def trial_callback_load() -> int:
     insns, subprogs = link_callbacks(main, {1: insn(mov_k) + insn(exit_)})
     buf = ctypes.create_string_buffer(insns, len(insns))
     try:
-        btf_fd = _load_btf(_FUNC_BTF)
+        btf_fd = load_btf(FUNC_BTF)
     except OSError as e:
         return e.errno
     try:
-        fd = _load_prog(b"kvtrace_doctor", buf, len(insns), b"GPL", 0, btf_fd, subprogs)
+        fd = load_prog(b"kvtrace_doctor", buf, len(insns), b"GPL", 0, btf_fd, subprogs)
         if fd < 0:
             return ctypes.get_errno()
         os.close(fd)
@@ -399,7 +229,7 @@ class Map:
 
     def __setitem__(self, key, leaf):
         if libbcc_bpf().bpf_update_elem(self.map_fd, ctypes.byref(key), ctypes.byref(leaf), 0) < 0:
-            raise _oserror(f"updating map {self.name}")
+            raise oserror(f"updating map {self.name}")
 
     def __delitem__(self, key):
         if libbcc_bpf().bpf_delete_elem(self.map_fd, ctypes.byref(key)) < 0:
@@ -467,7 +297,7 @@ class LoadedProgram:
                                         spec["key_size"], spec["value_size"],
                                         spec["max_entries"], spec["flags"])
                 if fd < 0:
-                    raise _oserror(f"creating map {spec['name']}")
+                    raise oserror(f"creating map {spec['name']}")
                 self._fds.append(fd)
                 fds.append(fd)
                 self.maps[spec["name"]] = Map(spec["name"], fd, decode_type(spec["key"]),
@@ -476,7 +306,7 @@ class LoadedProgram:
 
             btf_fd = None
             if any(prog.get("subprogs") for prog in entry["progs"]):
-                btf_fd = _load_btf(_FUNC_BTF)
+                btf_fd = load_btf(FUNC_BTF)
                 self._fds.append(btf_fd)
 
             def load_one(prog):
@@ -487,11 +317,11 @@ class LoadedProgram:
                 name = prog["name"][:15].encode()
 
                 def load(log=None):
-                    return _load_prog(name, buf, len(insns), license_, entry["kern_version"],
+                    return load_prog(name, buf, len(insns), license_, entry["kern_version"],
                                       btf_fd, prog.get("subprogs") or [], log, 1, kind)
                 fd = load()
                 if fd < 0:
-                    error = _oserror(f"loading {prog['name']}")
+                    error = oserror(f"loading {prog['name']}")
                     why = _verifier_says(load)
                     return prog["name"], fd, OSError(error.errno, f"{error.strerror}"
                                                      + (f" (the verifier: {why})"
@@ -538,16 +368,16 @@ class LoadedProgram:
         for cpu in _online_cpus():
             def raw(_cookie, data, size, cpu=cpu):
                 callback(cpu, data, size)
-            raw_fn, lost_fn = _RAW_CB(raw), _LOST_CB(lambda _cookie, n: lost_cb(n))
+            raw_fn, lost_fn = RAW_CB(raw), LOST_CB(lambda _cookie, n: lost_cb(n))
             reader = lib.perf_reader_new(raw_fn, lost_fn, None, page_cnt)
             if not reader:
-                raise _oserror(f"opening the perf buffer on CPU {cpu}")
+                raise oserror(f"opening the perf buffer on CPU {cpu}")
             self._readers.append(reader)  # perf_reader_free closes its fd too
             self._callbacks.append((raw_fn, lost_fn))  # alive as long as the reader
             fd = uprobes.bpf_output_event(cpu, wakeup_events, wakeup_bytes)
             lib.perf_reader_set_fd(reader, fd)
             if lib.perf_reader_mmap(reader) < 0:
-                raise _oserror(f"mapping the perf buffer on CPU {cpu}")
+                raise oserror(f"mapping the perf buffer on CPU {cpu}")
             uprobes.enable(fd)
             table[ctypes.c_int(cpu)] = ctypes.c_int(fd)
 
@@ -555,10 +385,10 @@ class LoadedProgram:
         def raw(_ctx, data, size):
             callback(_ctx, data, size)
             return 0
-        fn = _RINGBUF_CB(raw)
+        fn = RINGBUF_CB(raw)
         self._ringbuf = libbcc_bpf().bpf_new_ringbuf(self.maps[map_name].map_fd, fn, None)
         if not self._ringbuf:
-            raise _oserror("opening the ring buffer")
+            raise oserror("opening the ring buffer")
         self._callbacks.append(fn)
 
     def _reader_array(self):

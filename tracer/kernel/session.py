@@ -21,8 +21,7 @@ import numpy as np
 
 from .. import abi
 from ..probes import catalog, discover
-from . import program, uprobes
-from ..trace import stream
+from . import bpf, program, records, uprobes
 from ..errors import EnvironmentProblem, TargetError
 from .uprobes import NoUprobeMulti, Uprobe, UprobeLink
 
@@ -165,7 +164,7 @@ class Tracer:
                  stacks: bool = False, stack_buckets: int = abi.STACK_BUCKETS,
                  perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
-                 collector: stream.Collector = None, gen_fill: bool = False,
+                 collector: records.Collector = None, gen_fill: bool = False,
                  op_records: bool = None):
         check_privileges()
         discover.check_arch()
@@ -205,7 +204,7 @@ class Tracer:
         self.wakeup_every = wakeup_every
         # collector: the stream's consumer side, if not a plain Collector
         # (attach --prometheus: lifecycle.StreamTap)
-        self.stream = (collector or stream.Collector()) if index_stream else None
+        self.stream = (collector or records.Collector()) if index_stream else None
         self.stacks = stacks
         self._collided_stacks = {}  # stack id -> frames, from collided_stacks
         # one uprobe_multi link per file and process, where the kernel has
@@ -245,7 +244,7 @@ class Tracer:
         # row 3's floor under the tracer's own figure (docs/bench.md)
         self.empty_prog_fd = -1
         if os.environ.get("KVTRACE_EMPTY_PROGRAM", "") not in ("", "0"):
-            self.empty_prog_fd = program.trivial_program(self.attach_kind,
+            self.empty_prog_fd = bpf.trivial_program(self.attach_kind,
                                                          b"kvtrace_empty")
             if self.empty_prog_fd < 0:
                 raise EnvironmentProblem("the kernel refused the empty program: "
@@ -332,9 +331,9 @@ class Tracer:
                 self._shedding = bool(self.during_poll(
                     self.stream is not None and self.stream.pending_bytes > IN_POLL_WRITE_BYTES))
         if self._shedding:
-            op = ctypes.c_uint32.from_address(data).value == stream.REC_OP
+            op = ctypes.c_uint32.from_address(data).value == records.REC_OP
             self.shed["records_lost" if op else "chunks_lost"] += 1
-        elif self.stream is None or self.stream.add(data, size) == stream.REC_OP:
+        elif self.stream is None or self.stream.add(data, size) == records.REC_OP:
             self.records += 1
 
     def _lost(self, count):
@@ -537,10 +536,10 @@ class Tracer:
         is skipped and counted in the program's recursion_misses (5.12+).
         Each one is an op the counts lack, so it is reported, not hidden."""
         try:
-            info = program.obj_info(self.site_prog.fd, program.PROG_INFO_SIZE)
+            info = bpf.obj_info(self.site_prog.fd, bpf.PROG_INFO_SIZE)
         except OSError:
             return 0
-        return struct.unpack_from("<Q", info, program.PROG_INFO_RECURSION_MISSES)[0]
+        return struct.unpack_from("<Q", info, bpf.PROG_INFO_RECURSION_MISSES)[0]
 
     def read_globals(self) -> dict:
         table = self.bpf["globals"]

@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 from .. import abi
+from .bpf import Symbol, libbcc_bpf
 
 
 class Symbolizer:
@@ -84,8 +85,6 @@ class Symbolizer:
 
 
 def _serve(requests, replies) -> int:
-    from .program import _Symbol, libbcc_bpf
-
     lib = libbcc_bpf()
     caches = {}
     for line in requests:
@@ -94,7 +93,7 @@ def _serve(requests, replies) -> int:
         cache = caches.get(pid)
         if cache is None:
             cache = caches[pid] = lib.bcc_symcache_new(pid, None)
-        sym, name, module = _Symbol(), None, None
+        sym, name, module = Symbol(), None, None
         if lib.bcc_symcache_resolve(cache, addr, ctypes.byref(sym)) == 0:
             name = sym.demangle_name  # a copy: freed next
             lib.bcc_symbol_free_demangle_name(ctypes.byref(sym))

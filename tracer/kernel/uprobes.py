@@ -30,6 +30,7 @@ import re
 import struct
 
 from ..errors import EnvironmentProblem, TargetError
+from .bpf import BPF_TRACE_UPROBE_MULTI, bpf_syscall, trivial_program
 
 _PMU_DIR = "/sys/bus/event_source/devices/uprobe"
 _SYS_perf_event_open = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
@@ -41,7 +42,6 @@ _ATTR_WATERMARK = 1 << 14  # wakeup_events holds bytes (wakeup_watermark)
 _PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_BPF_OUTPUT, _PERF_SAMPLE_RAW = 1, 10, 1 << 10
 
 _BPF_LINK_CREATE = 28
-BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type (uapi/linux/bpf.h), 6.6+
 # what a kernel without uprobe_multi links answers BPF_LINK_CREATE
 _NO_MULTI = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, 524)  # 524: ENOTSUPP
 
@@ -142,7 +142,6 @@ class UprobeLink:
 
     def __init__(self, path: str, offsets: list, pid: int, prog_fd: int,
                  ref_ctr_offsets: list, cookies=None):
-        from . import program  # program imports this module
         self.path, self.offsets, self.pid = path, tuple(offsets), pid
         n = len(offsets)
         path_buf = ctypes.create_string_buffer(os.fsencode(path))
@@ -157,7 +156,7 @@ class UprobeLink:
                          ctypes.addressof(cooks) if cooks else 0, n, 0, pid)
         # (an architecture without a known bpf() number: ENOSYS, so perf events,
         # which say it is unsupported)
-        fd = program.bpf_syscall(_BPF_LINK_CREATE, attr)
+        fd = bpf_syscall(_BPF_LINK_CREATE, attr)
         if fd < 0:
             err = ctypes.get_errno()
             if err in _NO_MULTI:
@@ -177,15 +176,14 @@ def trial_link(attach_type: int) -> tuple:
     one on this process's own program entry point, which it has run past,
     with a two-instruction program of that attach type, closed at once
     (`doctor`)."""
-    from ..probes import discover
-    from . import program  # program imports this module
+    from ..probes import discover  # ELF parsing: only `doctor` needs it here
     if attach_type != BPF_TRACE_UPROBE_MULTI:
         return False, "the kernel refused a program of its attach type"
     exe = os.path.realpath("/proc/self/exe")
     offset = discover.entry_offset(exe)
     if offset is None:
         return False, f"no entry point in {exe}"
-    prog_fd = program.trivial_program(attach_type)
+    prog_fd = trivial_program(attach_type)
     if prog_fd < 0:
         return False, os.strerror(ctypes.get_errno())
     try:

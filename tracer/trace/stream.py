@@ -6,18 +6,17 @@ with the index stream on, the op's raw index values (slot numbers, or block
 pairs) in `struct kvtrace_chunk_hdr` records of up to KVTRACE_CHUNK int64s,
 sent before the op record from the same CPU and tied to it by `seq`.
 
-This is the one module that knows that wire format.  `Collector` is the perf
-callback's side: it sorts records into three flat byte arrays (op records,
-chunk headers, values) and nothing more, so the callback stays cheap.
-`decode()` turns such arrays into an `OpStream` with numpy only: no Python
-loop per value or per chunk.
+The perf callback's side, `Collector` (kernel/records.py), sorts records
+into three flat byte arrays (op records, chunk headers, values) and
+nothing more, so the callback stays cheap.  `decode()` here turns such
+arrays into an `OpStream` with numpy only: no Python loop per value or per
+chunk.
 
 An op is `complete` when every value it should have sent arrived.  Ops whose
 chunks were refused by the kernel (counted there, KVTRACE_EV_CHUNKS_LOST),
 truncated or unreadable are marked incomplete, never used half.
 """
 
-import ctypes
 import math
 import os
 from dataclasses import dataclass
@@ -25,11 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import abi
+from ..kernel.records import CHUNK_HDR, EVENT, RawBatch
 
-EVENT = abi.struct_dtype("kvtrace_event")
-CHUNK_HDR = abi.struct_dtype("kvtrace_chunk_hdr")
-REC_OP = abi.RECORD_TYPES["op"]
-REC_CHUNK = abi.RECORD_TYPES["chunk"]
 VALUE = np.dtype("<i8")
 
 # ops whose index array is streamed, and how many int64s per item
@@ -44,61 +40,6 @@ _BAD_FLAGS = abi.EV_TRUNCATED | abi.EV_READ_ERROR | abi.EV_CHUNKS_LOST
 OP_TABLE = np.dtype([(name, EVENT.fields[name][0]) for name in EVENT.names
                      if name != "type"] +
                     [("start", "<i8"), ("stop", "<i8"), ("complete", "?")])
-
-
-@dataclass
-class RawBatch:
-    """Records as they came, in three flat byte strings."""
-
-    ops: bytes  # struct kvtrace_event records (bytes or bytearray)
-    chunk_hdrs: bytes  # struct kvtrace_chunk_hdr records
-    values: bytes  # every chunk's int64 values, in chunk order
-    values_at: int = None  # a trace file's: where values lie in it (a byte offset)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.ops or self.chunk_hdrs)
-
-
-class Collector:
-    """The perf-buffer callback's end: raw records into flat byte arrays."""
-
-    def __init__(self):
-        self.op_records = 0
-        self.chunk_records = 0
-        self.unknown_records = 0
-        self._ops, self._hdrs, self._values = bytearray(), bytearray(), bytearray()
-
-    def add(self, data: int, size: int) -> int:
-        """One raw record (address and size, as bcc hands them over).
-        Returns its type."""
-        rtype = ctypes.c_uint32.from_address(data).value
-        if rtype == REC_OP and size >= EVENT.itemsize:
-            self._ops += ctypes.string_at(data, EVENT.itemsize)
-            self.op_records += 1
-        elif rtype == REC_CHUNK and size >= CHUNK_HDR.itemsize:
-            count = ctypes.c_uint32.from_address(data + 4).value
-            if count == 0:  # the end of an array of a multiple of 512 values
-                return rtype
-            if count <= abi.RECORD_VALUES and size >= CHUNK_HDR.itemsize + 8 * count:
-                self._hdrs += ctypes.string_at(data, CHUNK_HDR.itemsize)
-                self._values += ctypes.string_at(data + CHUNK_HDR.itemsize, 8 * count)
-                self.chunk_records += 1
-            else:
-                self.unknown_records += 1
-        else:
-            self.unknown_records += 1
-        return rtype
-
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._ops) + len(self._hdrs) + len(self._values)
-
-    def take(self) -> RawBatch:
-        """Everything collected since the last take() (handed over, not copied)."""
-        batch = RawBatch(self._ops, self._hdrs, self._values)
-        self._ops, self._hdrs, self._values = bytearray(), bytearray(), bytearray()
-        return batch
 
 
 @dataclass

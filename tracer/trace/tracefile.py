@@ -37,6 +37,7 @@ from zlib_ng.zlib_ng import crc32
 from .. import __version__, abi
 from ..analysis import occupancy
 from . import stream
+from ..kernel import records
 from ..analysis.aggregate import probed_ops
 from ..errors import DataError
 from ..files import IsNotRegular, open_private, open_regular
@@ -86,7 +87,7 @@ def trace_meta(target: dict) -> dict:
         "created_monotonic_ns": time.monotonic_ns(),  # the clock of ts_ns
         "host": socket.gethostname(), "kernel": f"{u.sysname} {u.release} {u.version}",
         "machine": platform.machine(), "target": target,
-        "layouts": {"event": dtype_doc(stream.EVENT), "chunk_hdr": dtype_doc(stream.CHUNK_HDR)},
+        "layouts": {"event": dtype_doc(records.EVENT), "chunk_hdr": dtype_doc(records.CHUNK_HDR)},
         "chunk_values": abi.CHUNK, "ops": {str(v): k for k, v in abi.OPS.items()},
         "event_flags": {"truncated": abi.EV_TRUNCATED, "read_error": abi.EV_READ_ERROR,
                         "chunks_lost": abi.EV_CHUNKS_LOST, "swap_out": abi.EV_SWAP_OUT,
@@ -132,7 +133,7 @@ class TraceWriter:
     def meta(self, kind: str, doc: dict):
         self.frame(KIND_META, _doc_bytes({"kind": kind, **doc}))
 
-    def batch(self, b: stream.RawBatch):
+    def batch(self, b: records.RawBatch):
         if not b.empty:
             self.frame(KIND_BATCH, _BATCH.pack(len(b.ops), len(b.chunk_hdrs), len(b.values)),
                        b.ops, b.chunk_hdrs, b.values)
@@ -151,7 +152,7 @@ class Trace:
     path: str
     meta: dict
     metas: list = field(default_factory=list)  # META documents after the first
-    batches: list = field(default_factory=list)  # stream.RawBatch
+    batches: list = field(default_factory=list)  # records.RawBatch
     end: dict = None  # the END document, if the writer got that far
     damage: str = None  # why reading stopped early, if it did
     intact_bytes: int = 0
@@ -477,8 +478,8 @@ def _check_doc(doc: dict, want: str = None):
         _need(doc, "target", dict, "trace header")
         created = _need(doc, "created_monotonic_ns", int, "trace header", (0, _MAX_NS))
         layouts = _need(doc, "layouts", dict, "trace header")
-        return (_layout(layouts.get("event"), stream.EVENT, "event"),
-                _layout(layouts.get("chunk_hdr"), stream.CHUNK_HDR, "chunk_hdr"), created)
+        return (_layout(layouts.get("event"), records.EVENT, "event"),
+                _layout(layouts.get("chunk_hdr"), records.CHUNK_HDR, "chunk_hdr"), created)
     if kind == "process":
         _need(doc, "pid", int, "process", _U32)
         _need(doc, "comm", str, "process")
@@ -543,7 +544,7 @@ def _layout(doc, ours: np.dtype, what: str) -> np.dtype:
 
 
 def _check_batch(payload, event_dt: np.dtype, chunk_dt: np.dtype,
-                 created_ns: int) -> stream.RawBatch:
+                 created_ns: int) -> records.RawBatch:
     """The batch's three arrays, after checking them against the writer's
     guarantees: whole records of the file's layouts, record types, chunk
     value counts that add up to the values, offsets and times in bounds."""
@@ -554,10 +555,10 @@ def _check_batch(payload, event_dt: np.dtype, chunk_dt: np.dtype,
         raise ValueError("a batch array is not a whole number of records")
     a, b = _BATCH.size + n_ops, _BATCH.size + n_ops + n_hdr
     # views of the file's mapping, not copies (read() keeps the mapping)
-    batch = stream.RawBatch(payload[_BATCH.size:a], payload[a:b], payload[b:])
+    batch = records.RawBatch(payload[_BATCH.size:a], payload[a:b], payload[b:])
     ev = np.frombuffer(batch.ops, dtype=event_dt)
     hdr = np.frombuffer(batch.chunk_hdrs, dtype=chunk_dt)
-    if np.any(ev["type"] != stream.REC_OP) or np.any(hdr["type"] != stream.REC_CHUNK):
+    if np.any(ev["type"] != records.REC_OP) or np.any(hdr["type"] != records.REC_CHUNK):
         raise ValueError("a record of the wrong type")
     if np.any(ev["seq"] >= _MAX_SEQ) or np.any(hdr["seq"] >= _MAX_SEQ):
         raise ValueError("an op sequence number beyond the counter's range")
