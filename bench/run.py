@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tracer import abi, files
-from tracer.probes import discover  # noqa: E402
+from tracer.probes import discover, sdt  # noqa: E402
 
 BENCH = ROOT / "bench"
 KVBENCH = BENCH / "kvbench"
@@ -338,7 +338,7 @@ def uprobe_floor(*argvs):
     from tracer.kernel.uprobes import Uprobe
     bpf, fd = empty_program()
     # the write probe `kvbench loop` fires (kvbench also has a block_table one)
-    probe = next(p for p in discover.read_probes(str(KVBENCH)) if p.name == "reshape_and_cache")
+    probe = next(p for p in sdt.read_probes(str(KVBENCH)) if p.name == "reshape_and_cache")
     lines = []
     try:
         for argv in argvs:
@@ -363,7 +363,7 @@ def entry_costs(ops, reps):
     bpf, fd = empty_program()
     with open(KVBENCH, "rb") as f:
         elf = ELFFile(f)
-        entry = {sym.name[len("kvbench_entry_"):]: discover.vaddr_to_offset(elf, sym["st_value"])
+        entry = {sym.name[len("kvbench_entry_"):]: sdt.vaddr_to_offset(elf, sym["st_value"])
                  for sym in elf.get_section_by_name(".symtab").iter_symbols()
                  if sym.name.startswith("kvbench_entry_")}
         picked = entry["realigned"] + catalog.entry_site_at(f, entry["realigned"]).skip

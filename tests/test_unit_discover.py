@@ -1,4 +1,4 @@
-"""Unit tests of tracer/discover.py: SDT argument decoding and USDT note
+"""Unit tests of tracer/probes/sdt.py and discover.py: SDT argument decoding and USDT note
 reading.  No BPF, no root.
 
 Expected probe locations come from binutils (readelf, nm), never from
@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from tracer import abi
-from tracer.probes import discover
+from tracer.probes import discover, sdt
 from tracer.errors import TargetError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +66,7 @@ def test_arg_kind_values_match_header():
     ("r13w", "r13"), ("r14", "r14"), ("r15b", "r15"),
 ])
 def test_register_operand(reg, field):
-    spec = discover.parse_sdt_arg(f"8@%{reg}")
+    spec = sdt.parse_sdt_arg(f"8@%{reg}")
     assert (spec.kind, spec.reg_off, spec.val_off) == (REG, PT_REGS[field], 0)
 
 
@@ -80,7 +80,7 @@ def test_register_operand(reg, field):
     ("-1@%al", 1, True, 56),
 ])
 def test_size_and_signedness(text, size, signed, bitshift):
-    spec = discover.parse_sdt_arg(text)
+    spec = sdt.parse_sdt_arg(text)
     # bitshift = 64 - 8 * size: the BPF side shifts left then right by it
     assert (spec.size, spec.is_signed, spec.bitshift) == (size, signed, bitshift)
 
@@ -92,7 +92,7 @@ def test_size_and_signedness(text, size, signed, bitshift):
     ("8@$0x10", 16, 8, False),
 ])
 def test_immediate(text, value, size, signed):
-    spec = discover.parse_sdt_arg(text)
+    spec = sdt.parse_sdt_arg(text)
     assert (spec.kind, spec.reg_off, spec.val_off, spec.size, spec.is_signed) == \
         (CONST, 0, value, size, signed)
 
@@ -105,7 +105,7 @@ def test_immediate(text, value, size, signed):
     ("8@-0x18(%r12)", "r12", U64 - 0x18),
 ])
 def test_memory_operand(text, field, disp):
-    spec = discover.parse_sdt_arg(text)
+    spec = sdt.parse_sdt_arg(text)
     assert (spec.kind, spec.reg_off, spec.val_off) == (DEREF, PT_REGS[field], disp)
 
 
@@ -125,14 +125,14 @@ def test_memory_operand(text, field, disp):
 ])
 def test_unsupported_forms_rejected(text):
     with pytest.raises(ValueError):
-        discover.parse_sdt_arg(text)
+        sdt.parse_sdt_arg(text)
 
 
 @pytest.mark.parametrize("reg", ["ah", "bh", "ch", "dh"])
 def test_high_byte_registers_rejected(reg):
     # bits 8..15 cannot be expressed as (reg_off, bitshift): must be refused
     with pytest.raises(ValueError):
-        discover.parse_sdt_arg(f"1@%{reg}")
+        sdt.parse_sdt_arg(f"1@%{reg}")
 
 
 # -- independent view of an ELF file: binutils -------------------------------
@@ -204,7 +204,7 @@ def _check_against_binutils(path, expected_names):
     segs = _load_segments(path)
     assert set(notes) == expected_names  # the test's own premise
 
-    probes = discover.read_probes(path)
+    probes = sdt.read_probes(path)
     assert sorted(p.name for p in probes) == sorted(expected_names)
     for p in probes:
         pc, sem, args = notes[p.name]
@@ -232,11 +232,11 @@ def test_read_probes_kvsim_lib(kvsim_lib):
 
 
 def test_read_probes_kvsim_lib_noprobes(kvsim_lib):
-    assert discover.read_probes(LIB_NOPROBES) == []
+    assert sdt.read_probes(LIB_NOPROBES) == []
 
 
 def test_read_probes_other_provider(kvsim_lib):
-    assert discover.read_probes(kvsim_lib, provider="not_vllm") == []
+    assert sdt.read_probes(kvsim_lib, provider="not_vllm") == []
 
 
 TINY_C = r"""
@@ -283,12 +283,12 @@ def test_tiny_program_with_probes_disabled(tmp_path):
     path = _compile(tmp_path, "tiny-off", "-DKVTRACE_DISABLE_PROBES")
     _need("readelf")
     assert "stapsdt" not in _run("readelf", "-n", path)  # premise
-    assert discover.read_probes(path) == []
+    assert sdt.read_probes(path) == []
 
 
 def test_elf_without_probes(tmp_path):
     path = _compile(tmp_path, "plain", source="int main(void) { return 0; }\n")
-    assert discover.read_probes(path) == []
+    assert sdt.read_probes(path) == []
 
 
 @pytest.mark.parametrize("content", [b"", b"hello, not an ELF\n", b"\x7fELF",
@@ -297,17 +297,17 @@ def test_non_elf_raises_target_error(tmp_path, content):
     path = tmp_path / "junk"
     path.write_bytes(content)
     with pytest.raises(TargetError):
-        discover.read_probes(str(path))
+        sdt.read_probes(str(path))
 
 
 def test_missing_file_raises_target_error(tmp_path):
     with pytest.raises(TargetError, match="no such file"):
-        discover.read_probes(str(tmp_path / "absent.so"))
+        sdt.read_probes(str(tmp_path / "absent.so"))
 
 
 def test_directory_raises_target_error(tmp_path):
     with pytest.raises(TargetError, match="directory"):
-        discover.read_probes(str(tmp_path))
+        sdt.read_probes(str(tmp_path))
 
 
 def test_corrupt_note_raises_target_error(tmp_path, kvsim_lib):
@@ -321,7 +321,7 @@ def test_corrupt_note_raises_target_error(tmp_path, kvsim_lib):
     bad = tmp_path / "bad.so"
     bad.write_bytes(bytes(data))
     with pytest.raises(TargetError):
-        discover.read_probes(str(bad))
+        sdt.read_probes(str(bad))
 
 
 # -- entry_offset ------------------------------------------------------------
@@ -331,13 +331,13 @@ def test_entry_offset_bin_true():
     exe = os.path.realpath("/bin/true")
     m = re.search(r"Entry point address:\s+(0x[0-9a-f]+)", _run("readelf", "-hW", exe))
     expected = _file_offset(_load_segments(exe), int(m.group(1), 16))
-    assert discover.entry_offset(exe) == expected
+    assert sdt.entry_offset(exe) == expected
 
 
 def test_entry_offset_non_elf(tmp_path):
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\nexit 0\n")
-    assert discover.entry_offset(str(script)) is None
+    assert sdt.entry_offset(str(script)) is None
 
 
 # -- runtime_address (pure arithmetic over parsed maps) -----------------------

@@ -1,7 +1,7 @@
 """doctor's words for what it found (no BPF, no processes)."""
 
 from tracer.commands.doctor import describe_probes
-from tracer.probes.discover import Probe
+from tracer.probes.sdt import Probe
 
 
 def probe(name, path):

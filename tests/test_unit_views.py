@@ -424,7 +424,7 @@ def test_reads_panel_from_groups():
 
 def test_probed_ops_of_a_traced_process():
     from tracer.commands.attach import probed_ops
-    from tracer.probes.discover import Probe
+    from tracer.probes.sdt import Probe
     from tracer.kernel.session import TracedProcess
 
     def probe(name, path="/lib/a.so"):

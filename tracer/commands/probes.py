@@ -5,7 +5,7 @@ import argparse
 import os
 
 from .. import abi
-from ..probes import catalog, discover
+from ..probes import catalog, discover, sdt
 from .attach import positive_int
 from ..errors import TargetError, UsageError
 
@@ -51,7 +51,7 @@ def run(args) -> int:
         raise UsageError("give exactly one of PATH or -p PID")
     if args.path:
         # a kvtrace build's USDT probes, or else stock vLLM's known functions
-        probes = discover.read_probes(args.path) or catalog.stock_sites(
+        probes = sdt.read_probes(args.path) or catalog.stock_sites(
             os.path.realpath(args.path))
         if not probes:
             raise TargetError(f"no {abi.PROVIDER}:* probes and no known vLLM cache op "

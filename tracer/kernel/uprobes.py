@@ -176,11 +176,11 @@ def trial_link(attach_type: int) -> tuple:
     one on this process's own program entry point, which it has run past,
     with a two-instruction program of that attach type, closed at once
     (`doctor`)."""
-    from ..probes import discover  # ELF parsing: only `doctor` needs it here
+    from ..probes import sdt  # ELF parsing: only `doctor` needs it here
     if attach_type != BPF_TRACE_UPROBE_MULTI:
         return False, "the kernel refused a program of its attach type"
     exe = os.path.realpath("/proc/self/exe")
-    offset = discover.entry_offset(exe)
+    offset = sdt.entry_offset(exe)
     if offset is None:
         return False, f"no entry point in {exe}"
     prog_fd = trivial_program(attach_type)

@@ -23,7 +23,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
 from .. import abi
-from .discover import ArgSpec, Probe, vaddr_to_offset
+from .sdt import ArgSpec, Probe, vaddr_to_offset
 
 # The System V x86_64 integer argument registers, as pt_regs byte offsets.
 _ARG_REGS = (112, 104, 96, 88, 72, 64)  # rdi, rsi, rdx, rcx, r8, r9

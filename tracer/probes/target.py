@@ -8,7 +8,7 @@ import shutil
 import signal
 import time
 
-from . import discover
+from . import sdt
 from ..errors import TargetError
 
 
@@ -120,7 +120,7 @@ def launch(argv: list, tracer, wait_for_entry=True, cpus=None) -> Target:
     return with it stopped.  The caller attaches, then sends SIGCONT.
     cpus: the CPUs the command may use (attach --cpu pins the tracer only)."""
     exe = resolve_command(argv)
-    entry = discover.entry_offset(exe) if wait_for_entry else None
+    entry = sdt.entry_offset(exe) if wait_for_entry else None
     gate_r, gate_w = os.pipe()
     # the exec's errno, if it fails; closed by a successful exec (O_CLOEXEC),
     # so that the parent's read ends either way
