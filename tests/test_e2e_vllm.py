@@ -23,6 +23,7 @@ import pytest
 
 from conftest import ROOT, Tracer, code_byte, code_differences, dense, kvtrace_cmd, read_line
 from tracer import abi
+from tracer.analysis import occupancy
 from tracer.probes import catalog
 from tracer.trace import tracefile
 
@@ -411,9 +412,9 @@ def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
             assert run[b] <= bs, (b, run[b])
     assert seen_layers == set(range(generated["num_layers"]))
 
-    # the true fill of every block generation (tracer/occupancy.py via the
+    # the true fill of every block generation (analysis/occupancy.py over the
     # trace file), per layer, equals the formula's
-    gens = t.generations()
+    gens = occupancy.trace_generations(t)
     assert sorted(layer for _, layer in gens) == list(range(generated["num_layers"]))
     for key, g in gens.items():
         assert sorted(g.fill.tolist()) == want_fills, key
@@ -424,10 +425,10 @@ def test_record_real_vllm_true_occupancy(tmp_path, tiny_model, no_leftovers):
     r = subprocess.run(kvtrace_cmd("report", trace, "--format", "json"), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    occupancy = [o for o in json.loads(r.stdout)["occupancy"] if o["generations"]]
-    assert sorted(o["layer"] for o in occupancy) == list(range(generated["num_layers"]))
+    layers = [o for o in json.loads(r.stdout)["occupancy"] if o["generations"]]
+    assert sorted(o["layer"] for o in layers) == list(range(generated["num_layers"]))
     want_hist = np.bincount(want_fills, minlength=bs + 1).tolist()
-    for o in occupancy:
+    for o in layers:
         assert o["block_size"] == bs
         assert o["fill_hist"] == want_hist, o["layer"]
         assert o["generations"] == len(want_fills)

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ROOT, assert_one_line_error, run_kvtrace
 from tracer import abi
+from tracer.analysis import occupancy
 from tracer.trace import stream, tracefile
 from tracer.kernel import records
 from tracer.errors import DataError
@@ -79,9 +80,9 @@ def test_round_trip(trace_path):
     ops = t.ops
     assert len(ops.ops) == 40 and ops.complete and ops.values_decoded == 4000
     assert np.array_equal(_values_in_order(ops), np.arange(4000) % (512 * BS))
-    (key, g), = t.generations(PID).items()  # 4000 slots: 250 full blocks
+    (key, g), = occupancy.trace_generations(t, PID).items()  # 4000 slots: 250 full blocks
     assert key == (PID, 0) and len(g) == 250 and set(g.fill.tolist()) == {BS}
-    assert t.generations(PID + 1) == {}
+    assert occupancy.trace_generations(t, PID + 1) == {}
 
 
 def _values_in_order(ops):

@@ -423,7 +423,6 @@ def test_reads_panel_from_groups():
 
 
 def test_probed_ops_of_a_traced_process():
-    from tracer.commands.attach import probed_ops
     from tracer.probes.sdt import Probe
     from tracer.kernel.session import TracedProcess
 
@@ -436,7 +435,7 @@ def test_probed_ops_of_a_traced_process():
         "/lib/b.so": [probe("copy_blocks", "/lib/b.so")]})
     proc.skipped = [(skipped, "not mapped")]
     # attached: known op names, less what was skipped
-    assert probed_ops(proc) == ["copy_blocks", "reshape_and_cache"]
+    assert proc.probed_ops == ["copy_blocks", "reshape_and_cache"]
 
 
 def test_cmd_output_path_choice():

@@ -136,15 +136,6 @@ class Process:
         return out
 
 
-def probed_ops(traced) -> list:
-    """Process.probed_ops of a traced process (session.TracedProcess): the
-    op names of its probe files, less the probes it skipped (unmapped,
-    undecodable)."""
-    skipped = [probe for probe, _ in traced.skipped]
-    return sorted({probe.name for probes in traced.probe_files.values() for probe in probes
-                   if probe.name in abi.OPS and probe not in skipped})
-
-
 def _trim(arr: np.ndarray, length: int) -> np.ndarray:
     """arr cut to `length` entries, or to its last non-zero one if unknown."""
     if length <= 0:

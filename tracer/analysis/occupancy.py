@@ -520,3 +520,13 @@ def computed(caches: list) -> dict:
         out[key] = replace(g, start_ns=ts[g.start_op], last_ns=ts[g.last_op],
                            run_ns=ts[g.run_op])
     return out
+
+
+def trace_generations(trace, pid: int = None) -> dict:
+    """{(pid, layer): Generations} for every layer of a trace file
+    (tracefile.TraceFile), of one process if given: true fill per block
+    generation, per layer."""
+    layers = trace.layers()
+    return {(p, layers[(p, c)]): g
+            for (p, c), g in by_cache(trace.ops, trace.block_sizes()).items()
+            if pid is None or p == pid}

@@ -20,7 +20,7 @@ from ..probes import discover, follow, target as target_mod
 from ..analysis import lifecycle
 from ..views import live
 from ..exporters import prometheus
-from ..analysis.aggregate import Aggregate, probed_ops
+from ..analysis.aggregate import Aggregate
 from ..errors import TargetError, UsageError
 from ..exporters.folded import folded_lines
 from ..files import Outputs, check_writable, open_private, write_file
@@ -547,7 +547,7 @@ def _aggregate(tracer, raw=None) -> Aggregate:
         comms={pid: p.comm for pid, p in tracer.procs.items()},
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()},
         proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only,
-                         "probed_ops": probed_ops(p)}
+                         "probed_ops": p.probed_ops}
                    for pid, p in tracer.procs.items()})
 
 

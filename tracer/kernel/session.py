@@ -143,6 +143,15 @@ class TracedProcess:
         vLLM, or kvsim), 'uprobe' (stock vLLM), or 'none' yet."""
         return tier_of([p for ps in self.probe_files.values() for p in ps])
 
+    @property
+    def probed_ops(self) -> list:
+        """The op names of its probe files, less the probes it skipped
+        (unmapped, undecodable): what attach and record write as the
+        process's probed_ops (aggregate.Process.probed_ops)."""
+        skipped = [probe for probe, _ in self.skipped]
+        return sorted({probe.name for probes in self.probe_files.values() for probe in probes
+                       if probe.name in abi.OPS and probe not in skipped})
+
 
 def tier_of(probes) -> str:
     """The tier a process's probes offer (docs/tiers.md): 'plugin' when the

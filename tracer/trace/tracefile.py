@@ -35,10 +35,8 @@ import orjson
 from zlib_ng.zlib_ng import crc32
 
 from .. import __version__, abi
-from ..analysis import occupancy
 from . import stream
 from ..kernel import records
-from ..analysis.aggregate import probed_ops
 from ..errors import DataError
 from ..files import IsNotRegular, open_private, open_regular
 
@@ -239,14 +237,6 @@ class Trace:
     @property
     def complete(self) -> bool:
         return self.damage is None
-
-    def generations(self, pid: int = None) -> dict:
-        """{(pid, layer): occupancy.Generations} for every layer (of one
-        process, if given): true fill per block generation, per layer."""
-        layers = self.layers()
-        return {(p, layers[(p, c)]): g
-                for (p, c), g in occupancy.by_cache(self.ops, self.block_sizes()).items()
-                if pid is None or p == pid}
 
 
 def _map(f):
@@ -727,7 +717,7 @@ class Recorder:
             # parent, tier and probed ops too: report shows and writes them
             # as attach does (the END record's copy is lost with a killed
             # writer)
-            what = (p.comm, files, p.parent, p.tier, probed_ops(p))
+            what = (p.comm, files, p.parent, p.tier, p.probed_ops)
             if self._procs.get(pid) != what:
                 self._procs[pid] = what
                 self.writer.meta("process", {

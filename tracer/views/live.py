@@ -70,7 +70,7 @@ def _bytes(x) -> str:
     return f"{int(x)}B"
 
 
-def probed_ops(agg: Aggregate):
+def ops_probed_anywhere(agg: Aggregate):
     """The ops that have a probe site in some traced process, or None when
     the aggregate does not say (a trace file written before it was kept)."""
     known = [p.probed_ops for p in agg.processes.values() if p.probed_ops is not None]
@@ -134,7 +134,7 @@ def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
 def not_probed_line(agg: Aggregate) -> Text:
     """The ops no traced process has a probe site for: their absence from
     the table means "not seen", not "none happened"."""
-    probed = probed_ops(agg)
+    probed = ops_probed_anywhere(agg)
     if probed is None:
         return None
     missing = [op for op in abi.OPS if op not in probed]
