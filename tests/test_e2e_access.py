@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import dense
-from tracer.analysis import access, heatmap
+from tracer.analysis import access_requests, access_stream, heatmap
 from tracer.commands import report as cmd_report
 from tracer.trace import tracefile
 from test_e2e_record import folded, record, report_json
@@ -79,7 +79,7 @@ def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
     one_by_one = heatmap.compute(np.array(t, np.int64), np.array(block, np.int64), 9, 31,
                                  rep.span_ns(), (whole.b0, whole.b1 - 1))
     assert np.array_equal(whole.cells, one_by_one.cells)
-    monkeypatch.setattr(access, "_CHUNK_READS", 50)
+    monkeypatch.setattr(access_stream, "_CHUNK_READS", 50)
     chunked = rep.heatmap(9, 31, kind="reads")
     assert np.array_equal(whole.cells, chunked.cells) and whole.cells.sum() == reads["reads"]
     # report's per-block reads (its aggregate, from the stream) equal kvsim's
@@ -96,8 +96,8 @@ def prefix_reuse_from_rows(trace):
     without step_reqs gets it: inferred from the rows and the writes."""
     tr = tracefile.load(str(trace))
     (group,) = tr.groups
-    (steps,) = access.steps_of(tr.ops, tr.groups)
-    return access.prefix_reuse(tr.ops, access.rows_of(tr.ops, steps), group["leader"])
+    (steps,) = access_stream.steps_of(tr.ops, tr.groups)
+    return access_requests.prefix_reuse(tr.ops, access_stream.rows_of(tr.ops, steps), group["leader"])
 
 
 def test_export_weighted_by_reads_matches_truth(tmp_path):

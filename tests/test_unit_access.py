@@ -1,10 +1,10 @@
-"""tracer/access.py's pure functions, on hand-made reads (no tracer)."""
+"""tracer/analysis/access_*.py's pure functions, on hand-made reads (no tracer)."""
 
 import numpy as np
 import pytest
 
 from tracer import abi
-from tracer.analysis import access
+from tracer.analysis import access_requests, access_stream
 from tracer.trace import stream
 
 
@@ -17,15 +17,15 @@ def test_idle_before_reuse_measures_from_the_last_read_strictly_before():
     gen_start = np.array([25, 30, 5, 50, 31, 40])
     # (5, 25): read at 20; (7, 30): a read at the very start is not before
     # it; (5, 5): none yet; (9, 50): never read; (7, 31): 30; (5, 40): 20
-    got = access.idle_before_reuse(step_of, block, ts_ns, gen_block, gen_start)
+    got = access_stream.idle_before_reuse(step_of, block, ts_ns, gen_block, gen_start)
     assert got.tolist() == [5, 1, 20]
 
 
 def test_idle_before_reuse_without_reads_or_generations():
     empty = np.zeros(0, np.int64)
-    assert access.idle_before_reuse(empty, empty, empty, np.array([1]),
+    assert access_stream.idle_before_reuse(empty, empty, empty, np.array([1]),
                                     np.array([3])).tolist() == []
-    assert access.idle_before_reuse(np.array([0]), np.array([1]), np.array([3]),
+    assert access_stream.idle_before_reuse(np.array([0]), np.array([1]), np.array([3]),
                                     empty, empty).tolist() == []
 
 
@@ -71,8 +71,8 @@ def groups(bs):
 def reuse_from_rows(ops, bs=4):
     """prefix_reuse of the one group's steps in ops, inferred from its rows
     and the leader layer's writes (no step_reqs)."""
-    (st,) = access.steps_of(ops, groups(bs))
-    return access.prefix_reuse(ops, access.rows_of(ops, st), LEADER)
+    (st,) = access_stream.steps_of(ops, groups(bs))
+    return access_requests.prefix_reuse(ops, access_stream.rows_of(ops, st), LEADER)
 
 
 def test_rows_of_parses_every_row_as_a_plain_reading_does():
@@ -90,7 +90,7 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
         records.append((stream.TABLE_OP_ID, GROUP, vals, complete))
         want.append(live_sets(vals, bs) if complete else [])
     ops = op_stream(records)
-    st = access.steps_of(ops, groups(bs))[0]
+    st = access_stream.steps_of(ops, groups(bs))[0]
     for layout in ("in order", "one op past the end", "reversed"):
         if layout == "one op past the end":
             # as a trace file's op that two batches split lies (stream.decode):
@@ -106,7 +106,7 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
                                                  ops.ops["stop"][::-1].copy())
             want = [live_sets(ops.values_of(i).tolist(), bs) if c else []
                     for i, (*_, c) in enumerate(records)]
-        rows = access.rows_of(ops, st)
+        rows = access_stream.rows_of(ops, st)
         got = [[(int(rows.seq[r]), rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
                  .tolist()) for r in range(rows.row_lo[k], rows.row_lo[k + 1])]
                for k in range(len(st))]
@@ -119,7 +119,7 @@ def test_rows_of_parses_every_row_as_a_plain_reading_does():
         gens = (np.arange(1, 50), 500 * np.arange(1, 50))
         for max_blocks in (40, 1000):
             got, plain = rows.scan(*gens, max_blocks=max_blocks), \
-                access.scan_reads(step_of, block, st.ts_ns, *gens, max_blocks=max_blocks)
+                access_stream.scan_reads(step_of, block, st.ts_ns, *gens, max_blocks=max_blocks)
             assert got.out_of_range == plain.out_of_range > (0 if max_blocks == 40 else -1)
             for field in ("reads_per_block", "last_read_step", "last_read_ns", "sharing", "idle"):
                 assert getattr(got, field).tolist() == getattr(plain, field).tolist(), field
@@ -148,8 +148,8 @@ def test_read_heatmap_from_runs_of_steps_equals_one_read_at_a_time(times, monkey
     ops = op_stream(records)
     if times == "out of order":
         ops.ops["ts_ns"] = ops.ops["ts_ns"] + 1000 * rng.integers(0, 11, len(records))
-    (st,) = access.steps_of(ops, groups(bs))
-    rows = access.rows_of(ops, st)
+    (st,) = access_stream.steps_of(ops, groups(bs))
+    rows = access_stream.rows_of(ops, st)
     rep = cmd_report.Report.__new__(cmd_report.Report)
     rep.t0, rep.steps, rep.rows, rep.scans = 0, [st], [rows], [rows.scan()]
     # every read on its own: (time since t0, block) of each positive entry
@@ -157,13 +157,13 @@ def test_read_heatmap_from_runs_of_steps_equals_one_read_at_a_time(times, monkey
     at = ops.ops["ts_ns"].astype(np.int64) - rep.t0
     reads = [(at[k], b) for k, (_, vals, _) in enumerate((r[1], r[2], r[3]) for r in records)
              for _, entries in live_sets(vals, bs) for b in entries
-             if 0 < b < access.MAX_BLOCKS]
+             if 0 < b < access_stream.MAX_BLOCKS]
     t, b = (np.array(c, np.int64) for c in zip(*reads))
     for nrows, time_range in ((7, (0, int(at.max()) + 1)), (3, (20_000, 41_000)),
                               (5, (30_000, 30_000)), (4, (-10**6, 10**6))):  # [t, t): a step at t
         want = heatmap.compute(t, b, nrows, 9, time_range, (0, 59))
-        for chunk in (access._CHUNK_READS, 3):
-            monkeypatch.setattr(access, "_CHUNK_READS", chunk)
+        for chunk in (access_stream._CHUNK_READS, 3):
+            monkeypatch.setattr(access_stream, "_CHUNK_READS", chunk)
             got = heatmap.compute_chunks(rep.read_runs(nrows, time_range), nrows, 9,
                                          time_range, (0, 59))
             assert np.array_equal(got.cells, want.cells), (nrows, time_range, chunk)
@@ -175,7 +175,7 @@ def test_scan_reads_per_block_figures():
     ts = np.array([50, 10, 30])
     step_of = np.array([0, 0, 0, 1, 1, 2, 2, 2, 0])
     block = np.array([4, 4, 6, 4, 9, 6, 6, 1 << 24, 4])
-    sc = access.scan_reads(step_of, block, ts, gen_block=[4, 6, 9], gen_start_ns=[40, 60, 5])
+    sc = access_stream.scan_reads(step_of, block, ts, gen_block=[4, 6, 9], gen_start_ns=[40, 60, 5])
     assert sc.out_of_range == 1
     assert sc.reads_per_block.tolist() == [0, 0, 0, 0, 4, 0, 3, 0, 0, 1]
     assert sc.last_read_step.tolist() == [0, 0, 0, 0, 2, 0, 3, 0, 0, 2]
@@ -192,7 +192,7 @@ def test_scan_reads_in_time_order_a_few_values_at_a_time(chunk, monkeypatch):
     steps at a time (a step may straddle two chunks).  Its figures equal
     the test's own reading of every read, one at a time."""
     if chunk is not None:
-        monkeypatch.setattr(access, "_CHUNK_VALUES", chunk)
+        monkeypatch.setattr(access_stream, "_CHUNK_VALUES", chunk)
     rng = np.random.default_rng(7)
     ts = 10 * np.arange(1, 41)
     per_step = [rng.integers(1, 30, int(rng.integers(0, 9))).tolist() for _ in ts]
@@ -201,7 +201,7 @@ def test_scan_reads_in_time_order_a_few_values_at_a_time(chunk, monkeypatch):
     block = np.array([b for bs in per_step for b in bs], np.int64)
     gen_block, gen_start = rng.integers(1, 30, 25), np.sort(rng.integers(0, 450, 25))
     gen_start[:3] = ts[[4, 4, 9]]  # a generation starting at a step's own time
-    sc = access.scan_reads(step_of, block, ts, gen_block, gen_start)
+    sc = access_stream.scan_reads(step_of, block, ts, gen_block, gen_start)
     reads, last, sharing = [0] * 30, [0] * 30, [0] * 30
     for k, bs in enumerate(per_step):
         for b in bs:
@@ -266,7 +266,7 @@ def test_rows_of_keeps_every_entry_narrow_or_not(wide, dtype, layout, monkeypatc
     narrower (one op past the end: the ops lie in two runs, steps 0-5 and
     6-39, and the first is kept as int16 before step 17 needs more).
     Chunks of 7 values: every chunk edge falls somewhere in the rows."""
-    monkeypatch.setattr(access, "_CHUNK_VALUES", 7)
+    monkeypatch.setattr(access_stream, "_CHUNK_VALUES", 7)
     rng = np.random.default_rng(9)
     bs, records, want = 4, [], []
     for step in range(40):
@@ -284,8 +284,8 @@ def test_rows_of_keeps_every_entry_narrow_or_not(wide, dtype, layout, monkeypatc
         ops = stream.OpStream(ops.ops.copy(), np.concatenate([ops.values, ops.values[a:b]]))
         ops.values[a:b] = 10**6  # not to be read
         ops.ops["start"][5], ops.ops["stop"][5] = len(ops.values) - (b - a), len(ops.values)
-    st = access.steps_of(ops, groups(bs))[0]
-    rows = access.rows_of(ops, st)
+    st = access_stream.steps_of(ops, groups(bs))[0]
+    rows = access_stream.rows_of(ops, st)
     assert rows.entries.dtype == dtype
     got = [[(int(rows.seq[r]), rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
              .tolist()) for r in range(rows.row_lo[k], rows.row_lo[k + 1])]
@@ -308,7 +308,7 @@ def step_reqs_and_tables(records, bs, ts_ns=None):
     for i, (op, _, vals, _) in enumerate(records):
         if op == stream.STEP_REQS_OP_ID:
             ops.ops[i]["items"] = len(vals) // 2
-    return ops, [access.rows_of(ops, st) for st in access.steps_of(ops, groups(bs))]
+    return ops, [access_stream.rows_of(ops, st) for st in access_stream.steps_of(ops, groups(bs))]
 
 
 def columns(blocks: list) -> dict:
@@ -351,7 +351,7 @@ def test_request_access_worked_by_hand():
         (stream.TABLE_OP_ID, GROUP, [9, 3, 4, 0, 7, 8], True),
     ]
     ops, rows = step_reqs_and_tables(records, bs)
-    got, stats = access.request_access(ops, rows, t0_ns=0)
+    got, stats = access_requests.request_access(ops, rows, t0_ns=0)
     got = plain(got)
     assert stats == {"steps": 2, "unmatched": 2}
     t1, t2 = 2e-6, 4e-6  # the tables' times (ts 1000 * (i + 1) ns)
@@ -380,7 +380,7 @@ def test_request_access_against_a_plain_reading(times, chunk_reads, monkeypatch)
     chunk_reads 5: the reads taken a row or two at a time, as a large
     trace's are taken millions at a time."""
     if chunk_reads:
-        monkeypatch.setattr(access, "_CHUNK_READS", chunk_reads)
+        monkeypatch.setattr(access_stream, "_CHUNK_READS", chunk_reads)
     rng = np.random.default_rng(11)
     bs, SR = 4, stream.STEP_REQS_OP_ID
     reqs = [0x1000 + i for i in range(9)]
@@ -407,7 +407,7 @@ def test_request_access_against_a_plain_reading(times, chunk_reads, monkeypatch)
     if times == "out of order":
         ts_ns += 1000 * rng.integers(-3, 4, len(ts_ns))  # whole us: the report rounds to 1 us
     ops, tables = step_reqs_and_tables(records, bs, ts_ns)
-    got, stats = access.request_access(ops, tables, t0_ns=0)
+    got, stats = access_requests.request_access(ops, tables, t0_ns=0)
     got = plain(got)
     assert stats == {"steps": 80, "unmatched": 0}
 
@@ -448,7 +448,7 @@ def test_request_access_against_a_plain_reading(times, chunk_reads, monkeypatch)
                                for b, f in blocks])}, r
     # a view that shows a few requests asks for those alone: the same figures
     few = sorted(want)[::3]
-    part, part_stats = access.request_access(ops, tables, t0_ns=0, only=few)
+    part, part_stats = access_requests.request_access(ops, tables, t0_ns=0, only=few)
     assert plain(part) == {r: got[r] for r in few} and part_stats == stats
 
 
@@ -534,7 +534,7 @@ def test_prefix_reuse_by_name_settles_the_next_turn():
         (stream.TABLE_OP_ID, GROUP, [11, 1, 2, 3], True),
     ]
     ops, (rows,) = step_reqs_and_tables(records, 4)
-    got = access.prefix_reuse(ops, rows, LEADER, access.step_requests(ops))
+    got = access_requests.prefix_reuse(ops, rows, LEADER, access_requests.step_requests(ops))
     assert got == {"requests": 2, "blocks": 2, "per_block": {1: 1, 2: 1},
                    "steps_without_writes": 0, "by": "request ids"}
 
@@ -564,7 +564,7 @@ def test_prefix_reuse_by_name_forks_and_returns_are_not_new(leader):
     """A group with no layer of its own in the trace (the plugin tier's, in
     vLLM's engine core) gets the figure too: it needs no writes."""
     ops, (rows,) = step_reqs_and_tables(STEPS_NAMED, 4)
-    assert access.prefix_reuse(ops, rows, leader, access.step_requests(ops)) == NAMED_WANT
+    assert access_requests.prefix_reuse(ops, rows, leader, access_requests.step_requests(ops)) == NAMED_WANT
 
 
 def test_prefix_reuse_by_name_counts_only_the_requests_its_rows_name():
@@ -575,9 +575,9 @@ def test_prefix_reuse_by_name_counts_only_the_requests_its_rows_name():
     records = STEPS_NAMED + [(SR, 0, [D, 4], True), (WRITE, LEADER, [40, 41, 42, 43], True),
                              (stream.TABLE_OP_ID, GROUP, [4, 10], False)]
     ops, (rows,) = step_reqs_and_tables(records, 4)
-    sr = access.step_requests(ops)
+    sr = access_requests.step_requests(ops)
     assert D in sr.req.tolist()
-    assert access.prefix_reuse(ops, rows, LEADER, sr) == NAMED_WANT
+    assert access_requests.prefix_reuse(ops, rows, LEADER, sr) == NAMED_WANT
 
 
 def test_prefix_reuse_falls_back_to_rows_when_a_step_is_unnamed():
@@ -586,13 +586,13 @@ def test_prefix_reuse_falls_back_to_rows_when_a_step_is_unnamed():
     without step_reqs at all; without a leader layer there is none."""
     records = STEPS_NAMED[:6] + STEPS_NAMED[7:]
     ops, (rows,) = step_reqs_and_tables(records, 4)
-    sr = access.step_requests(ops)
-    got = access.prefix_reuse(ops, rows, LEADER, sr)
-    assert got["by"] == "rows" and got == access.prefix_reuse(ops, rows, LEADER)
+    sr = access_requests.step_requests(ops)
+    got = access_requests.prefix_reuse(ops, rows, LEADER, sr)
+    assert got["by"] == "rows" and got == access_requests.prefix_reuse(ops, rows, LEADER)
     # no leader layer (the plugin tier's groups have leader 0): no writes
     # to tell reuse from computing, so no figure rather than a wrong one
-    assert access.prefix_reuse(ops, rows, None, sr) is None
-    assert access.prefix_reuse(ops, rows, 0, sr) is None
+    assert access_requests.prefix_reuse(ops, rows, None, sr) is None
+    assert access_requests.prefix_reuse(ops, rows, 0, sr) is None
 
 
 @pytest.mark.parametrize("wide", [False, True])
@@ -613,7 +613,7 @@ def test_merged_sums_each_repeated_key_once(wide):
         w = want.get((r, g, b))
         want[(r, g, b)] = (reads, fr, lr, tw, fw, lw) if w is None else (
             w[0] + reads, min(w[1], fr), max(w[2], lr), w[3] + tw, min(w[4], fw), max(w[5], lw))
-    got_cols, kept = access._merged([c.copy() for c in cols])
+    got_cols, kept = access_requests._merged([c.copy() for c in cols])
     if kept is None:
         kept = np.ones(n, bool)
     got = {}
@@ -626,7 +626,7 @@ def test_merged_sums_each_repeated_key_once(wide):
 
 def test_merged_without_a_repeated_key_keeps_every_row():
     cols = [np.arange(5), np.arange(5) + 1] + [np.arange(5) for _ in range(6)] + [np.zeros(5, int)]
-    got, kept = access._merged([c.copy() for c in cols])
+    got, kept = access_requests._merged([c.copy() for c in cols])
     assert kept is None and all(np.array_equal(a, b) for a, b in zip(got, cols))
 
 
@@ -635,7 +635,7 @@ def test_scan_of_rows_without_entries():
     a scan that finds nothing read."""
     ops = op_stream([(stream.TABLE_OP_ID, GROUP, [0, 0], True),
                      (stream.TABLE_OP_ID, GROUP, [0], True)])
-    rows = access.rows_of(ops, access.steps_of(ops, groups(4))[0])
+    rows = access_stream.rows_of(ops, access_stream.steps_of(ops, groups(4))[0])
     assert len(rows.entries) == 0 and rows.bounds is None
     scan = rows.scan()
     assert len(scan.reads_per_block) == 0 and scan.out_of_range == 0

@@ -458,7 +458,7 @@ def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, wher
     the main one: an error there (damage found late, a bug) must reach the
     caller as itself, not leave the report waiting for what never comes."""
     import threading
-    from tracer.analysis import access, lifecycle, occupancy
+    from tracer.analysis import access_stream, lifecycle, occupancy
     from tracer.commands import report as cmd_report
     from tracer.trace import tracefile
     path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20) \
@@ -469,8 +469,8 @@ def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, wher
     def fail(*_):
         raise ValueError(f"{where} failed")
     if where == "rows_of":
-        monkeypatch.setattr(access, "steps_of", lambda ops, groups: [None])  # one group
-        monkeypatch.setattr(access, "rows_of", fail)
+        monkeypatch.setattr(access_stream, "steps_of", lambda ops, groups: [None])  # one group
+        monkeypatch.setattr(access_stream, "rows_of", fail)
     elif where == "events":
         monkeypatch.setattr(lifecycle, "events", fail)
     else:

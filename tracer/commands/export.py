@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from .. import abi
-from ..analysis import access
+from ..analysis import access_stream
 from ..trace import stream, tracefile
 from ..errors import UsageError
 from ..exporters.folded import block_lines, folded_lines, process_frame
@@ -128,8 +128,8 @@ def reads_by_block(trace: tracefile.Trace, ops: stream.OpStream, group: int):
     procs = trace.processes
     rows, left_out = [], 0
     groups = [g for g in trace.groups if np.any(ops.ops["pid"] == g["pid"])]
-    for n, (g, st) in enumerate(zip(groups, access.steps_of(ops, groups))):
-        scan = access.rows_of(ops, st).scan()
+    for n, (g, st) in enumerate(zip(groups, access_stream.steps_of(ops, groups))):
+        scan = access_stream.rows_of(ops, st).scan()
         left_out += scan.out_of_range
         counts = scan.reads_per_block
         name = process_frame(procs.get(g["pid"], {}).get("comm", str(g["pid"])), g["pid"])

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import abi
-from ..analysis import access, heatmap, lifecycle, occupancy
+from ..analysis import access_counters, access_requests, access_stream, heatmap, lifecycle, occupancy
 from ..views import live
 from ..trace import stream, tracefile
 from ..analysis.aggregate import Aggregate
@@ -117,7 +117,7 @@ class Report:
         # reads: one Steps per KV-cache group, and every (request, block)
         # read of its complete steps as (step index, block)
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
-        self.steps = access.steps_of(ops, self.groups)
+        self.steps = access_stream.steps_of(ops, self.groups)
         # Two sides, on two threads: numpy lets go of the GIL in its passes,
         # and the sides take about as long (row 6's JSON report 10.0-10.7 ->
         # 6.2 s for 0.4 GB more at its peak; docs/bench.md, "Stop 35").
@@ -138,7 +138,7 @@ class Report:
                 raise
 
         def plugin_side():
-            publish(rows_ready, lambda: [access.rows_of(ops, st) for st in self.steps])
+            publish(rows_ready, lambda: [access_stream.rows_of(ops, st) for st in self.steps])
             self.rows = rows_ready.result()
             publish(gens_ready, lambda: occupancy.computed_groups(split.result()[1]))
 
@@ -146,7 +146,7 @@ class Report:
                 # the plugin tier's block events (empty without the plugin),
                 # and its step_reqs: whose each table row is (empty without it)
                 self.life = lifecycle.events(ops)
-                self.step_reqs = access.step_requests(ops)
+                self.step_reqs = access_requests.step_requests(ops)
             publish(named, named_rows)
             if many_requests:  # the rest of the tier's figures are made here meanwhile
                 per_req, attributed = request_access(self)
@@ -328,7 +328,7 @@ def _log2_slot(v: np.ndarray) -> np.ndarray:
 def stream_groups(steps: list, scans: list, trace) -> list:
     """The reads of the stream as the maps have them (aggregate.ReadGroup's
     raw form): per group, per-block reads and last-read steps from the
-    complete steps (access.ReadScan); totals from every step's op record.
+    complete steps (access_stream.ReadScan); totals from every step's op record.
     layer_calls comes from the end record (only the leader layer's calls
     are streamed)."""
     end_groups = {}
@@ -558,8 +558,8 @@ def _pcts(values) -> list:
     # one call for every percentile: one partition of the values for all of
     # them, where a call each was 0.06 s of row 6's JSON report (888k idle
     # times); numpy's interpolation is the same either way
-    return [[p, float(x)] for p, x in zip(access.PERCENTILES,
-                                          np.percentile(v, access.PERCENTILES))]
+    return [[p, float(x)] for p, x in zip(access_counters.PERCENTILES,
+                                          np.percentile(v, access_counters.PERCENTILES))]
 
 
 def access_figures(rep: Report) -> list:
@@ -578,16 +578,16 @@ def access_figures(rep: Report) -> list:
         layers = g.layers
         doc = next((d for d in rep.groups if d["pid"] == st.pid and
                     d["group_id"] == st.group_id), {})
-        reuse = access.prefix_reuse(rep.ops, rows, doc.get("leader"), rep.step_reqs)
+        reuse = access_requests.prefix_reuse(rep.ops, rows, doc.get("leader"), rep.step_reqs)
         out.append({
             "pid": st.pid, "group": g.group, "group_id": st.group_id,
             "block_size": st.block_size, "steps": len(st), "layers": round(layers, 3),
             "reads": g.reads, "reads_all_layers": round(g.reads * layers),
             "distinct": g.distinct, "tokens": g.tokens, "held_tokens": g.held_tokens,
             "blocks_read": int(len(read)),
-            "frequency": [list(x) for x in access.frequency_histogram(g.reads_per_block)],
-            "hottest": [list(x) for x in access.hottest(g.reads_per_block)],
-            "coldest": [list(x) for x in access.coldest(g.reads_per_block)],
+            "frequency": [list(x) for x in access_counters.frequency_histogram(g.reads_per_block)],
+            "hottest": [list(x) for x in access_counters.most_read_blocks(g.reads_per_block)],
+            "coldest": [list(x) for x in access_counters.least_read_blocks(g.reads_per_block)],
             "wss_blocks": _pcts(st.distinct),
             "utilization": _pcts(st.utilization),
             "utilization_overall": g.held_tokens / (g.distinct * st.block_size)
@@ -615,9 +615,9 @@ ACCESS_MEANS = ("reads: (request, block) pairs at a forward step, counted once p
 
 
 def request_access(rep: Report, only=None) -> tuple:
-    """What each request wrote and read (access.request_access): step_reqs
+    """What each request wrote and read (access_requests.request_access): step_reqs
     names the table rows.  only: the request hashes wanted (None: all)."""
-    return access.request_access(rep.ops, rep.rows, rep.t0, only=only, sr=rep.step_reqs)
+    return access_requests.request_access(rep.ops, rep.rows, rep.t0, only=only, sr=rep.step_reqs)
 
 
 def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:

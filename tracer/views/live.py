@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import abi
-from ..analysis import access, aggregate
+from ..analysis import access_counters, aggregate
 from ..analysis.aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
@@ -189,7 +189,7 @@ def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str =
     return text
 
 
-def hottest(proc, top: int = 8) -> Table:
+def most_written_blocks(proc, top: int = 8) -> Table:
     tokens = proc.tokens
     all_layers = proc.all_layer_writes
     probed = proc.probed_ops
@@ -293,7 +293,7 @@ def writes_panel(proc, width: int) -> list:
     if not proc.layers and not any(a.any() for a in proc.moves.values()):
         return []
     hot = Group(Text("hottest blocks: tokens per layer, slots of all layers", style="bold"),
-                hottest(proc))
+                most_written_blocks(proc))
     moved = moves_part(proc)
     body = [Text("tokens written per block (per layer: the busiest layer)", style="bold"),
             histogram(proc.tokens, max(10, width - 12), what="tokens"), Text("")]
@@ -330,11 +330,11 @@ def reads_panel(proc, width: int) -> list:
                  histogram(reads, max(10, width - 12), rows=4, what="reads"),
                  Text(f"working set: {_n(now)} blocks read at the last step, "
                       f"{_n(read_ever)} read at least once, of {_n(len(reads))}")]
-        summ = access.group_summary(g) if g.steps else None
+        summ = access_counters.group_summary(g) if g.steps else None
         if summ is not None and summ["utilization"] is not None and len(last):
             # the true figure the write-derived occupancy cannot give: tokens
             # held in the blocks attention reads, over their capacity
-            ages = access.age_steps(last, int(last.max()))
+            ages = access_counters.age_steps(last, int(last.max()))
             idle = ages[ages > 0]
             body.append(Text(
                 f"live set: {summ['distinct_per_step']:,.1f} blocks a step (mean), "
