@@ -7,7 +7,7 @@ import pytest
 
 from conftest import dense
 from tracer.analysis import access_requests, access_stream, heatmap
-from tracer.commands import report as cmd_report
+from tracer.analysis.report import Report
 from tracer.trace import tracefile
 from test_e2e_record import folded, record, report_json
 
@@ -67,7 +67,7 @@ def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
     assert sum(map(sum, doc["heatmap"]["reads"])) == reads["reads"]
     # the same map from every read on its own (each row's entries, at its
     # step's time), and when the reads are counted 50 at a time
-    rep = cmd_report.Report(tracefile.load(str(trace)))
+    rep = Report(tracefile.load(str(trace)))
     whole = rep.heatmap(9, 31, kind="reads")
     (st,), (rows,) = rep.steps, rep.rows
     t, block = [], []

@@ -133,7 +133,7 @@ def test_read_heatmap_from_runs_of_steps_equals_one_read_at_a_time(times, monkey
     tables), for whole, partial and empty time ranges, nulls and a block
     past max_blocks, steps out of time order, and reads counted a few
     values at a time."""
-    from tracer.commands import report as cmd_report
+    from tracer.analysis.report import Report
     from tracer.analysis import heatmap
     rng = np.random.default_rng(21)
     bs, records = 4, []
@@ -150,7 +150,7 @@ def test_read_heatmap_from_runs_of_steps_equals_one_read_at_a_time(times, monkey
         ops.ops["ts_ns"] = ops.ops["ts_ns"] + 1000 * rng.integers(0, 11, len(records))
     (st,) = access_stream.steps_of(ops, groups(bs))
     rows = access_stream.rows_of(ops, st)
-    rep = cmd_report.Report.__new__(cmd_report.Report)
+    rep = Report.__new__(Report)
     rep.t0, rep.steps, rep.rows, rep.scans = 0, [st], [rows], [rows.scan()]
     # every read on its own: (time since t0, block) of each positive entry
     # below max_blocks, from the test's own reading of each table

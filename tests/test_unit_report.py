@@ -12,8 +12,9 @@ from rich.console import Console
 
 from conftest import run_kvtrace
 from test_unit_tracefile import BS, write_trace, synthetic_ops
-from tracer.commands import report as cmd_report
 from tracer.analysis import heatmap
+from tracer.analysis.report import Report, value_counts
+from tracer.exporters import report_json
 
 
 def test_heatmap_cells_and_footer():
@@ -288,12 +289,11 @@ def test_write_heatmap_holds_every_slot_of_its_range(tmp_path):
     """Report.heatmap counts the slot writes as the generations' runs (a
     run: one op's consecutive slots in one block): every slot of the time
     and block range once, at its op's time."""
-    from tracer.commands import report as cmd_report
     from tracer.trace import tracefile
     nops, per_op, blocks = 40, 30, 200
     path = write_trace(tmp_path / "h.kvt", [synthetic_ops(nops, per_op, blocks)],
                        blocks=blocks)
-    rep = cmd_report.Report(tracefile.load(str(path)))
+    rep = Report(tracefile.load(str(path)))
     lo, hi = rep.span_ns()
     mid = (lo + (hi - lo) // 2) / 1e9
     views = {50: [rep.heatmap(5, 16), rep.heatmap(4, 8, time_range=(mid, hi / 1e9)),
@@ -349,7 +349,7 @@ def test_write_json_is_json_that_the_standard_library_reads_back():
     NaN, which no strict reader takes), number keys as strings, one line;
     to a text stream, and as bytes to the CLI's stdout after text written
     first; a full disk behind it is noted as the CLI's stdout's error."""
-    from tracer.commands.report import write_json
+    from tracer.exporters.report_json import write_json
     from tracer.files import WatchedStdout
     col = np.array([0.5, np.nan, 1e-05, 2.25])
     doc = {"a": np.arange(5, dtype=np.int64)[1:4], "t": col[1:], "n": 7, 3: "x",
@@ -382,7 +382,6 @@ def test_write_json_writes_the_bytes_of_one_dumps_in_pieces():
     of every length around a piece's, nested dicts, number keys, numpy
     columns, fragments made before, NaN and text that is not ASCII."""
     import orjson
-    from tracer.commands import report as cmd_report
     from tracer.files import WatchedStdout
     opts = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
     rng = np.random.default_rng(3)
@@ -397,17 +396,17 @@ def test_write_json_writes_the_bytes_of_one_dumps_in_pieces():
                                           for i in range(n)],
                              "col": rng.random(n)}}
         want = orjson.dumps(doc, option=opts | orjson.OPT_APPEND_NEWLINE)
-        assert b"".join(cmd_report._json_pieces(doc)) + b"\n" == want, n
+        assert b"".join(report_json._json_pieces(doc)) + b"\n" == want, n
         raw = io.BytesIO()
         wrapped = WatchedStdout(io.TextIOWrapper(raw, encoding="utf-8"))
         writes = []
         real = wrapped.write_bytes
         wrapped.write_bytes = lambda data: (writes.append(len(data)), real(data))[1]
-        cmd_report.write_json(doc, wrapped)
+        report_json.write_json(doc, wrapped)
         wrapped.flush()
         assert raw.getvalue() == want, n
         # every write but the last a MiB or more
-        assert all(k >= cmd_report._JSON_WRITE_BYTES for k in writes[:-1]), writes
+        assert all(k >= report_json._JSON_WRITE_BYTES for k in writes[:-1]), writes
     assert len(writes) > 1  # the 6000 requests took several
 
 
@@ -428,7 +427,6 @@ def test_report_generations_on_either_side_are_by_caches(tmp_path, monkeypatch, 
     where few are (text).  Either way, each layer's equal those of
     occupancy.by_cache, in its order."""
     import threading
-    from tracer.commands import report as cmd_report
     from tracer.analysis import occupancy
     from tracer.trace import tracefile
     trace = tracefile.load(str(layers_trace(tmp_path / "l.kvt")))
@@ -440,7 +438,7 @@ def test_report_generations_on_either_side_are_by_caches(tmp_path, monkeypatch, 
         where[cache_id] = threading.current_thread() is threading.main_thread()
         return computed(caches)
     monkeypatch.setattr(occupancy, "computed", tell)
-    got = cmd_report.Report(trace, timelines=timelines).gens
+    got = Report(trace, timelines=timelines).gens
     assert list(got) == list(want) == [(4242, 10), (4242, 11), (4242, 12)]
     for key, g in want.items():
         for f in ("block", "kind", "fill", "start_step", "last_step", "start_ns", "last_ns",
@@ -459,7 +457,6 @@ def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, wher
     caller as itself, not leave the report waiting for what never comes."""
     import threading
     from tracer.analysis import access_stream, lifecycle, occupancy
-    from tracer.commands import report as cmd_report
     from tracer.trace import tracefile
     path = write_trace(tmp_path / "t.kvt", [synthetic_ops(10, 4, 20)], blocks=20) \
         if where != "generations" else layers_trace(tmp_path / "t.kvt")
@@ -482,7 +479,7 @@ def test_report_raises_what_its_second_thread_raised(tmp_path, monkeypatch, wher
     def build():
         builder.append(threading.current_thread())
         try:
-            cmd_report.Report(trace, timelines=3)
+            Report(trace, timelines=3)
         except ValueError as e:
             raised.append(str(e))
     t = threading.Thread(target=build, daemon=True)
@@ -522,4 +519,4 @@ def test_value_counts_in_value_order_any_integers():
     rng = np.random.default_rng(5)
     for a in (rng.integers(0, 50, 1000), rng.integers(-3, 50, 1000),
               rng.integers(0, 1 << 40, 50), np.zeros(0, np.int64), np.array([7])):
-        assert cmd_report._value_counts(a) == sorted([v, n] for v, n in Counter(a.tolist()).items())
+        assert value_counts(a) == sorted([v, n] for v, n in Counter(a.tolist()).items())

@@ -10,6 +10,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from tracer import abi
+from tracer.analysis import heatmap
 from tracer.views import live
 from tracer.analysis.aggregate import Aggregate, Layer, Process
 from tracer.exporters import folded
@@ -347,7 +348,7 @@ def test_histogram_zooms_to_blocks_in_use():
     ([0] * 100 + [1] * 64 + [0] * 900, (96, 167)),  # 64 used: padded by 64 // 16 = 4
 ])
 def test_block_window(counts, window):
-    assert live.block_window(np.array(counts, np.uint64)) == window
+    assert heatmap.block_window(np.array(counts, np.uint64)) == window
 
 
 def test_histogram_empty():

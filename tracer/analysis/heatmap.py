@@ -108,7 +108,7 @@ def _in_time_order(t_ns: np.ndarray) -> bool:
 def block_counts(chunks, time_range: tuple) -> np.ndarray:
     """Events per block (0 .. the highest block of any chunk) in time_range
     ((t0, t1) ns, t1 exclusive), over compute_chunks' (t_ns, blocks, counts)
-    chunks: the blocks a heatmap zooms to (live.block_window).  A chunk in
+    chunks: the blocks a heatmap zooms to (block_window).  A chunk in
     time order (as the write and read runs are) has the range as a slice,
     found by a search."""
     used = np.zeros(0, np.int64)
@@ -223,3 +223,17 @@ def per_column(h: Heatmap) -> str:
     if per >= 1:
         return f"{per:.3g} per column" if per != int(per) else f"{int(per)} per column"
     return f"1 block per {1 / per:.3g} columns"
+
+
+def block_window(counts: np.ndarray, pad_frac: int = 16) -> tuple:
+    """The blocks worth drawing: from the first to the last block with a
+    count, padded by 1/pad_frac of that span (at least 2 blocks) on each
+    side, within 0..len-1.  (0, len-1) when nothing is counted: vLLM may have
+    2048 blocks and use a dozen, which at full width all land in one column."""
+    n = len(counts)
+    nz = np.flatnonzero(counts)
+    if not len(nz):
+        return 0, max(0, n - 1)
+    lo, hi = int(nz[0]), int(nz[-1])
+    pad = max(2, (hi - lo + 1) // pad_frac)
+    return max(0, lo - pad), min(n - 1, hi + pad)

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import abi
-from ..analysis import access_counters, aggregate
+from ..analysis import access_counters, aggregate, heatmap
 from ..analysis.aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
@@ -143,30 +143,16 @@ def not_probed_line(agg: Aggregate) -> Text:
     return Text(f"{NOT_PROBED}: " + ", ".join(missing), style="dim")
 
 
-def block_window(counts: np.ndarray, pad_frac: int = 16) -> tuple:
-    """The blocks worth drawing: from the first to the last block with a
-    count, padded by 1/pad_frac of that span (at least 2 blocks) on each
-    side, within 0..len-1.  (0, len-1) when nothing is counted: vLLM may have
-    2048 blocks and use a dozen, which at full width all land in one column."""
-    n = len(counts)
-    nz = np.flatnonzero(counts)
-    if not len(nz):
-        return 0, max(0, n - 1)
-    lo, hi = int(nz[0]), int(nz[-1])
-    pad = max(2, (hi - lo + 1) // pad_frac)
-    return max(0, lo - pad), min(n - 1, hi + pad)
-
-
 def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str = "tokens",
               block_range: tuple = None) -> Text:
     """A vertical bar chart of counts per block, bucketed to at most `width`
-    columns.  By default it zooms to the blocks in use (block_window); a
+    columns.  By default it zooms to the blocks in use (heatmap.block_window); a
     block_range (lo, hi inclusive) overrides.  The footer says which blocks
     are drawn and what one column's height sums."""
     n = len(counts)
     if not n or not counts.any():
         return Text(f"(no {what} yet)", style="dim")
-    lo, hi = block_window(counts) if block_range is None else block_range
+    lo, hi = heatmap.block_window(counts) if block_range is None else block_range
     sums, per = bucket(counts[lo:hi + 1], width)
     top = int(sums.max())
     text = Text()
