@@ -25,7 +25,7 @@ from .. import __version__, abi, cache
 from ..probes import catalog, discover, follow
 from ..kernel import bpf, program, session, uprobes
 from ..probes import target as target_mod
-from .attach import positive_int
+from .args import positive_int
 from ..errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
 
 EXAMPLES = """\

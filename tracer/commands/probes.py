@@ -6,7 +6,7 @@ import os
 
 from .. import abi
 from ..probes import catalog, discover, sdt
-from .attach import positive_int
+from .args import positive_int
 from ..errors import TargetError, UsageError
 
 EXAMPLES = """\

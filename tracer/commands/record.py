@@ -1,14 +1,14 @@
 """`kvtrace-bpf record`: trace a process into a trace file, no live view.
 
 Recording is `attach -o FILE -q` without the summary screen: one tracing
-loop (cmd_attach), one writer (tracefile.Recorder).
+loop (attach.py), one writer (tracefile.Recorder).
 """
 
 import argparse
 
 from .. import abi
 from . import attach
-from .attach import positive_float, positive_int
+from .args import add_stack_storage_size, positive_float, positive_int
 from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 
 EXAMPLES = """\
@@ -42,7 +42,7 @@ def add_parser(sub):
     p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
                    metavar="N", help=f"layers counted in the maps (default "
                    f"{abi.DEFAULT_MAX_CACHES})")
-    attach.add_stack_storage_size(p)
+    add_stack_storage_size(p)
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and record it")
     p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0,
