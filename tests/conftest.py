@@ -472,7 +472,28 @@ def no_leftovers(bpf_env):
     assert "kvsim" not in uprobe_events()
 
 
-# -- the index stream (tracer/stream.py), in-process -----------------------
+# -- a tiny model for real vLLM on the CPU -----------------------------------
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def make_tiny_model(tmp_path_factory, *extra):
+    """A tiny random Llama (scripts/make-tiny-model.py, with its options
+    `extra`) in a directory of its own: real vLLM runs it on the CPU."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail("the vLLM CPU environment is missing: run make setup")
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "make-tiny-model.py", path,
+                    *map(str, extra)], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, bpf_env):
+    return make_tiny_model(tmp_path_factory)
+
+
+# -- the index stream (tracer/trace/stream.py), in-process -----------------------
 
 def trace_stream(tmp_path, workload, *extra, perf_pages=256):
     """Trace one paused kvsim through the Tracer API with the index stream on.

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import NOBODY, ROOT, Kvsim, kvtrace_cmd, run_as, semaphore_values, unused_pid
 # the real-vLLM workload and its model, from their one home (a fixture too)
-from test_e2e_vllm import Workload, tiny_model  # noqa: F401
+from test_e2e_vllm import Workload
 from tracer.commands.doctor import FAIL, PASS, Check, config_state, exit_code, parse_kernel_config
 
 EXIT_OK, EXIT_ENV, EXIT_TARGET = 0, 2, 3
@@ -173,7 +173,7 @@ def doctor_vllm(tmp_path, model):
 
 
 @pytest.mark.vllm
-def test_doctor_stock_vllm_is_stock_uprobe(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_doctor_stock_vllm_is_stock_uprobe(tmp_path, tiny_model, monkeypatch):
     """The process the user started maps no vLLM library itself; doctor
     finds the worker among its descendants, as attach -p does.  vLLM's
     plugins off: the stock tier alone."""
@@ -220,7 +220,7 @@ def test_doctor_help():
 
 
 @pytest.mark.vllm
-def test_doctor_stock_vllm_with_the_plugin(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_doctor_stock_vllm_with_the_plugin(tmp_path, tiny_model, monkeypatch):
     """The plugin installed (make setup): both tiers, each where it lives:
     the plugin's probes in the engine core (the scheduler's process only),
     the stock sites in the worker."""

@@ -28,7 +28,6 @@ import pytest
 
 from conftest import ROOT, Tracer
 from test_e2e_record import report_json
-from test_e2e_vllm import tiny_model  # noqa: F401 (the module fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -144,7 +143,7 @@ def per_request(plugin):
     return by_id
 
 
-def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa: F811
+def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
     generated, records, doc, trace = trace_run(
         tmp_path, tiny_model, REQUESTS_PREFIX, "--prefix-caching", "on", "--shared-prefix",
         SHARED, "--repeat", 2)
@@ -216,7 +215,7 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):  # noqa
     assert mrc["curve"][-1][1] == (mrc["references"] - mrc["compulsory"]) / mrc["references"]
 
 
-def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):  # noqa: F811
+def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):
     generated, records, doc, trace = trace_run(
         tmp_path, tiny_model, REQUESTS_PREEMPT, "--num-gpu-blocks", 10, "--max-model-len", 256)
     assert doc["exact"], doc["inexact_reasons"]

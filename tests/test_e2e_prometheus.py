@@ -15,7 +15,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import KVSIM, ROOT, WRITE_OPS, Kvsim, Tracer, read_line, run_kvtrace, unused_pid
-from test_e2e_vllm import tiny_model  # noqa: F401  (the fixture of the vLLM test below)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, Tracer, code_byte, code_differences, dense, kvtrace_cmd, read_line
+from conftest import (ROOT, VLLM_PYTHON, Tracer, code_byte, code_differences, dense, kvtrace_cmd,
+                      read_line)
 from tracer import abi
 from tracer.analysis import occupancy
 from tracer.probes import catalog
@@ -29,22 +30,11 @@ from tracer.trace import tracefile
 
 pytestmark = pytest.mark.vllm
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WORKLOAD = ROOT / "scripts" / "vllm-workload.py"
 # prompt_len:max_tokens; lengths straddle block boundaries (32), one request
 # spans many blocks, one generates a single token
 REQUESTS = "100:8,40:8,7:3,33:5,64:1,250:12,31:2"
 BLOCK_SIZE = 32
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, bpf_env):
-    if not VLLM_PYTHON.exists():
-        pytest.fail("the vLLM CPU environment is missing: run make setup")
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "make-tiny-model.py", path], check=True,
-                   capture_output=True)
-    return path
 
 
 def workload_argv(model, out, *extra):

@@ -34,11 +34,10 @@ import time
 
 import pytest
 
-from conftest import ROOT, Tracer, run_kvtrace
+from conftest import ROOT, VLLM_PYTHON, Tracer, make_tiny_model, run_kvtrace
 
 pytestmark = pytest.mark.vllm
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WORKLOAD = ROOT / "scripts" / "vllm-workload.py"
 BLOCK_SIZE = 32
 # three layers, not the default two: layer_calls = steps x layers is then
@@ -58,12 +57,7 @@ SHARED_PREFIX = 160
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, bpf_env):
-    if not VLLM_PYTHON.exists():
-        pytest.fail("the vLLM CPU environment is missing: run make setup")
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "make-tiny-model.py", path,
-                    "--layers", str(LAYERS)], check=True, capture_output=True)
-    return path
+    return make_tiny_model(tmp_path_factory, "--layers", LAYERS)
 
 
 class Workload:

@@ -558,7 +558,8 @@ class Tracer:
         return out
 
     def read_maps(self) -> dict:
-        """A raw, consistent-enough copy of every counter map (see aggregate.Snapshot)."""
+        """A raw, consistent-enough copy of every counter map, which
+        aggregate.Aggregate.from_maps turns into per-block histograms."""
         caches = []
         for k, v in self.bpf["caches"].items():
             totals = self.cache_stats[v.index] if v.index < len(self.cache_stats) else \
