@@ -111,10 +111,9 @@ _ENDS_AT_ONCE = ("report", "export")
 def entry(argv=None):
     """The console script: main(), then the process's exit.  After report
     or export, once its output is flushed, the process ends at once
-    (os._exit): Python's teardown of what the command built (row 6's JSON
-    report: a million objects, every request's figures) is work that helps
-    no one, 0.04 s after the last byte was written (docs/bench.md, "Stop
-    45").  Every other command exits as usual (attach's probes are detached
+    (os._exit): Python's teardown of what the command built (a large
+    trace's JSON report: a million objects, every request's figures) is
+    work that helps no one, after the last byte was written.  Every other command exits as usual (attach's probes are detached
     by their owners' cleanup, which may run at exit)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     code = main(argv)

@@ -30,8 +30,8 @@ class StepRequests:
 def step_requests(ops: stream.OpStream) -> StepRequests:
     """The step_reqs ops, with each request's place among the distinct ones
     found once, for request_access (beside) and prefix reuse (the main
-    side's document), where each sorted the 808k hashes of row 6's trace
-    (a stable sort for the latter: 0.05 s)."""
+    side's document), where each sorted every request hash of the trace
+    (a stable sort for the latter)."""
     o = ops.ops
     pos = np.flatnonzero((o["op"] == stream.STEP_REQS_OP_ID) & o["complete"])
     n = o["items"][pos].astype(np.int64)
@@ -150,8 +150,7 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     # written, first write, last write).  A time is a step's, carried as
     # its rank among the groups' distinct step times: the merge's minima
     # and maxima are the same, and a column's seconds are then one gather
-    # (a sort of each of four 848k-value columns to round each distinct
-    # time once was 0.1 s of row 6's report)
+    # (not a sort of each of four columns to round each distinct time once)
     times = np.unique(np.concatenate([np.zeros(0, np.int64)] +
                                      [r.steps.ts_ns for r in all_rows]))
     parts = []
@@ -188,8 +187,8 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
         if places is not None:
             # a write to the block its place holds throughout is summed into
             # that place's figures: one figure per (request, place) and no
-            # part per write in the final merge (its sort of the 1.7M parts
-            # of row 6's trace, and a reduce per column, were 0.5 s)
+            # part per write in the final merge (a sort of millions of parts
+            # on a large trace, and a reduce per column)
             at = places.first_bin[ri[rr]] + place
             fits = keep & ~places.several[at] & (places.held[at] == blk_w)
             at, keep = at[fits], keep & ~fits
@@ -224,9 +223,8 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
 
     # each request's blocks in the order it first touched them, as columns:
     # an array per figure, sliced per request (views: no Python object per
-    # value; the JSON writer takes arrays), where a dict per block was 848k
-    # dicts on row 6's trace, most of the JSON report's time and of its
-    # document (docs/bench.md, "Stop 32")
+    # value; the JSON writer takes arrays), where a dict per block was most
+    # of the JSON report's time and of its document
     by = stream.order_by(ri, np.minimum(fw, fr), gix, blk)  # a block has a write or a read
     if kept is not None:  # the rows that _merged summed into another left out
         by = by[kept[by]]
@@ -257,12 +255,12 @@ def _merged(cols: list) -> tuple:
     order) now holds its merged figures, and kept, a mask of the rows that
     stand for one key each (None: all of them).  Most keys occur once (a
     request's place that held one block, its writes summed into it), and
-    they are found by one sort of the keys' values, where an argsort of all
-    and a reduce per column took 0.5 s of row 6's report.  The merged
-    figures are written in place, and the rows they replace masked, not cut
-    out: a copy of the rows that occur once and a concatenation after took
-    0.29 s of its 0.4 (911k rows: 66 MB of fresh memory each; docs/bench.md,
-    "Stop 47").  The columns must be the caller's own (written here)."""
+    they are found by one sort of the keys' values, not an argsort of all
+    and a reduce per column.  The merged figures are written in place, and
+    the rows they replace masked, not cut out: a copy of the rows that occur
+    once and a concatenation after were most of this function's time (tens
+    of MB of fresh memory each).  The columns must be the caller's own
+    (written here)."""
     ri, blk, gix = cols[0], cols[1], cols[8]
     try:
         key = np.ravel_multi_index((ri, gix, blk), [int(k.max()) + 1 for k in (ri, gix, blk)])
@@ -272,7 +270,7 @@ def _merged(cols: list) -> tuple:
         # the keys in order, by one argsort: a repeated key's rows are
         # neighbours there, already in the order the merge needs (a sort, a
         # search of every key among the repeated ones and an order of those
-        # took 0.09 s of row 6's report, this 0.03)
+        # took three times as long)
         by_key = np.argsort(key)
         s = key[by_key]
         repeat = s[1:] == s[:-1]
@@ -336,10 +334,10 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> tuple:
     earliest holds there.  One pass over the reads (114M for a 1.1 GB
     trace) checks every read against that block; only if some place fails
     does a second pass take that place's reads one by one.  Three passes,
-    each scattering or gathering per read, took 2.9 s on row 6's trace
-    (docs/bench.md, "Stop 33").  The reads are taken a few million at a
-    time, rows whole: an array per read was the report's peak memory, and
-    on these VMs each GiB first touched costs seconds ("Stop 30")."""
+    each scattering or gathering per read, took seconds on a large trace.
+    The reads are taken a few million at a time, rows whole: an array per
+    read was the report's peak memory, and on a VM each GiB first touched
+    costs seconds."""
     width = np.zeros(nreq, np.int64)  # each request's widest row
     np.maximum.at(width, ri, length)
     nbins = int(width.sum())  # one per (request, place)
@@ -374,8 +372,7 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> tuple:
 
     # a request's rows in time order: the rows in time order, sorted stably
     # by request (a radix sort where request numbers fit 16 bits), and each
-    # request's reversed; two argsorts of (request, rank) took 0.13 s of row
-    # 6's report (docs/bench.md, "Stop 44")
+    # request's reversed, not two argsorts of (request, rank)
     req_in_time = ri[by_time]
     if nreq <= 1 << 16:
         req_in_time = req_in_time.astype(np.uint16)
@@ -418,8 +415,8 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> tuple:
         # place's next read holds, and leaves the others to the next round.
         # A place holds few blocks (a preempted request's new ones), so the
         # rounds are few and each is a count and two ufunc.at over what is
-        # left, where one sort of every such read (4.65M on row 6's trace)
-        # took 0.3 s.  Only the rows of requests with such a place are read
+        # left, not one sort of every such read (millions on a large
+        # trace).  Only the rows of requests with such a place are read
         # again; a part per read was most of request_access's memory.
         odd_req = np.zeros(nreq, bool)
         odd_req[req_of[several]] = True
@@ -427,7 +424,7 @@ def _reads_by_place(ri, start, length, ts, entries, nreq) -> tuple:
         wanted = np.zeros(nbins, entries.dtype)  # per place: its block this round
         # per place: the earliest and latest rank of its round's reads, one
         # pair for every round, put back where a round wrote (two fresh
-        # arrays of every place per round were 80 ms of row 6's report)
+        # arrays of every place per round were not)
         first, last = np.full(nbins, len(ts)), np.full(nbins, -1)
         for r0, r1, n_of, blk, key in chunks(rows):
             at = np.flatnonzero(several[key])

@@ -87,7 +87,7 @@ class Rows:
         Null entries and blocks nb or more are not counted.  A bincount of
         the steps' entries as they lie, a chunk at a time: no step number or
         time per read (the read heatmap's cells are such counts per time
-        row: report --kind reads, docs/bench.md "Stop 33").  A generator."""
+        row: report --kind reads).  A generator."""
         at = np.concatenate([[0], np.cumsum(self.length)])[self.row_lo]  # each step's first
         scratch = np.empty(min(_CHUNK_READS, len(self.entries)), np.intp)
         for k0, k1 in spans:
@@ -105,15 +105,15 @@ class Rows:
         # The entries left out (nulls, out of range) are few, so they are
         # found by place and the rest is used as it lies: a copy of the kept
         # entries, or a per-row sum over an int64 cast of the mask, would
-        # each touch the entries' size again (114M entries: 0.9 GB, and on
-        # these VMs fresh memory costs seconds a GiB; docs/bench.md, "Stop 30").
+        # each touch the entries' size again (a GB on a large trace, and on
+        # a VM fresh memory costs seconds a GiB).
         e = self.entries
         per_row = self.length.astype(np.int64, copy=True)
         out_of_range = 0
         # Usually every entry is a block in range: the lowest and highest
         # tell, which rows_of found as it copied them (two reductions here
-        # were 0.06 s of row 6's 113M entries; masks of the whole took
-        # 0.3-0.7 s, most of it their fresh pages)
+        # cost ten times less than masks of the whole, most of whose time
+        # was their fresh pages)
         if not len(e):
             lowest, highest = 1, 0  # none: nothing to drop
         elif self.bounds is not None:
@@ -183,13 +183,12 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
     # the rows' runs (_narrow_runs; an index per entry was 0.9 GB of fresh
     # memory and 2-5 s where one op lay out of order)
     # into one array: a part per run, then their concatenation, held the
-    # entries twice (row 6's trace, a split op in the middle: 0.45 GB more)
+    # entries twice (where an op was split in the middle of a large trace)
     runs = [0, *(np.flatnonzero(lo[1:] < hi[:-1]) + 1).tolist(), len(lo)]
     total = int(length.sum())
     # int16 first (a cache of fewer than 32767 blocks, as on the CPU and in
     # kvsim), widened to int32 at the first entry that does not fit it (a
-    # GPU's cache): row 6's 110M entries are 0.22 GB of fresh memory as
-    # int16, 0.44 as int32 (docs/bench.md, "Stop 48")
+    # GPU's cache): int16 entries are half the fresh memory of int32
     entries = np.empty(total, _NARROW[0])
     bounds = []  # each run's (lowest, highest)
     for k0, k1 in zip(runs[:-1], runs[1:]):
@@ -220,13 +219,13 @@ def rows_of(ops: stream.OpStream, steps: Steps) -> Rows:
 
 # values per chunk of _narrow_runs and of the read scan's count: 1M.  A
 # chunk's temporaries (8 MiB of int64) stay in the CPU's caches from one step
-# of the chunk to the next, where 8M went to memory and back; with a boolean
-# index in place of np.compress into a scratch, rows_of's copy of row 6's
-# 110M entries went from 0.86 to 0.31 s ("Stop 33").
+# of the chunk to the next, where 8M went to memory and back (and a boolean
+# index, not np.compress into a scratch, made rows_of's copy a third as
+# long).
 _CHUNK_VALUES = 1 << 20
 
-# reads per chunk in _reads_by_place and Rows.block_counts: 1M, for the caches, as
-# _CHUNK_VALUES (8M: request_access 1.6 s on row 6's trace, 1M: 1.4 s)
+# reads per chunk in _reads_by_place and Rows.block_counts: 1M, for the
+# caches, as _CHUNK_VALUES (8M was slower)
 _CHUNK_READS = 1 << 20
 
 
@@ -244,11 +243,10 @@ def _narrow_runs(values: np.ndarray, at: np.ndarray, n: np.ndarray, out: np.ndar
     where none is); None if one does not fit (out is then partly written).
 
     A chunk of runs at a time, each by a boolean mask of its chunk made run
-    by run (a running sum over every value to make it took 0.26 s of row
-    6's report), where one mask of the whole span was 145 MB of fresh memory
-    (docs/bench.md, "Stop 44").  The int64 copy was 0.9 GB of fresh memory
-    on row 6's trace; an int16 one is a quarter of that, and each later pass
-    over it reads a quarter of the bytes."""
+    by run (not a running sum over every value), where one mask of the
+    whole span was a hundred MB of fresh memory on a large trace.  An int16
+    copy is a quarter of an int64 one, and each later pass over it reads a
+    quarter of the bytes."""
     fits_lo, fits_hi = np.iinfo(out.dtype).min, np.iinfo(out.dtype).max - 1
     span = np.r_[np.diff(at), n[-1:]]  # from a run's start to the next one's
     pos = 0
@@ -319,7 +317,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     # bounds; a read's number also tells two reads of one block in one step
     # apart without a second array (a block read by more than one request)
     # read numbers as int32 where they fit: the per-step scatter and gather
-    # move half the bytes (row 6's scan 0.83-0.92 -> 0.70-0.80 s alone)
+    # move half the bytes
     number = np.int32 if len(block) < 2**31 - 1 else np.int64
     # (and one place past the blocks, never written: where a generation of
     # a block never read looks)
@@ -333,7 +331,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     # are a slice of its chunk's, and the reads per block a bincount of each
     # chunk as it is cast, where the steps in order tile the reads once (else
     # they are counted apart).  A bincount of the int32 blocks cast them
-    # again inside (row 6's scan: 0.15 s of 0.66)
+    # again inside (a fifth of the scan)
     tiled = in_order and len(bounds) and bounds[0] == 0 and bounds[-1] == len(block)
     counted = 0 if tiled else len(block)  # the reads counted so far
     if not tiled:
@@ -348,7 +346,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
     # block out of range: the place past the blocks), and the number of the
     # last read of its block before it (-1: none), taken as the scan passes
     # its start; the idle times follow from those numbers at the end (per
-    # step, a search and six arrays took 0.2 s of row 6's scan)
+    # step, a search and six arrays were a third of the scan)
     g_order = np.argsort(gen_start_ns, kind="stable")
     g_starts = gen_start_ns[g_order]
     g_blocks = gen_block[g_order]
@@ -394,7 +392,7 @@ def _scan(bounds, block, ts_ns, gen_block, gen_start_ns, out_of_range) -> ReadSc
         # sorting, as a read whose number another one overwrote.  Of a
         # block's m reads here exactly one number stayed (they differ), so m
         # is 1 + its overwritten reads, and only those are counted: a count
-        # of the step's every read took 0.18 s of row 6's report
+        # of the step's every read was slower by far
         stale = last_read[b] != here
         if bool(stale.any()):
             u, c = np.unique(b[stale], return_counts=True)

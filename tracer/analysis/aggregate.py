@@ -270,8 +270,7 @@ class Aggregate:
     def to_json(self, **meta) -> dict:
         def sparse(arr):
             # [[block, count], ...] of the counts that are not 0, as Python
-            # ints: two tolist() calls, where a numpy scalar per value was
-            # 0.11 s of row 6's JSON report (docs/bench.md, "Stop 44")
+            # ints: two tolist() calls, not a numpy scalar per value
             nz = np.flatnonzero(arr)
             counts = arr[nz] if arr.dtype.kind in "iu" else arr[nz].astype(np.int64)
             return [[b, n] for b, n in zip(nz.tolist(), counts.tolist())]

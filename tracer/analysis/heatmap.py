@@ -151,7 +151,7 @@ def compute_chunks(chunks, rows: int, cols: int, time_range: tuple, block_range:
         # in time order (the write runs, the read runs, as the ops are):
         # each row's events are a slice, found by a search of its edges, and
         # counted by one bincount each, with no row number, mask or key per
-        # event (row 6's 3.2M write runs: 0.05 -> 0.02 s)
+        # event
         at = np.searchsorted(t_ns, edges).tolist()
         inside = len(blocks) and int(blocks[at[0]:at[-1]].min(initial=b0)) >= b0 and \
             int(blocks[at[0]:at[-1]].max(initial=b0)) < b1

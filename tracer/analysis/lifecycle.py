@@ -81,7 +81,7 @@ def events(ops: stream.OpStream) -> Events:
 
     # each field taken from the ops' table once per op, then repeated: a
     # gather per event from the table's strided columns was most of this
-    # function (row 6's 1.8M events: 0.13 s)
+    # function
     op = o[idx]
     return Events(ts_ns=per_event(op["ts_ns"].astype(np.int64)),
                   kind=per_event(kind_table[op["op"]]),
@@ -212,7 +212,7 @@ def residency(ev: Events) -> dict:
     # inverse (t is a place in time), with no sort; then process by process
     # (one sort of the processes' ranks, where there are several).  Each
     # kind's samples are then those events that have one: three sorts of the
-    # samples by (rank, time) were 0.1 s of row 6's 1.8M block events
+    # samples by (rank, time) were not
     in_time = np.empty(n, np.intp)
     in_time[t] = i
     if len(pids) > 1:
@@ -274,7 +274,7 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
     if limit is not None:
         # the first `limit` requests seen, found before any event is made a
         # Python row: the terminal's view shows 12, and making every event's
-        # row was 0.3 s of row 6's text report (docs/bench.md, "Stop 33").
+        # row was most of a large trace's text report.
         # The order is the one sorted below: time, then event order, a
         # request event first, ties kept in list order (both sorts stable)
         t_first = np.r_[ev.ts_ns[starts], np.array([r[0] for r in requests], np.int64)]
@@ -292,7 +292,7 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
     # event number -1), then in event order, request events in list order
     # (lexsort is stable).  Columns turned to lists once, and each distinct
     # time rounded once: a numpy scalar per field, a key function per row
-    # and a round per event were 0.5 s of row 6's JSON report.
+    # and a round per event were most of this function's time.
     nb = len(starts)
     ts = np.concatenate([ev.ts_ns[starts], np.array([r[0] for r in requests], np.int64)])
     order = np.lexsort((np.concatenate([ev.event[starts], np.full(len(requests), -1)]), ts))
@@ -303,7 +303,7 @@ def timelines(ev: Events, t0_ns: int = 0, names: dict = None, limit: int = None,
     kinds = [abi.LIFE[k] for k in ev.kind[starts].tolist()]
     groups = ev.group[starts].tolist()
     # the blocks of the events kept only (a view that shows 12 requests
-    # needs a few of row 6's 1.7M), each event's a slice of one list
+    # needs a few of a trace's millions), each event's a slice of one list
     per_event = ends - starts
     blocks = stream.gather(ev.block, starts, per_event).tolist()
     last = np.cumsum(per_event)
@@ -340,8 +340,7 @@ def summary(ev: Events) -> dict:
 def _distinct_requests(ev: Events) -> int:
     """How many requests the events name.  An op's events are one request's
     (events() repeats its request per event, in op order), so only each
-    op's first is looked at: one np.unique of the ops, not of every event
-    (row 6's 1.8M: 32 -> 5 ms)."""
+    op's first is looked at: one np.unique of the ops, not of every event."""
     if not len(ev):
         return 0
     first = np.r_[True, ev.event[1:] != ev.event[:-1]]

@@ -218,8 +218,8 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     # start can fall among them (a start is an offset-0 write, which only
     # a run's first write can be, or a move, another op's), so they share
     # a generation, the highest offset is the last one's, and the tokens
-    # they add sum to the run's.  On row 6's trace that is 8.4 times fewer
-    # elements than slot writes (docs/bench.md, "Stop 31").  Only the slots
+    # they add sum to the run's.  A prefill's runs are several times fewer
+    # elements than its slot writes.  Only the slots
     # themselves are gathered per write; a run's op and place in it are
     # found from its first write (an op, its place and the valid slots as
     # arrays per write were 1 GB and a third of this function's time).
@@ -239,10 +239,10 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     # one before it, and at an op's first slot.  The slots are gathered a
     # chunk of ops at a time (no run spans two ops, so none spans two
     # chunks), and only each run's first and last slot are kept: the slots
-    # of every write, and their breaks, were 0.12 GB of fresh memory on row
-    # 6's trace, and a GB first touched costs 0.5-0.8 s of CPU on these VMs
-    # (row 6's first touch: 2-3 us a page; docs/bench.md, "Stop 48"), as the
-    # offsets and shifted slots of every write had before them ("Stop 44")
+    # of every write, and their breaks, were a tenth of a GB of fresh
+    # memory on a large trace, and a GB first touched costs 0.5-0.8 s of CPU
+    # on a VM, as the offsets and shifted slots of every write had before
+    # them
     first_l, first_slot_l, last_slot_l = [], [], []
     for o0, o1 in stream.chunks(w_len, _CHUNK_SLOTS):
         s = stream.gather(cache_ops.values, w_start[o0:o1], w_len[o0:o1])
@@ -317,8 +317,7 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     s_kind, s_op, s_move = s_kind[order], s_op[order], s_move[order]
     G = len(s_block)
     if orphans:
-        # each write's start again, without a second search (row 6's trace:
-        # 0.04 s): a found one's by where it went in the new order, and an
+        # each write's start again, without a second search: a found one's by where it went in the new order, and an
         # orphan's is its block's new start (before any other of the block,
         # so no write that had a start is moved to it)
         place = np.empty(G, np.int64)
@@ -346,7 +345,7 @@ def generations(cache_ops: stream.OpStream, block_size: int) -> Generations:
     # (the running fill of its last run before the move's key) and when it
     # was last used need no order, and are found for all moves at once; the
     # loop keeps only what chains from move to move, in Python ints (a
-    # search and numpy scalars per move were 0.2 s of row 6's report)
+    # search and numpy scalars per move were not)
     last_op = np.maximum(s_op, last_w_op)
     src_gen = _latest_start(s_block, s_key, m_src, m_key, True)
     dst_gen = np.full(len(m_key), -1)
@@ -433,8 +432,8 @@ def _same_values(a: stream.OpStream, b: stream.OpStream) -> bool:
     rest of what generations() depends on).  Compared exactly, a chunk of
     ops at a time, in the caches: a digest of each cache's values (blake2b
     of a gathered copy) read them the same but hashed at 1 GB/s and wrote
-    a fresh copy of each (row 6's two layers: 0.49 -> 0.09 s, docs/bench.md
-    "Stop 44"), and a digest that matched would have been trusted."""
+    a fresh copy of each (five times slower), and a digest that matched
+    would have been trusted."""
     n = a.ops["stop"] - a.ops["start"]  # as b's: the shapes are equal
     for i0, i1 in stream.chunks(n, _COMPARED_VALUES):
         if not np.array_equal(stream.gather(a.values, a.ops["start"][i0:i1], n[i0:i1]),
@@ -479,13 +478,12 @@ def distinct_caches(ops_stream: stream.OpStream, block_sizes: dict) -> list:
     A cache's shape (_shape) is hashed first; its values are compared
     (_same_values) only with the caches that have its shape already.  A
     cache whose shape no other has needs no look at its values: on a trace
-    with lost records the layers' shapes differ (0.8 s of row 6's report,
-    docs/bench.md "Stop 32")."""
+    with lost records the layers' shapes differ."""
     ops = ops_stream.ops
     # per shape, the groups of caches that have it: distinct values each
     shapes = {}
     # each op's (pid, cache_id) as one integer, in their order: np.unique of
-    # the pairs as rows sorts them as bytes (0.1 s of row 6's 116k ops)
+    # the pairs as rows sorts them as bytes, which is slow
     pids, pid_of = np.unique(ops["pid"], return_inverse=True)
     cache_ids, cache_of = np.unique(ops["cache_id"], return_inverse=True)
     pairs, inverse = np.unique(pid_of.reshape(-1) * len(cache_ids) + cache_of.reshape(-1),

@@ -49,14 +49,14 @@ class Report:
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
         self.steps = access_stream.steps_of(ops, self.groups)
         # Two sides, on two threads: numpy lets go of the GIL in its passes,
-        # and the sides take about as long (row 6's JSON report 10.0-10.7 ->
-        # 6.2 s for 0.4 GB more at its peak; docs/bench.md, "Stop 35").
+        # and the sides take about as long (on a large trace's JSON report,
+        # a third less time for 0.4 GB more memory at its peak).
         # Beside: the rows, the plugin tier's events, step_reqs and figures.
         # Here: the generations, then (once the rows are there) the read scan.
         # Where the plugin tier's figures are few (text: the first requests'
         # alone; CSV: none), beside has time to spare, and computes the
-        # generations of the caches that no read scan waits for (row 6's text
-        # report: beside was idle its last 0.85 s; docs/bench.md, "Stop 41")
+        # generations of the caches that no read scan waits for (else beside
+        # sits idle at the end of a text report)
         many_requests = with_lifecycle and timelines is None
         rows_ready, gens_ready, named, split = Future(), Future(), Future(), Future()
 
@@ -97,7 +97,7 @@ class Report:
 
         with ThreadPoolExecutor(1) as beside:
             # beside's rows need nothing of the split, which is made here
-            # meanwhile (beside had waited 0.07 s of row 6's report for it)
+            # meanwhile (beside waited for it when it was made first)
             figures = beside.submit(plugin_side)
             publish(split, generation_groups)
             self.gens = occupancy.computed_groups(split.result()[0])
@@ -111,8 +111,7 @@ class Report:
             self.gens = dict(sorted({**self.gens, **gens_ready.result()}.items(),
                                     key=lambda kv: kv[0]))
             # the rest needs nothing from beside but its step_reqs, and beside's
-            # side takes longer (row 6's JSON: 2.7 against 2.5 s of one CPU),
-            # so it is done meanwhile
+            # side takes longer, so it is done meanwhile
             self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans,
                                         self.gens)
             # what the generations were computed from (a live set may replace it)
@@ -123,8 +122,7 @@ class Report:
             # every request's figures (JSON): what each one wrote and read is
             # most of them, and beside's; the rest (timelines, the residency
             # times, the miss ratio curve) is made here, where this side had
-            # been waiting for beside (row 6's JSON report: 1.5 s,
-            # docs/bench.md "Stop 44"; the residency since "Stop 47")
+            # been waiting for beside
             self.lifecycle = lifecycle_figures(self, None, beside=figures.result) \
                 if many_requests else figures.result()
 
@@ -157,8 +155,8 @@ class Report:
         """(time since start ns, block, slots) of every run of slots a
         complete op wrote to one block, a cache at a time: the runs the
         generations were computed from (one op's consecutive slots in one
-        block; a prefill writes a block's slots in a row, 8.4 slots a run
-        on row 6's trace), blocks beyond tracefile.MAX_BLOCKS left out as
+        block; a prefill writes a block's slots in a row, several slots a
+        run), blocks beyond tracefile.MAX_BLOCKS left out as
         in the histograms.  Only caches with a known block size have
         generations, and only they have blocks."""
         for g in self.gens.values():
@@ -174,8 +172,8 @@ class Report:
         summed over each run of steps that fall in one row of a heatmap of
         `rows` rows over time_range (ns since start), or outside it: the
         heatmap counts such steps' reads alike, so a run is
-        one bincount of its entries (Rows.block_counts) where a pass per
-        read took 3 s of row 6's `report --kind reads` ("Stop 33").
+        one bincount of its entries (Rows.block_counts), not a pass per
+        read (seconds on a large trace's `report --kind reads`).
         Blocks beyond tracefile.MAX_BLOCKS are left out, as in the read
         histograms (which count those out of range)."""
         t0 = int(time_range[0])
@@ -333,7 +331,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
 
         def count(op, flag, side):
             # by op id, not a name made per op (a Python string for each of
-            # row 6's 1M ops took 0.09 s)
+            # a million ops)
             v = values_of(mine & (o["op"] == abi.OPS[op]) & ((o["flags"] & flag) == flag))[side::2]
             return v
 
@@ -348,7 +346,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
         moves[pid] = np.stack([np.bincount(p, minlength=nb).astype(np.uint64) for p in parts])
     op_stats, log2 = {}, {}
     # each (process, op) once, in that order: one np.unique of the two as
-    # one integer, where a set of Python pairs took 0.06 s of row 6's 1M ops
+    # one integer, not a set of Python pairs (one per op)
     pairs = np.unique((o["pid"].astype(np.uint64) << np.uint64(32)) | o["op"].astype(np.uint64))
     for pid, op_id in zip((pairs >> np.uint64(32)).tolist(),
                           (pairs & np.uint64(0xffffffff)).tolist()):
@@ -427,7 +425,7 @@ def stream_reasons(ops: stream.OpStream, trace, agg: Aggregate) -> list:
 def value_counts(a: np.ndarray) -> list:
     """[[value, count], ...] in value order.  Steps (lifetimes, reuse gaps)
     are small non-negative integers, counted by a bincount where np.unique
-    sorted them (row 6's 850k reuse gaps: 32 -> 3 ms)."""
+    sorted them (a tenth of the time on a large trace's reuse gaps)."""
     a = np.asarray(a)
     if len(a) and a.dtype.kind in "iu" and int(a.min()) >= 0 and int(a.max()) < 4 * len(a) + 1024:
         counts = np.bincount(a)
@@ -444,8 +442,7 @@ def _pcts(values) -> list:
     if not len(v):
         return []
     # one call for every percentile: one partition of the values for all of
-    # them, where a call each was 0.06 s of row 6's JSON report (888k idle
-    # times); numpy's interpolation is the same either way
+    # them, not a call each; numpy's interpolation is the same either way
     return [[p, float(x)] for p, x in zip(access_counters.PERCENTILES,
                                           np.percentile(v, access_counters.PERCENTILES))]
 
@@ -510,10 +507,8 @@ def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:
     names = lifecycle.request_names(((rep.trace.end or {}).get("aggregate")) or {})
     requests = lifecycle.timelines(ev, rep.t0, names, limit=timelines,
                                    requests=lifecycle.request_events(rep.ops))
-    # the residency here, while beside makes report_request_access (made beside
-    # after it, it ended row 6's JSON report while this side had waited 0.5
-    # s; here, and with _merged's copies gone, 0.96 of that time:
-    # docs/bench.md, "Stop 47")
+    # the residency here, while beside makes report_request_access (made
+    # beside after it, it ended the JSON report while this side waited)
     res = lifecycle.residency(ev)
     if beside is None:
         per_req, attributed = report_request_access(

@@ -56,7 +56,7 @@ FOLLOW_QUIET_AFTER = 10.0  # seconds without a change
 # it sleeps until the next duty, up to IDLE_POLL_S, on the target's pidfd
 # and a pipe the signal handlers write to: the target's exit and Ctrl-C end
 # the wait at once, and an idle tracer wakes once a scan (every wake-up
-# costs CPU time on a VM: docs/bench.md, row 9).  POLL_S without a pidfd.
+# costs CPU time on a VM).  POLL_S without a pidfd.
 POLL_S = 0.1
 IDLE_POLL_S = 1.0
 

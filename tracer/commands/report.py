@@ -98,8 +98,8 @@ def no_cycle_collection():
     """The cyclic garbage collector paused: the report makes a million
     Python objects (every request's events, in JSON) and keeps them all,
     so its full collections, each a walk over every object alive, found
-    nothing and took 0.54 s of row 6's JSON report (and held the GIL from
-    the other thread meanwhile).  Reference counting still frees what
+    nothing and took half a second of a large trace's JSON report (and
+    held the GIL from the other thread meanwhile).  Reference counting still frees what
     the report drops; the collector is back on when the report is done
     (the fuzz tests run it many times in one process)."""
     was = gc.isenabled()
@@ -136,7 +136,7 @@ def _run(args) -> int:
                          exact_cols=bool(args.resol), kind=args.kind)
         rates = rep.op_rates(time_range=args.time_range)
         # JSON: the document but the plugin tier's figures, serialized while
-        # those are computed (row 6's trace: 0.25 s that followed them)
+        # those are computed, not after them
         parts = json_parts(document(rep, hm, rates)) if args.format == "json" else None
         return hm, rates, parts
 

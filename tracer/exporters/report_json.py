@@ -92,21 +92,21 @@ _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 def json_fragment(value) -> orjson.Fragment:
     """value serialized now, to be copied as it is into write_json's bytes
-    (every request's access columns: 0.1 s at the end of row 6's JSON
-    report, made on the side that computes them; docs/bench.md "Stop 44")."""
+    (every request's access columns, made on the side that computes them,
+    not at the end of the report)."""
     return orjson.Fragment(orjson.dumps(value, option=_JSON_OPTIONS))
 
 
 def write_json(doc: dict, out):
     """The document, compact, on one line.  orjson rather than the standard
-    library's encoder: row 6's 66 MB document in 0.2 s where json.dumps took
-    1.1 s, the same bytes (docs/design.md, "The report's JSON").  A NaN is
+    library's encoder: the same bytes, several times as fast (docs/design.md,
+    "The report's JSON").  A NaN is
     null, where json wrote NaN, which is no JSON.
 
     Written a piece at a time (_json_pieces), the same bytes as one
     orjson.dumps(doc): the whole document as one bytes object, grown as it
-    was made, was the last of row 6's report's fresh memory (66 MB and more,
-    at 2-3 us a page first touched on these VMs; docs/bench.md, "Stop 48")."""
+    was made, was the report's last fresh memory, tens of MB of pages each
+    touched for the first time (microseconds a page on a VM)."""
     # the CLI's stdout notes a failed write; WatchedStdout also knows how to
     # put bytes on any text stream (to its buffer, or decoded without one)
     w = out if isinstance(out, WatchedStdout) else WatchedStdout(out)
@@ -122,9 +122,9 @@ def write_json(doc: dict, out):
     w.write_bytes(b"".join(pending + [b"\n"]))
 
 
-# the items of a long list serialized at once by _json_pieces (row 6's 6000
-# requests in pieces of about 0.7 MB), and the least bytes write_json writes
-# at once (but the last)
+# the items of a long list serialized at once by _json_pieces (thousands of
+# requests go in pieces of under a MB), and the least bytes write_json
+# writes at once (but the last)
 _JSON_LIST_PIECE = 64
 _JSON_WRITE_BYTES = 1 << 20
 

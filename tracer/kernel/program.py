@@ -1,7 +1,7 @@
 """The BPF program, compiled once: bcc's output cached, loaded without LLVM.
 
 bcc compiles bpf/kvtrace.bpf.c with clang and LLVM at run time: about 2 s on
-an idle machine (77% of it LLVM's optimizer, docs/bench.md), and the process
+an idle machine (most of it LLVM's optimizer), and the process
 that does it keeps ~60 MB of LLVM resident.  The program's text depends only
 on its cflags (limits, stacks, index stream, transport), never on the target:
 probe sites are data in the `sites` map.  So the compile is done once per

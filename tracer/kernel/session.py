@@ -100,7 +100,7 @@ WAKE_BY_FILL = 0
 # its head after every record: a target that writes records faster than the
 # callback takes them keeps poll() from returning while that lasts, and
 # under a flood for ever (record to a full disk never saw its write fail,
-# and held 5.9 GB after a minute: docs/bench.md "Stop 32").  So a poll
+# and held gigabytes after a minute).  So a poll
 # that has run DURING_POLL_EVERY_S past its timeout asks the tracing loop
 # (Tracer.during_poll) every _SHED_CHECK_EVERY records whether to stop
 # (Ctrl-C, a failed write), and once IN_POLL_WRITE_BYTES wait for the
@@ -199,7 +199,8 @@ class Tracer:
         # A record per op goes with a stream, whose consumer needs it; without
         # one, every count comes from the maps and nothing would read it
         # (bpf/kvtrace.bpf.c OP_RECORDS).  op_records=True keeps them anyway:
-        # bench row 4 measures what the transports carry.
+        # bench/run.py's carrying-capacity row measures what the transports
+        # carry.
         self.op_records = bool(index_stream) if op_records is None else bool(op_records)
         if self.op_records and not index_stream:
             cflags.append("-DKVTRACE_WITH_OP_RECORDS")
@@ -249,8 +250,8 @@ class Tracer:
         # KVTRACE_EMPTY_PROGRAM=1 puts a program that does nothing on every
         # probe in its place: the same sites, links and semaphores (so the
         # plugin still builds its step's tables), nothing counted.  What any
-        # program at these sites costs the target, whatever it does: bench
-        # row 3's floor under the tracer's own figure (docs/bench.md)
+        # program at these sites costs the target, whatever it does: the
+        # floor under the tracer's own figure in bench/run.py's vLLM row
         self.empty_prog_fd = -1
         if os.environ.get("KVTRACE_EMPTY_PROGRAM", "") not in ("", "0"):
             self.empty_prog_fd = bpf.trivial_program(self.attach_kind,

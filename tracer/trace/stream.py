@@ -107,8 +107,8 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
     run's), are left where they lie, and `values` is that view; the few ops
     whose chunks two batches split are copied to lying_in[room_at:], which
     must be writable and have room for them (else all values are copied).
-    The copy of them all was row 6's 1.2 GB of fresh memory, 0.6-0.7 s
-    before anything else could start (docs/bench.md, "Stop 44")."""
+    The copy of them all was a large trace's size in fresh memory, before
+    anything else could start."""
     if isinstance(batches, RawBatch):
         batches = [batches]
     ev = np.frombuffer(b"".join(b.ops for b in batches), dtype=event_dtype)
@@ -121,8 +121,8 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
     # chunks sorted by (seq, offset), and their values put in that order
     count = hdr["count"].astype(np.int64)
     # by (seq, offset): one stable argsort of the two packed into one integer
-    # where they fit, which the chunks' near order makes quick (row 6's 953k
-    # chunks: 0.07 -> 0.01 s, against np.lexsort's pass per key)
+    # where they fit, which the chunks' near order makes quick (not
+    # np.lexsort's pass per key)
     seq0 = int(hdr["seq"].min()) if len(hdr) else 0
     order = order_by((hdr["seq"] - np.uint64(seq0)).astype(np.int64),
                      hdr["offset"].astype(np.int64), stable=True)
@@ -133,7 +133,7 @@ def decode(batches, event_dtype=EVENT, chunk_dtype=CHUNK_HDR, lying_in=None,
 
     # one group of chunks per seq: where its values are, how many, contiguous?
     # (seq_s is sorted: each group starts where the seq changes, with no
-    # second sort, which np.unique's was: 0.03 s of row 6's 953k chunks)
+    # second sort, which np.unique's was)
     first = np.flatnonzero(np.r_[True, seq_s[1:] != seq_s[:-1]]) if len(seq_s) else \
         np.zeros(0, np.intp)
     useq = seq_s[first]
@@ -219,8 +219,7 @@ def _place(parts, hdrs, count, order, starts_s, total) -> np.ndarray:
     chunks already follow one another there (the common case: one CPU's
     records in order) is one slice copy.  A trace's batches are copied on
     every CPU the process may use: the copy is mostly the kernel handing
-    out fresh pages, which two CPUs do side by side (row 6's 1.1 GB: 0.56
-    -> 0.3 s, docs/bench.md "Stop 33")."""
+    out fresh pages, which two CPUs do side by side."""
     values = np.empty(total, VALUE)
     dest = np.empty(len(order), np.int64)
     dest[order] = starts_s  # each chunk's place, in arrival order
@@ -271,8 +270,7 @@ def gather(values: np.ndarray, starts, lengths) -> np.ndarray:
     """values[ranges(starts, lengths)]: the values of several ops (or rows),
     in order.  Where the ranges are long (a prefill's slot mapping is
     hundreds of slots), one slice each and one concatenate: no index per
-    value to build and read back (the write ops' slots of one of row 6's
-    layers: 13M values in 9.4k ops, 0.10-0.18 -> 0.03 s)."""
+    value to build and read back."""
     n = np.asarray(lengths, dtype=np.int64)
     if len(n) and int(n.sum()) >= _LONG_RANGE * len(n) and int(n.min()) >= 0:
         return np.concatenate([values[a:a + k] for a, k in

@@ -30,8 +30,8 @@ import numpy as np
 import orjson
 # zlib-ng's crc32 is zlib's CRC-32 (the file format's checksum, unchanged)
 # with the CPU's carry-less multiply: 1.5 -> 8.7 GB/s on this VM, where
-# checking row 6's 1.16 GB trace was 0.41 s of every report, on both CPUs,
-# before anything else could start (docs/bench.md, "Stop 36")
+# checking a 1.16 GB trace was 0.41 s of every report, on both CPUs,
+# before anything else could start
 from zlib_ng.zlib_ng import crc32
 
 from .. import __version__, abi
@@ -163,7 +163,8 @@ class Trace:
         if self._ops is None:
             layouts = self.meta["layouts"]
             # the values where they lie in the file, where the writer put them
-            # at multiples of 8 (every file since stop 44's); else copied
+            # at multiples of 8 (every file of this writer; older ones are
+            # copied)
             if self.room is not None:
                 lying_in = np.frombuffer(self.room, stream.VALUE, len(self.room) // 8)
                 room_at = len(self.room) // 2 // 8  # its second half (_map_with_room)
@@ -180,8 +181,8 @@ class Trace:
         the file's shared mapping; the room after it, private memory, is
         left as it is): a read after maps them again from the page cache, so
         nothing is lost.  For the end of a report, in a thread while the
-        output is written: the kernel's unmapping of row 6's 1.2 GB at exit
-        was on the report's clock (docs/bench.md, "Stop 45").  A no-op
+        output is written: the kernel's unmapping of a large trace at exit
+        was on the report's clock.  A no-op
         where the file is not mapped with room, or madvise fails."""
         if self.room is None or self.data is None:
             return
@@ -245,10 +246,9 @@ def _map(f):
     the pages are the page cache's, not this process's heap.  A file that
     cannot be mapped (empty, or on a file system without mmap) is read whole.
     The pages are mapped as the checksums first read them, on every CPU
-    (_checksums), not all at once by MAP_POPULATE in this thread: row 6's
-    trace read in 0.18 s where MAP_POPULATE's one call made it 0.22 s
-    (docs/bench.md, "Stop 45"; with the checksums on one CPU, stop 31 had
-    found MAP_POPULATE cheaper than a fault per page)."""
+    (_checksums), not all at once by MAP_POPULATE in this thread, which
+    was slower once the checksums ran on every CPU (with them on one CPU,
+    MAP_POPULATE had been cheaper than a fault per page)."""
     try:
         return _map_with_room(f)
     except (ValueError, OSError, AttributeError):
@@ -407,7 +407,7 @@ _U32, _U64 = (0, (1 << 32) - 1), (0, (1 << 64) - 1)
 
 def _json(payload) -> dict:
     try:
-        # orjson first: row 6's documents in 0.01 s where json took 0.04 s.
+        # orjson first: a quarter of json's time.
         # What it refuses (NaN, an integer beyond 64 bits, a lone surrogate,
         # anything malformed) json reads, or names the fault of
         doc = orjson.loads(payload)
@@ -590,8 +590,7 @@ def _frames(data, view, pos) -> tuple:
 def _checksums(payloads) -> list:
     """crc32 of each payload, in order, on every CPU the process may use:
     zlib-ng lets go of the GIL for a large buffer, as zlib does, and the
-    checksums were most of reading row 6's trace (zlib's, on one CPU 0.5 s;
-    on two 0.36 s, docs/bench.md "Stop 33")."""
+    checksums were most of reading a large trace."""
     return stream.on_cpus(crc32, payloads)
 
 
@@ -602,7 +601,7 @@ def reuse_freed_memory():
     default glibc gives each allocation over 32 MiB its own mmap and unmaps
     it when freed, so the next one faults in pages the kernel must zero
     again: clear_page was 30% of `report`'s time on a 1.1 GB trace, and
-    system time 40% (docs/bench.md, "Row 6 after stop 23").  Taking every
+    system time 40%.  Taking every
     allocation from the heap, and trimming it only past 2 GiB free, lets a
     freed array's pages serve the next one.  For the short-lived offline
     commands only: the heap's high-water mark is held until exit.  A no-op
@@ -619,8 +618,8 @@ def reuse_freed_memory():
     # arena is heaps of 64 MiB at most, which the settings above do not
     # reach: a large array there is a fresh mapping each time.  The report's
     # second side ran its passes 2-3 times slower than the main thread did
-    # (row 6's rows_of: 0.35 s in the main thread, 0.8-1.1 s beside;
-    # docs/bench.md "Stop 44").  Set before any thread of the process
+    # (a large trace's rows_of: 0.35 s in the main thread, 0.8-1.1 s
+    # beside).  Set before any thread of the process
     # allocates: a thread takes its arena at its first malloc.
     mallopt(-8, 1)
 
@@ -634,11 +633,11 @@ def no_huge_page_advice():
     is "madvise" (as on this VM), a first touch of such memory then
     takes a huge page, compacting memory for it first if none is free.  On
     this project's VM that costs more than it saves once memory is
-    fragmented (after a few large runs): `report --format json` of row 6's
+    fragmented (after a few large runs): `report --format json` of a
     1.2 GB trace, with and without, alternated 3 times: system time
     15.5/10.6/11.2 -> 7.0/7.3/7.4 s, wall 43.1/38.9/43.7 -> 36.0/40.3/34.0 s,
     the same output; decoding alone 2.7-4.5 s -> 1.0 s in one such phase,
-    about equal in another (docs/bench.md, stop 28)."""
+    about equal in another."""
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return
     try:  # numpy 2's place, then numpy 1's
