@@ -37,8 +37,8 @@ $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 
 # The tracer's modules compiled to bytecode now, not at each start: where
 # PYTHONDONTWRITEBYTECODE is set (as on these VMs) Python would otherwise
-# compile every module from source on every attach, about 0.15 s of it
-# (docs/bench.md, row 5).  Not stamped: it redoes only what changed.
+# compile every module from source on every attach, about 0.15 s of it.
+# Not stamped: it redoes only what changed.
 bytecode: venv
 	@$(VENV)/bin/python -m compileall -q tracer
 

@@ -788,8 +788,8 @@ TRACER_PIN = ["taskset", "-c", os.environ["KVTRACE_BENCH_TRACER_CPUS"]] \
     if os.environ.get("KVTRACE_BENCH_TRACER_CPUS") else []
 
 
-# row 3's cycles (--vllm-cycles).  50: detaching in one link's close made a
-# cycle 3.6 s, not 5.7 (stop 38).  The interval of a median ratio narrows as
+# row 3's cycles (--vllm-cycles).  50: a cycle is about 3.6 s (detaching
+# is one link's close per file).  The interval of a median ratio narrows as
 # 1 / sqrt(cycles): at 50 the A/A control's is about 6% wide on a 2-CPU VM
 VLLM_CYCLES = 50
 
@@ -823,7 +823,7 @@ def row_vllm(q, res):
     # generate after an idle spell of a second or more is the slow one (about
     # twice as long here), and attaching and detaching make such a spell
     # before the traced batches and the one after them, where the untraced
-    # batch that follows another does not ("Stop 36" in docs/bench.md)
+    # batch that follows another does not
     steady = {m: [] for m in modes}
     counted = {m: [] for m in modes if modes[m] is not None}  # calls, slots
     tracer_cpu = {m: [] for m in counted}  # the tracer's CPU s/s during the batch
@@ -1205,7 +1205,7 @@ def _timed_child(argv, out_path):
 # whose host takes back the memory the guest leaves free (free page
 # reporting), the first GiBs are pages the guest used a moment ago and
 # the later ones pages the host must give back: the report's system time
-# is mostly such faults (docs/bench.md, "Stop 30").
+# is mostly such faults.
 _TOUCH = """
 import sys, time
 import numpy as np
@@ -1342,7 +1342,7 @@ def table_rows(res):
         if "bpf_run_time_op_records_ns_per_op" in s:
             add("1   with a record per op (-o, --prometheus), 1 slot",
                 s["bpf_run_time_op_records_ns_per_op"], "ns/op")
-        if "bpf_run_time_cold_ns_per_op" in s:  # results from before stop 43 lack it
+        if "bpf_run_time_cold_ns_per_op" in s:  # older results lack it
             add("1 cold (a) compiled out, 1 slot, caches evicted", s["a_cold_ns_per_op"], "ns/op")
             add("1 cold (c) attached, 1 slot, caches evicted", s["c_cold_ns_per_op"], "ns/op")
             add("1 cold (d) empty BPF program, 1 slot, caches evicted", s["d_cold_ns_per_op"],
@@ -1415,7 +1415,7 @@ def table_rows(res):
         add("3 vLLM untraced", s["untraced_tokens_per_s"], "tok/s")
         add("3 vLLM traced (full)", s["full_tokens_per_s"], "tok/s")
         add("3 vLLM traced (calls-only)", s["calls_only_tokens_per_s"], "tok/s")
-        if s.get("empty_tokens_per_s"):  # results from before stop 43 lack it
+        if s.get("empty_tokens_per_s"):  # older results lack it
             add("3 vLLM empty programs", s["empty_tokens_per_s"], "tok/s")
         for name, key in (("full", "full_ratio"), ("calls-only", "calls_only_ratio"),
                           ("untraced (A/A control)", "untraced_again_ratio"),
@@ -1436,7 +1436,7 @@ def table_rows(res):
             add("3 tracer CPU while vLLM runs (empty)", ms(s["empty_tracer_cpu_s_per_s"]),
                 "ms/s")
         for mode, name in (("empty", "empty"), ("full", "full"), ("calls_only", "calls")):
-            if s.get(f"{mode}_bpf_cpu_s_per_s"):  # results from before stop 42 lack it
+            if s.get(f"{mode}_bpf_cpu_s_per_s"):  # older results lack it
                 add(f"3 BPF programs on vLLM's threads ({name})",
                     ms(s[f"{mode}_bpf_cpu_s_per_s"]), "ms/s")
                 add(f"3   their runs a second ({name})", s[f"{mode}_bpf_runs_per_s"], "/s")

@@ -12,7 +12,7 @@ dummy-weight model, token-id prompts, greedy sampling, eager mode), and,
 as there, vLLM's queue readers nap instead of spinning on sched_yield
 (--busy-wait keeps vLLM's way): on a 2-CPU machine the engine core's spin
 takes the CPU the tracer needs, and a batch's time then measures how the
-kernel shares that CPU, not what tracing costs (docs/bench.md, row 3).
+kernel shares that CPU, not what tracing costs.
 
 Run it with the vLLM venv's python:
   .venv-vllm/bin/python bench/vllm_loop.py --model build/tiny-llama
@@ -81,7 +81,7 @@ def main():
             each.append(round(time.perf_counter() - t, 4))
         dt = time.perf_counter() - t0
         # each: every repetition's own time (the first after an idle spell
-        # is the slow one: docs/bench.md, "Stop 36")
+        # is the slow one)
         print(json.dumps({"generate_s": round(dt, 4), "generated_tokens": tokens,
                           "each_s": each}), flush=True)
 

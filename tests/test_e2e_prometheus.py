@@ -482,9 +482,9 @@ def test_generations_begun_before_attach_are_unseen(tmp_path):
     free.  An attach that lands after a repetition's last write and before
     the next one's first (2-3 ms of each 150 ms here) sees every block begin
     afresh: no generation is unseen, ever.  That is the likeliest reading of
-    stop 25's failures (once in CI, once in 27 runs here).  So a run in
-    which generations end but none is unseen within 15 s attaches again, up
-    to three times; a tracer that never counts unseen generations fails all
+    this test's rare failures before (once in CI, once in 27 runs here).  So
+    a run in which generations end but none is unseen within 15 s attaches
+    again, up to three times; a tracer that never counts unseen generations fails all
     three."""
     sim = Kvsim(tmp_path, "default", "--repeat", 100000, "--step-delay-us", 2000, pause=False)
     tracer = None

@@ -144,8 +144,8 @@ def test_letting_go_of_the_files_pages_loses_no_value(tmp_path):
 
 
 def test_a_file_with_values_off_the_8_byte_grid_is_copied(tmp_path, monkeypatch):
-    """A trace from before stop 44 (documents not padded: its values lie
-    off multiples of 8) is decoded by copying, to the same values."""
+    """An older trace (documents not padded: its values lie off multiples
+    of 8) is decoded by copying, to the same values."""
     def unpadded(doc):
         text = json.dumps(doc).encode()
         return text + b" " * ((1 - len(text)) % 8)  # one byte past a multiple of 8
