@@ -62,16 +62,23 @@ $(STAMPS)/vllm-plugin: $(PLUGIN_SRC) $(STAMPS)/vllm-env
 	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm.hooks"
 	@touch $@
 
-# The vLLM fork's tests (docs/fork.md): the pinned vLLM sdist, patched, and
-# the torch/cuBLAS headers and torch CPU libraries its sources are compiled
-# against (pip takes the wheels from the machine's disk; about 1 GiB unpacked).
+# The vLLM fork's tests (docs/fork.md): every release of the matrix
+# (scripts/vllm-releases.txt), its pinned sdist patched, and, once for all of
+# them, the torch/cuBLAS headers and torch CPU libraries their sources are
+# compiled against (pip takes the wheels from the machine's disk; about 1 GiB
+# unpacked), so that a changed patch does not unpack those again.
 FORK_BUILD := build/vllm-fork
+FORK_RELEASES = $(shell awk '!/^\#/ && NF { print $$1 }' scripts/vllm-releases.txt)
 vllm-fork: $(STAMPS)/vllm-fork
-$(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-fork/sdist.env scripts/vllm-fork/sdist-url.py \
-		scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv
-	scripts/build-vllm-fork.sh source $(FORK_BUILD) >/dev/null
-	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python
+$(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-releases.txt scripts/vllm-sdist.sh \
+		scripts/vllm-fork/sdist-url.py $(wildcard scripts/vllm-fork/*/kvtrace-probes.patch) \
+		$(STAMPS)/vllm-fork-deps
+	set -e; for v in $(FORK_RELEASES); do \
+		scripts/build-vllm-fork.sh source $$v $(FORK_BUILD) >/dev/null; done
 	@touch $@
+$(STAMPS)/vllm-fork-deps: scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv
+	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python
+	@mkdir -p $(STAMPS) && touch $@
 
 # Prometheus's checker of the exposition format, for the scrape tests: only
 # its binary, unpacked from the distribution's prometheus package (a second)

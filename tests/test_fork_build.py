@@ -1,7 +1,8 @@
-"""The patched vLLM sources compiled here (no GPU): whole translation units
-by nvcc and g++, their probes as `kvtrace-bpf probes` reads them, and a
-driver that calls the fork's probe sites, traced for real against the
-driver's own ground truth.  tests/fork/Makefile says what is compiled how.
+"""The patched vLLM sources compiled here (no GPU), for every release of
+scripts/vllm-releases.txt: whole translation units by nvcc and g++, their
+probes as `kvtrace-bpf probes` reads them, and a driver that calls the
+fork's probe sites, traced for real against the driver's own ground truth.
+tests/fork/Makefile says what is compiled how.
 
 What needs only g++ (the CPU op, the CUDA sites' host code, the driver and
 its real-BPF trace) is built and tested wherever g++ is: `make setup` brings
@@ -18,7 +19,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from conftest import assert_matches_truth, run_kvtrace
-from fork import DEPS, DRIVER_DIR, OUT, nvcc, patched_tree
+from fork import DEPS, DRIVER_DIR, RELEASES, nvcc, out_dir, patched_tree
 
 pytestmark = pytest.mark.slow
 
@@ -40,30 +41,36 @@ CUDA_OPS = {"reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_ml
 LINE = re.compile(r"^\s+vllm:(\w+)\s+(0x[0-9a-f]+)\s+(sem (0x[0-9a-f]+)|no semaphore)\s+(.*)$")
 
 
-def make_fork(target, nvcc_path="nvcc-not-used"):
-    """tests/fork/Makefile's target (minutes the first time)."""
+def make_fork(release, target, nvcc_path="nvcc-not-used"):
+    """tests/fork/Makefile's target for one release (minutes the first time)."""
     assert (DEPS / "torch-cpu").is_dir(), "run make setup (it unpacks the torch headers)"
-    tree = patched_tree()
+    tree = patched_tree(release)
+    out = out_dir(release)
     r = subprocess.run(["make", "-j2", "-C", str(DRIVER_DIR), f"SRC={tree}", f"DEPS={DEPS}",
-                        f"OUT={OUT}", f"NVCC={nvcc_path}", target],
+                        f"OUT={out}", f"NVCC={nvcc_path}", target],
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return OUT
+    return out
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def built_cpu():
+def built_cpu(release):
     """What needs only g++: never skipped (a missing g++ or header fails)."""
-    return make_fork("cpu")
+    return make_fork(release, "cpu")
 
 
 @pytest.fixture(scope="module")
-def built(built_cpu):
+def built(release, built_cpu):
     """Everything, the nvcc builds included."""
     if nvcc() is None:
         pytest.skip("nvcc not found: the CUDA toolkit is not installed by make setup "
                     "(the g++ builds and the traced driver run without it)")
-    return make_fork("all", nvcc())
+    return make_fork(release, "all", nvcc())
 
 
 def listed_probes(path):

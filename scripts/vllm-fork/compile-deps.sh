@@ -8,7 +8,7 @@
 #   DESTDIR/torch-cpu/torch/{include,lib}  torch 2.13.0+cpu: headers for g++,
 #                                          libc10 + libtorch_cpu for the driver
 #   DESTDIR/torch-cuda/torch/include       torch 2.14.1 (CUDA build): headers
-#                                          for nvcc (vLLM 0.33.0 pins 2.14.0)
+#                                          for nvcc (the releases pin 2.14.0)
 #   DESTDIR/cublas/nvidia/cu13/include     cublas_v2.h (torch_utils.h needs it)
 #
 # Only these members are unpacked and the wheels are deleted afterwards.

@@ -7,8 +7,8 @@
  *   fork_driver --truth FILE
  *
  * What runs:
- *   - cpu_attn_reshape_and_cache: vLLM 0.33.0's own function from the patched
- *     csrc/cpu/cpu_attn.cpp (libvllm_cpu_attn.so), on real CPU tensors of
+ *   - cpu_attn_reshape_and_cache: the vLLM release's own function from its
+ *     patched csrc/cpu/cpu_attn.cpp (libvllm_cpu_attn.so), on real CPU tensors of
  *     torch 2.13.0+cpu.  The driver checks that the KV values landed in the
  *     cache, so the op really ran.
  *   - the CUDA ops' probe sites (libfork_cuda_sites.so, see cuda_sites.h),
