@@ -16,7 +16,7 @@ from rich.segment import Segment
 from rich.style import Style
 
 from .. import abi
-from ..probes import discover, follow, target as target_mod
+from ..probes import activity, discover, follow, target as target_mod
 from ..analysis import lifecycle
 from ..views import live
 from ..exporters import prometheus
@@ -568,10 +568,18 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
 
     out = getattr(args, "cmd_output_path", None)
     note = f"{os.path.basename(args.command[0])}'s output: {out}" if out else ""
+    # until the first op: what the target is doing meanwhile (probes/activity.py)
+    doing = activity.Activity(out)
 
     def view():
-        return _FitScreen(live.render(agg, prev, title=_title(tracer, target),
-                                      width=min(console.width, 120), note=note,
+        width = min(console.width, 120)
+        what = ""
+        if not live.traced_anything(agg):
+            what = doing.line(follower.tree(), discover.comm,
+                              any(p.uprobes for p in tracer.procs.values()),
+                              time.monotonic(), width)
+        return _FitScreen(live.render(agg, prev, title=_title(tracer, target), width=width,
+                                      note="\n".join(x for x in (note, what) if x),
                                       elapsed=time.monotonic() - tracer.started))
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
