@@ -11,12 +11,15 @@ from tracer.probes import activity
 
 def test_words_of_each_state():
     starting = activity.describe((7, "python"), 0.93, False, 3, "")
-    assert starting == ("target starting: none of its 3 processes maps vLLM's library or a "
-                        "probe site yet; 93% of a CPU, most in pid 7 (python)")
+    assert starting == ("target starting: no probe site mapped yet in its 3 processes; "
+                        "93% of a CPU, most in pid 7 (python)")
     busy = activity.describe((9, "VLLM::Worker"), 0.5, True, 4, "INFO loading")
-    assert busy == ("target busy, probes placed, no cache op yet: loading the model or "
-                    "warming up; 50% of a CPU, most in pid 9 (VLLM::Worker)\n"
+    assert busy == ("target busy, probes placed: loading the model or warming up; "
+                    "50% of a CPU, most in pid 9 (VLLM::Worker)\n"
                     "its log's last line: INFO loading")
+    # the longest at vLLM's longest name, 15 characters, fits 120 columns
+    longest = activity.describe((4194304, "VLLM::EngineCor"), 1.0, True, 4, "")
+    assert len(longest) <= 120, longest
     idle = activity.describe((9, "VLLM::Worker"), 0.02, True, 4, "")
     assert idle == "target idle, probes placed: waiting for its first step; 2% of a CPU"
 

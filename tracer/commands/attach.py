@@ -37,10 +37,10 @@ examples:
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   sudo kvtrace-bpf attach -q -p 1234 --prometheus 9472   # /metrics on 127.0.0.1:9472
-  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 5 -- \
+  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 5 -- \\
       tests/target/kvsim --workload prefix        # final figures: next scrape, or 5 s
   sudo kvtrace-bpf attach -p 1234 --cpu 1          # the tracer on CPU 1 only
-  flamegraph.pl --countname=slots kv.folded > kv.svg
+  flamegraph.pl --countname=slots kv.folded > kv.svg   # not in Debian: README, or speedscope
 """
 
 

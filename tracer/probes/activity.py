@@ -68,12 +68,12 @@ def describe(busiest, share: float, probed: bool, nprocs: int, log_line: str,
     whether any process of the tree has probe sites placed; the log line is
     cut to the width."""
     if not probed:
-        what = (f"starting: none of its {nprocs} process{'es' if nprocs != 1 else ''} "
-                "maps vLLM's library or a probe site yet")
+        what = (f"starting: no probe site mapped yet in its {nprocs} "
+                f"process{'es' if nprocs != 1 else ''}")
     elif share < IDLE_SHARE:
         what = "idle, probes placed: waiting for its first step"
     else:
-        what = "busy, probes placed, no cache op yet: loading the model or warming up"
+        what = "busy, probes placed: loading the model or warming up"
     if share >= IDLE_SHARE and busiest is not None:
         what += f"; {share:.0%} of a CPU, most in pid {busiest[0]} ({busiest[1]})"
     else:
