@@ -686,7 +686,9 @@ def prom_run(mode, repeat, tmp):
     scrapes = 0
     try:
         read_until(k.stderr, "paused", 10)
-        extra = () if mode == "quiet" else ("--prometheus", port, "-i", 1)
+        # no linger: the run ends with kvsim, as the CPU figure's span does
+        extra = () if mode == "quiet" else ("--prometheus", port, "-i", 1,
+                                            "--prometheus-linger", 0)
         tp = subprocess.Popen(kvtrace("attach", "-p", k.pid, "-q", *extra), cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         read_until(tp.stderr, "ready after", 120)

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import NOBODY, ROOT, Kvsim, kvtrace_cmd, run_as, semaphore_values, unused_pid
+from conftest import NOBODY, NOBODY_UID, ROOT, Kvsim, kvtrace_cmd, run_as, semaphore_values, unused_pid
 # the real-vLLM workload and its model, from their one home (a fixture too)
 from test_e2e_vllm import Workload
 from tracer.commands.doctor import FAIL, PASS, Check, config_state, exit_code, parse_kernel_config
@@ -145,6 +145,42 @@ def test_doctor_as_nobody_fails_privileges():
     assert checks["BPF program load"] == ("SKIP", "skipped: needs privileges (see below)", "")
     assert checks["BPF callbacks"] == ("SKIP", "skipped: needs privileges (see below)", "")
     assert checks["uprobe links"] == ("SKIP", "skipped: needs privileges (see below)", "")
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o755])
+def test_doctor_as_nobody_says_roots_cache_is_as_it_should_be(tmp_path, monkeypatch, mode):
+    """A cache directory of root's that only root may write (what attach,
+    run as root, makes): a user other than root is told that it is root's
+    and safe, not that others may write it, nor to chown and chmod it
+    into the state it is in.  Root's own doctor uses it."""
+    where = tmp_path / "cache"
+    where.mkdir()
+    where.chmod(mode)
+    assert where.stat().st_uid == 0
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(where))
+    status, detail, fix = checks_of(run_as(NOBODY, "doctor"))["program cache"]
+    assert status == "INFO" and not fix, (status, detail, fix)
+    assert f"{where}: root's (mode {mode:o}), as it should be" in detail, detail
+    assert "euid 65534" in detail and "writable" not in detail, detail
+    status, detail, fix = checks_of(doctor())["program cache"]
+    assert status == PASS and detail.startswith(f"{where}: 0 compiled program(s)"), detail
+
+
+@pytest.mark.parametrize("mode,owner,why", [
+    (0o770, 0, "writable by others than its owner (mode 770)"),
+    (0o700, NOBODY_UID, f"belongs to uid {NOBODY_UID}, not to this user (euid 0"),
+])
+def test_doctor_warns_of_an_unsafe_cache(tmp_path, monkeypatch, mode, owner, why):
+    """A directory others may write, or another user's, is not used: root's
+    doctor says which, with the fix."""
+    where = tmp_path / "cache"
+    where.mkdir()
+    where.chmod(mode)
+    os.chown(where, owner, owner)
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(where))
+    status, detail, fix = checks_of(doctor())["program cache"]
+    assert status == "WARN" and why in detail, detail
+    assert fix.startswith(f"chown root {where} && chmod 700 {where}"), fix
 
 
 def test_doctor_root_without_capabilities_fails_privileges(bpf_env):

@@ -9,7 +9,12 @@ are ready.  A pipe into flamegraph.pl (not installed here) is cut off and
 what would go into it is checked to be folded stacks.  Examples that need a
 running vLLM (`$(pgrep ...)`, `$!`, a fork's library path) are parsed by
 the real argument parser here, and their pgrep expression is run against a
-real vLLM server in test_e2e_vllm.py."""
+real vLLM server in test_e2e_vllm.py.
+
+The README's other commands (make demo, make demo-vllm, the `attach -p`
+recipe on real vLLM, flamegraph.pl's input, the plugin's pip line, kvsim's
+synopsis) each have a test below; test_every_readme_command_is_run checks
+that no command of the README is left without one."""
 
 import argparse
 import os
@@ -19,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +195,225 @@ def run_pid_expression(expr, cwd=ROOT):
     """What the shell puts in place of expr (for the vLLM test)."""
     return subprocess.run(["bash", "-c", f"echo {expr}"], cwd=cwd, capture_output=True,
                           text=True, timeout=30).stdout.strip()
+
+
+# -- every command of the README, not only kvtrace-bpf's ------------------------
+#
+# Each command line of the README's indented blocks is run by one test below
+# (or, for `make test`, is the suite itself), named here by a pattern.  A
+# line that none matches, or a pattern that matches no line, fails
+# test_every_readme_command_is_run: a new recipe comes with its test.
+
+README_COMMAND = re.compile(r"^    (?:sudo )?(?:make |kvtrace-bpf |\.venv|scripts/\S|"
+                            r"flamegraph\.pl |kill |/path/|tests/target/kvsim |curl |npm |"
+                            r"speedscope |git |pip )")
+README_RUN_BY = [
+    (r"(sudo )?(\.venv/bin/)?kvtrace-bpf (?!attach -p \$!$).*", "test_example_works_as_written"),
+    (r"make demo", "test_make_demo"),
+    (r"make test", "the suite itself: .ci/run runs make test"),
+    (r"make demo-vllm", "test_make_demo_vllm"),
+    (r"scripts/make-tiny-model\.py .*|\.venv-vllm/bin/python scripts/vllm-workload\.py .*|"
+     r"sudo \.venv/bin/kvtrace-bpf attach -p \$!|kill -USR1 PID",
+     "test_readme_attach_pid_recipe"),
+    (r"(.* \| )?flamegraph\.pl .*", "test_flamegraph_input_and_where_it_comes_from"),
+    (r"/path/to/venv/bin/pip install --no-build-isolation \./plugin",
+     "test_plugin_install_line_is_what_setup_runs"),
+    (r"tests/target/kvsim --workload .*", "test_kvsim_synopsis_matches_its_help"),
+]
+
+
+def readme_commands():
+    """The README's command lines, comments and continuations folded in."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    return [" ".join(re.split(r"\s#\s", line.strip(), maxsplit=1)[0].split())
+            for line in text.splitlines() if README_COMMAND.match(line)]
+
+
+def readme_block(first):
+    """The README's block of command lines that starts with `first`."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip() == first)
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        block.append(" ".join(re.split(r"\s#\s", line.strip(), maxsplit=1)[0].split()))
+    return block
+
+
+def test_every_readme_command_is_run():
+    commands = readme_commands()
+    assert len(commands) >= 20, commands
+    unmatched = [c for c in commands
+                 if not any(re.fullmatch(p, c) for p, _ in README_RUN_BY)]
+    assert not unmatched, f"README commands that no test runs: {unmatched}"
+    unused = [by for p, by in README_RUN_BY if not any(re.fullmatch(p, c) for c in commands)]
+    assert not unused, f"tests of README commands that are gone: {unused}"
+
+
+def test_make_demo():
+    """`make demo` as the README says: kvsim traced; without a terminal the
+    summary alone (the live view needs one), with counts in it."""
+    r = subprocess.run(["make", "-s", "demo"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "kvtrace-bpf summary (target exited)" in r.stdout, r.stdout[-3000:]
+    assert "counts: exact" in r.stdout and "reshape_and_cache" in r.stdout, r.stdout[-3000:]
+    assert "Traceback" not in r.stderr
+
+
+# flamegraph.pl's own reading of a line (its `my ($stack, $samples) = ...`):
+# a line it does not match, it drops with a warning
+FLAMEGRAPH_LINE = re.compile(r"^(.*)\s+?(\d+(?:\.\d*)?)$")
+
+
+def test_flamegraph_input_and_where_it_comes_from(workdir):
+    """flamegraph.pl comes with neither Debian 12 nor make setup, so its
+    lines cannot run here as written.  What can fail is checked: the file
+    each one reads (kv.folded, as the attach help's example makes it) is
+    folded stacks every line of which flamegraph.pl reads (the piped ones:
+    test_example_works_as_written), and the README says where
+    flamegraph.pl comes from, and the way without it: speedscope."""
+    d, env = workdir
+    lines = [_normalize(l) for sub in SUBCOMMANDS for l in _help_examples(sub)]
+    lines += readme_commands()
+    files = {m for l in lines if l.startswith("flamegraph.pl ")
+             for m in re.findall(r" (\S+\.folded)\b", l)}
+    assert files == {"kv.folded"}, files
+    (maker,) = {l for l in lines if re.match(r"kvtrace-bpf attach .*--folded kv\.folded "
+                                             r"-- tests/target/kvsim", l)}
+    r = subprocess.run(["bash", "-c", maker], cwd=d, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    folded = (d / "kv.folded").read_text().splitlines()
+    assert folded and all(FLAMEGRAPH_LINE.match(l) and ";" in l for l in folded), folded[:5]
+    readme = (ROOT / "README.md").read_text()
+    before = readme[:readme.index("    flamegraph.pl --countname=slots kv.folded")]
+    said = " ".join(before[before.rindex("`--folded FILE`"):].split())
+    for words in ("https://github.com/brendangregg/FlameGraph", "not packaged by Debian",
+                  "speedscope", "https://www.speedscope.app"):
+        assert words in said, (words, said)
+
+
+def test_plugin_install_line_is_what_setup_runs():
+    """The README's pip line for another vLLM environment is the one make
+    setup runs into .venv-vllm (which CI runs), less setup's own flags."""
+    (line,) = [c for c in readme_commands() if "pip install" in c]
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    recipe = " ".join(re.search(r"\$\(VLLM_VENV\)/bin/pip install [^\n]*", makefile)[0].split())
+    for arg in line.split()[1:]:
+        assert arg in recipe.split(), (arg, recipe)
+
+
+def test_kvsim_synopsis_matches_its_help():
+    """The README's kvsim synopsis names only workloads and flags that
+    kvsim's --help has."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("    tests/target/kvsim "))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("     "))
+    line = " ".join(lines[start:end])  # the synopsis's continuation lines too
+    r = subprocess.run([ROOT / "tests" / "target" / "kvsim", "--help"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0
+    usage = r.stdout + r.stderr
+    flags = re.findall(r"--[a-z][-a-z]*", line)
+    assert len(flags) >= 10, flags
+    for flag in flags:
+        assert re.search(rf"^\s+{flag}\b", usage, re.M), flag
+    workloads = re.search(r"--workload (\S+)", line)[1].split("|")
+    listed = re.search(r"--workload NAME\s+(.*?)\n\s+--seed", usage, re.S)[1]
+    assert sorted(workloads) == sorted(w.strip() for w in listed.split("|")), listed
+
+
+# vLLM's log lines start with the process's name or the level: none may land
+# in the live view (the tracer's own "its log's last line: ..." quotes one)
+VLLM_LOG_LINE = re.compile(r"^\s*(\((EngineCore|Worker|MainProcess|APIServer)\b|"
+                           r"(INFO|WARNING|ERROR|DEBUG) \d\d-\d\d )", re.M)
+DOING = re.compile(r"^target (starting|busy|idle)\b", re.M)
+
+
+def _wait_screen(term, pattern, timeout=600, proc_log=None):
+    """The screen's text (history too) once pattern matches it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = term.screen(history=True)
+        if re.search(pattern, text, re.M):
+            return text
+        time.sleep(0.5)
+    tail = proc_log.read_text()[-3000:] if proc_log is not None and proc_log.exists() else ""
+    raise AssertionError(f"{pattern!r} never showed:\n{term.screen(history=True)}\n{tail}")
+
+
+@pytest.mark.vllm
+def test_make_demo_vllm(no_leftovers):
+    """`make demo-vllm` on a terminal: while vLLM starts, the live view
+    says what it is doing; then vLLM's ops are counted, and its log lines
+    stay out of the view; Ctrl-C gives the summary."""
+    from test_e2e_stdout_stderr import Tmux
+
+    command = (f"export PYTHONPATH={shlex.quote(str(ROOT))}; cd {shlex.quote(str(ROOT))} && "
+               "make -s demo-vllm; echo KVTRACE-EXITED; sleep 600")
+    term = Tmux("kvtrace-test-demo-vllm", command, 120, 50)
+    # make dies of the Ctrl-C once the tracer has ended (as make does), and
+    # the shell with it: the pane stays, with what the tracer printed
+    subprocess.run(["tmux", "set-option", "-t", term.name, "remain-on-exit", "on"], check=True)
+    try:
+        _wait_screen(term, DOING.pattern)
+        _wait_screen(term, r"^ cpu_attn_reshape_and_cache +[1-9]")
+        seen = term.screen(history=True)
+        term.keys("C-c")
+        # the tracer's last line: the command's output file, named
+        text = _wait_screen(term, r"^kvtrace-bpf: python's output is in ", timeout=300)
+    finally:
+        term.kill()
+    assert not VLLM_LOG_LINE.search(seen), seen
+    assert "kvtrace-bpf summary (SIGINT)" in text and "Traceback" not in text, text
+
+
+@pytest.mark.vllm
+def test_readme_attach_pid_recipe(tmp_path, no_leftovers):
+    """The README's `attach -p` recipe, its lines run as written (sudo
+    dropped: the suite runs as root) from a directory laid out as the
+    checkout: vLLM's output goes to vllm.log, never into the live view,
+    which meanwhile says what vLLM is doing and, at the end, the log's
+    READY line the README tells the user to wait for; the README's kill
+    line with that line's pid (from a second shell) starts the workload,
+    which generates and exits, and the tracer ends with it."""
+    from test_e2e_stdout_stderr import Tmux
+
+    recipe = readme_block("scripts/make-tiny-model.py build/tiny-llama")
+    assert len(recipe) == 3 and recipe[-1] == "sudo .venv/bin/kvtrace-bpf attach -p $!", recipe
+    (kill_line,) = [c for c in readme_commands() if c.startswith("kill -USR1 ")]
+    assert kill_line == "kill -USR1 PID", kill_line
+    for name in ("scripts", ".venv", ".venv-vllm"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "build").mkdir()
+    script = tmp_path / "recipe.sh"  # run by its path: no shell's command line names vLLM
+    script.write_text(f"export PYTHONPATH={shlex.quote(str(ROOT))}\n"
+                      + "\n".join(re.sub(r"^sudo ", "", l) for l in recipe)
+                      + "\necho KVTRACE-EXITED $?\nsleep 600\n")
+    log = tmp_path / "vllm.log"
+    term = Tmux("kvtrace-test-readme-p", f"cd {shlex.quote(str(tmp_path))} && bash recipe.sh",
+                120, 50)
+    try:
+        _wait_screen(term, DOING.pattern, proc_log=log)
+        ready = _wait_screen(term, r"^its log's last line: READY (\d+)$", proc_log=log)
+        pid = int(re.findall(r"^its log's last line: READY (\d+)$", ready, re.M)[-1])
+        assert f"READY {pid}" in log.read_text()
+        # the workload, started by the README's line: the shell's $!
+        assert open(f"/proc/{pid}/cmdline").read().split("\0")[1] == \
+            "scripts/vllm-workload.py"
+        seen = term.screen(history=True)
+        subprocess.run(["bash", "-c", kill_line.replace("PID", str(pid))], cwd=tmp_path,
+                       check=True, timeout=30)
+        text = _wait_screen(term, "KVTRACE-EXITED", proc_log=log)
+    finally:
+        term.kill()
+    assert not VLLM_LOG_LINE.search(seen + text), seen + text
+    assert "KVTRACE-EXITED 0" in text, text
+    summary = text[text.index("kvtrace-bpf summary (target exited)"):]
+    assert re.search(r"^ cpu_attn_reshape_and_cache +[1-9]", summary, re.M), summary
+    assert "Traceback" not in text
 
 
 assert Path(__file__).parent == ROOT / "tests"

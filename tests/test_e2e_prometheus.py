@@ -166,7 +166,8 @@ def test_scrape_matches_truth_and_window_histograms(tmp_path, workload):
     sim = Kvsim(tmp_path, workload, "--rounds", 2)
     tracer = None
     try:
-        tracer = Tracer("-q", "-p", sim.pid, "-i", interval, "--prometheus", port)
+        tracer = Tracer("-q", "-p", sim.pid, "-i", interval, "--prometheus", port,
+                        "--prometheus-linger", 0)
         tracer.wait_attached()
         assert f"metrics on http://127.0.0.1:{port}/metrics" in tracer.early_err
         # the snapshot taken before kvsim starts: the window's start
@@ -225,7 +226,8 @@ def test_scrapes_during_the_run_then_truth(tmp_path):
     sim = Kvsim(tmp_path, "default", "--rounds", 2, "--step-delay-us", 20000)
     tracer = None
     try:
-        tracer = Tracer("-q", "-p", sim.pid, "-i", 0.2, "--prometheus", f"127.0.0.1:{port}")
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 0.2, "--prometheus", f"127.0.0.1:{port}",
+                        "--prometheus-linger", 0)
         tracer.wait_attached()
         scrape_after(port, 0)
         sim.go()
@@ -324,7 +326,7 @@ def test_residency_histograms_match_kvsim_and_the_recording(tmp_path, recorded):
     tracer = None
     try:
         tracer = Tracer("-q", "-p", sim.pid, "-i", 0.2, "--prometheus", port,
-                        *(("-o", trace) if recorded else ()))
+                        "--prometheus-linger", 0, *(("-o", trace) if recorded else ()))
         tracer.wait_attached()
         sim.go()
         read_line(sim.proc.stderr, "paused", 60)  # round 1 done, truth written
@@ -365,7 +367,7 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
     every counter and residency histogram equal to kvsim's truth, events of
     its last second included (the live path holds events back HOLD_S).
     The interval outlasts the run, so the only snapshot with counts in it
-    is the one published after the drain.  A signal ends the wait."""
+    is the one published after the drain.  That scrape ends the wait."""
     port = free_port()
     trace = tmp_path / "run.kvt"
     sim = Kvsim(tmp_path, "prefix", "--blocks", 96, "--repeat", 2, "--step-delay-us", 3000)
@@ -380,17 +382,16 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
         sim.go()
         assert sim.wait() == 0
         said = "".join(read_line(tracer.proc.stderr, "serving the final metrics", 60))
-        assert f"for {linger} s more" in said, said
+        assert f"until the next scrape, at most {linger} s" in said, said
         m, text = scrape(port)
         truth = sim.truth()
         assert_counters_match(m, truth, sim.pid)
         assert_residency_matches(m, truth, {"pid": str(sim.pid), "role": "other"})
         assert assert_generation_fill(m, truth, sim.pid) > 0
         promtool_check(text)
-        tracer.proc.send_signal(signal.SIGINT)
-        # well before the linger's end: the signal ended it
         rc, out, err = tracer.finish(timeout=linger // 2)
         assert rc == 0, err
+        assert "a scrape fetched the final metrics: endpoint closed" in err, err
         assert "Traceback" not in err
     finally:
         if tracer is not None:
@@ -411,6 +412,70 @@ def test_final_figures_served_after_the_target_exits(tmp_path):
         acc["utilization_overall"])
     assert value(m, "kvtrace_internal_fragmentation_ratio", **g) == pytest.approx(
         1 - acc["utilization_overall"])
+
+
+def test_last_scrape_is_the_whole_run_by_default(tmp_path):
+    """A scraper every 0.3 s, scraping until the endpoint is gone; no
+    --prometheus-linger given.  The endpoint stays up after kvsim exits
+    until one scrape fetched the final figures: the last scrape equals
+    kvsim's own counts, and the tracer ends on its own, saying so.  With
+    -i 600 the only snapshot with counts is the final one, so an endpoint
+    that closes with the target leaves the last scrape at 0."""
+    port = free_port()
+    # as in the residency test above: blocks reused, spread over buckets
+    sim = Kvsim(tmp_path, "prefix", "--blocks", 96, "--repeat", 2, "--step-delay-us", 3000)
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 600, "--prometheus", port)
+        tracer.wait_attached()
+        sim.go()
+        scrapes = []
+        while True:
+            # bounded: the default wait is 60 s, and each scrape ends it
+            assert len(scrapes) < 2000, "the endpoint never closed"
+            try:
+                scrapes.append(scrape(port))
+            except OSError:  # refused, or reset: the endpoint is gone
+                break
+            time.sleep(0.3)
+        rc, out, err = tracer.finish(timeout=120)
+        assert sim.wait() == 0
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        sim.kill()
+    assert rc == 0, err
+    assert "Traceback" not in err
+    assert len(scrapes) >= 2  # one before kvsim ended, and the final one
+    m, text = scrapes[-1]
+    truth = sim.truth()
+    assert value(m, "kvtrace_slots_written_total", pid=sim.pid) == truth["slots_written"] > 0
+    assert_counters_match(m, truth, sim.pid)
+    assert_residency_matches(m, truth, {"pid": str(sim.pid), "role": "other"})
+    promtool_check(text)
+    assert "a scrape fetched the final metrics" in err, err
+
+
+def test_linger_ends_without_a_scrape(tmp_path):
+    """Nobody scrapes: the endpoint closes after --prometheus-linger
+    seconds and says so; a signal ends a long wait at once (the tracer is
+    gone long before 120 s)."""
+    port = free_port()
+    r = run_kvtrace("attach", "-q", "--prometheus", port, "--prometheus-linger", 1, "--",
+                    KVSIM, "--workload", "default", "--quiet", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "until the next scrape, at most 1 s" in r.stderr, r.stderr
+    assert "no scrape came within 1 s: endpoint closed" in r.stderr, r.stderr
+    tracer = Tracer("-q", "--prometheus", port, "--prometheus-linger", 120, "--",
+                    KVSIM, "--workload", "default", "--quiet")
+    try:
+        read_line(tracer.proc.stderr, "serving the final metrics", 120)
+        tracer.proc.send_signal(signal.SIGINT)
+        rc, out, err = tracer.finish(timeout=60)
+    finally:
+        tracer.kill()
+    assert rc == 0, err
+    assert "endpoint closed" not in err and "Traceback" not in err, err
 
 
 def generation_fill_want(truth):
@@ -465,8 +530,7 @@ def test_generation_fill_matches_kvsim(tmp_path, workload):
                 "swap": {"write", "swap_in"}}[workload[0]] == kinds, kinds
         assert value(m, "kvtrace_exact") == 1
         promtool_check(text)
-        tracer.proc.send_signal(signal.SIGINT)
-        rc, out, err = tracer.finish(timeout=60)
+        rc, out, err = tracer.finish(timeout=60)  # that scrape ended the wait
         assert rc == 0, err
     finally:
         tracer.kill()
@@ -493,7 +557,8 @@ def test_generations_begun_before_attach_are_unseen(tmp_path):
         time.sleep(1.0)  # blocks in use, with generations begun
         for _ in range(3):
             port = free_port()
-            tracer = Tracer("-q", "-p", sim.pid, "-i", 0.3, "--prometheus", port)
+            tracer = Tracer("-q", "-p", sim.pid, "-i", 0.3, "--prometheus", port,
+                            "--prometheus-linger", 0)
             tracer.wait_attached()
 
             def mine(m, name):  # 0 until kvsim's first write op is seen
@@ -532,7 +597,8 @@ def test_no_plugin_tier_no_residency_series(tmp_path):
     subprocess.run(["make", "-s", "-C", ROOT / "bench"], check=True)
     port = free_port()
     truth = tmp_path / "truth.json"
-    tracer = Tracer("-q", "-i", 0.2, "--prometheus", port, "--", ROOT / "bench" / "kvbench",
+    tracer = Tracer("-q", "-i", 0.2, "--prometheus", port, "--prometheus-linger", 0, "--",
+                    ROOT / "bench" / "kvbench",
                     "rate", "--slots", 64, "--rate", 200000, "--duration-ms", 4000,
                     "--truth", truth)
     try:
@@ -619,7 +685,8 @@ def test_vllm_scraped_during_generation_equals_the_identities(tmp_path, tiny_mod
     wl = Workload(tmp_path, tiny_model, "--rounds", 2)
     tracer = None
     try:
-        tracer = Tracer("-q", "-p", wl.pid, "-i", 0.5, "--prometheus", port)
+        tracer = Tracer("-q", "-p", wl.pid, "-i", 0.5, "--prometheus", port,
+                        "--prometheus-linger", 0)
         tracer.wait_attached(timeout=180)
         wl.go()
         scrapes = 0

@@ -4,7 +4,10 @@ summary replaces it (the header line used to show twice after Ctrl-C on a
 screen shorter than the view).  Real BPF, real kvsim; the terminal is a
 real one too (tmux, which `make setup` installs)."""
 
+import os
+import re
 import shlex
+import signal
 import subprocess
 import time
 
@@ -83,3 +86,65 @@ def test_ctrl_c_on_a_terminal_leaves_one_header(height):
     assert text.count("kvtrace-bpf  pid") == 0, text  # no live frame left behind
     assert text.count("tracing pid") == 1 and text.count("ready after") == 1, text
     assert "Traceback" not in text
+
+
+def _attach_in_tmux(name, *args):
+    command = " ".join(shlex.quote(str(a)) for a in kvtrace_cmd("attach", "-i", "0.3", *args))
+    return Tmux(name, f"cd {shlex.quote(str(ROOT))} && {command}; "
+                "echo KVTRACE-EXITED $?; sleep 600", 110, 50)
+
+
+def test_live_view_says_what_a_command_does_before_its_first_op(tmp_path):
+    """-- CMD: before the first op the live view says what the target is
+    doing, not only "(no ops yet)": starting (a shell that spins until
+    told, as vLLM imports for a minute before it maps its library), then
+    idle with its probes placed (kvsim --pause), with the last line of its
+    output file; the first op ends it, and the summary has none of it."""
+    go = tmp_path / "go"
+    script = (f"while [ ! -e {shlex.quote(str(go))} ]; do :; done; "
+              f"exec {shlex.quote(str(KVSIM))} --workload default --pause")
+    term = _attach_in_tmux("kvtrace-test-doing-cmd", "--", "sh", "-c", script)
+    try:
+        term.wait_for("target starting: no probe site mapped yet in its 1 process; ")
+        go.touch()
+        term.wait_for("target idle, probes placed: waiting for its first step; ")
+        said = re.search(r"its log's last line: kvsim: pid (\d+) paused, send SIGUSR1 to start",
+                         term.wait_for("its log's last line: kvsim: pid"))
+        assert said, term.screen()
+        os.kill(int(said.group(1)), signal.SIGUSR1)
+        text = term.wait_for("KVTRACE-EXITED")
+    finally:
+        term.kill()
+    assert "KVTRACE-EXITED 0" in text, text
+    summary = text[text.index("kvtrace-bpf summary (target exited)"):]
+    assert "target idle" not in summary and "its log's last line" not in summary, summary
+
+
+def test_live_view_says_what_a_pid_does_before_its_first_op(tmp_path):
+    """-p: the same for a running process whose output goes to a file (as
+    the README's -p recipe starts vLLM): idle, probes placed, and the last
+    line of that file."""
+    log = tmp_path / "kvsim.log"
+    with open(log, "w") as out:
+        sim = subprocess.Popen([str(KVSIM), "--workload", "default", "--pause"],
+                               stdout=out, stderr=out)
+    term = None
+    try:
+        deadline = time.monotonic() + 30
+        while "paused" not in log.read_text():
+            assert time.monotonic() < deadline and sim.poll() is None, log.read_text()
+            time.sleep(0.1)
+        term = _attach_in_tmux("kvtrace-test-doing-pid", "-p", sim.pid)
+        term.wait_for("target idle, probes placed: waiting for its first step; ")
+        term.wait_for(f"its log's last line: kvsim: pid {sim.pid} paused, send SIGUSR1 "
+                      "to start")
+        sim.send_signal(signal.SIGUSR1)
+        assert sim.wait(60) == 0
+        text = term.wait_for("KVTRACE-EXITED")
+    finally:
+        if term is not None:
+            term.kill()
+        if sim.poll() is None:
+            sim.kill()
+            sim.wait()
+    assert "KVTRACE-EXITED 0" in text, text

@@ -218,7 +218,7 @@ def test_cache_directory_of_another_owner_is_not_used(tmp_path, monkeypatch):
     os.chown(where, 12345, 12345) if os.geteuid() == 0 else pytest.skip("needs root to chown")
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(where))
     path, why = cache.directory()
-    assert path is None and "uid 12345" in why
+    assert path is None and "belongs to uid 12345, not to this user (euid 0" in why
 
 
 def test_cache_off(monkeypatch):

@@ -31,10 +31,21 @@ def directory():
         st = os.stat(path)
     except OSError as e:
         return None, f"{path}: {e.strerror}"
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        return None, (f"{path} is writable by others than this user (owner uid "
-                      f"{st.st_uid}, mode {st.st_mode & 0o777:o})")
-    return Path(path), None
+    why = unsafe(st)
+    return (None, f"{path} {why}") if why else (Path(path), None)
+
+
+def unsafe(st, euid=None):
+    """Why a directory of this stat is not for this user's cache, or ''.
+    Its owner's write is fine when the owner is this user; a group's or
+    anyone's is not."""
+    euid = os.geteuid() if euid is None else euid
+    if st.st_mode & 0o022:
+        return f"is writable by others than its owner (mode {st.st_mode & 0o777:o})"
+    if st.st_uid != euid:
+        return (f"belongs to uid {st.st_uid}, not to this user (euid {euid}; "
+                f"mode {st.st_mode & 0o777:o})")
+    return ""
 
 
 def load(name: str):

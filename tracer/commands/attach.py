@@ -16,7 +16,7 @@ from rich.segment import Segment
 from rich.style import Style
 
 from .. import abi
-from ..probes import discover, follow, target as target_mod
+from ..probes import activity, discover, follow, target as target_mod
 from ..analysis import lifecycle
 from ..views import live
 from ..exporters import prometheus
@@ -37,10 +37,10 @@ examples:
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
   sudo kvtrace-bpf attach -q -p 1234 --prometheus 9472   # /metrics on 127.0.0.1:9472
-  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 5 -- \
-      tests/target/kvsim --workload prefix        # final figures served 5 s more
+  sudo kvtrace-bpf attach -q --prometheus --prometheus-linger 5 -- \\
+      tests/target/kvsim --workload prefix        # final figures: next scrape, or 5 s
   sudo kvtrace-bpf attach -p 1234 --cpu 1          # the tracer on CPU 1 only
-  flamegraph.pl --countname=slots kv.folded > kv.svg
+  flamegraph.pl --countname=slots kv.folded > kv.svg   # not in Debian: README, or speedscope
 """
 
 
@@ -59,6 +59,10 @@ FOLLOW_QUIET_AFTER = 10.0  # seconds without a change
 # costs CPU time on a VM).  POLL_S without a pidfd.
 POLL_S = 0.1
 IDLE_POLL_S = 1.0
+# --prometheus-linger's default: one interval of Prometheus's default
+# scrape_interval (1m), so that a scraper at its default sees the final
+# figures; the next scrape ends the wait sooner
+PROMETHEUS_LINGER_S = 60.0
 
 
 # The per-block counters are one BPF array of --max-layers rows of
@@ -133,10 +137,12 @@ def add_parser(sub):
                    help="serve Prometheus metrics on http://ADDR:PORT/metrics while "
                    f"tracing (ADDR defaults to {prometheus.DEFAULT_ADDR}; the flag alone: "
                    f"port {prometheus.DEFAULT_PORT}; docs/metrics.md)")
-    p.add_argument("--prometheus-linger", type=non_negative_float, default=0.0, metavar="S",
+    p.add_argument("--prometheus-linger", type=non_negative_float, default=None,
+                   metavar="S",
                    help="--prometheus: when the target exits, serve its final figures "
-                   "for S seconds more, so that the scraper's next scrape sees them "
-                   "(default 0: stop at once; Ctrl-C ends the wait)")
+                   "until one more scrape has fetched them, or S seconds have passed "
+                   f"(default {PROMETHEUS_LINGER_S:g}: Prometheus's default scrape "
+                   "interval; 0: stop at once; Ctrl-C ends the wait)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and trace it")
     p.set_defaults(run=run)
@@ -166,7 +172,7 @@ def _validate(args):
     # `record` shares run() and has no --prometheus
     args.prometheus_at = prometheus.parse_endpoint(args.prometheus) \
         if getattr(args, "prometheus", None) else None
-    if getattr(args, "prometheus_linger", 0) and not args.prometheus_at:
+    if getattr(args, "prometheus_linger", None) is not None and not args.prometheus_at:
         raise UsageError("--prometheus-linger goes with --prometheus")
     if not index_stream(args):
         # plain attach sends no per-op record (docs/design.md): a buffer's
@@ -219,7 +225,7 @@ def run(args) -> int:
     if getattr(args, "cpu", None):
         os.sched_setaffinity(0, args.cpu)
     # imported here so that `--help` and `probes` work without bcc
-    from ..kernel.session import Tracer, check_privileges
+    from ..kernel.session import check_privileges
 
     check_privileges()
     exporter = server = residency = None
@@ -248,6 +254,19 @@ def run(args) -> int:
         stop["reason"] = stop["signal"] = signal.Signals(signum).name
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args, t_start, stop, exporter, server, residency, follower)
+    finally:
+        # last: the endpoint stays up through the summary and the linger
+        if server is not None:
+            prometheus.stop_server(server)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
+    from ..kernel.session import Tracer
+
     tracer = target = recorder = None
     traced = False  # the loop ended without an exception
     try:
@@ -289,12 +308,8 @@ def run(args) -> int:
             target.end_child()
             target.close()
         _drop_if_empty(args)
-        if server is not None:
-            if traced:
-                _serve_final(args, tracer, exporter, recorder, stop)
-            prometheus.stop_server(server)
-        for s, h in old.items():
-            signal.signal(s, h)
+        if server is not None and traced:
+            _publish_final(tracer, exporter, recorder)
     try:
         rc = _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
@@ -303,15 +318,16 @@ def run(args) -> int:
         _say(f"{os.path.basename(args.command[0])}'s output is in {args.cmd_output_path}")
     elif getattr(args, "cmd_output_dropped", False):
         _say(f"{os.path.basename(args.command[0])} wrote no output")
+    if server is not None:
+        _linger(args, exporter, stop)
     return rc
 
 
-def _serve_final(args, tracer, exporter, recorder, stop):
+def _publish_final(tracer, exporter, recorder):
     """--prometheus after detach: publish the figures of the whole run,
     with the residency samples the live path still held back (HOLD_S; none
-    can come after the drain), and, when the target exited, keep serving
-    them --prometheus-linger seconds (a signal ends the wait).  Else the
-    last interval and second never reach a scraper."""
+    can come after the drain).  Else the last interval and second never
+    reach a scraper."""
     tracer.drain()
     if recorder is not None:
         recorder.tick(force=True)  # first: with -o, its take feeds the residency's tap
@@ -319,13 +335,33 @@ def _serve_final(args, tracer, exporter, recorder, stop):
         exporter.residency.tick(force=True, now_ns=time.monotonic_ns() +
                                 int(lifecycle.LiveResidency.HOLD_S * 1e9) + 1)
     exporter.publish_final(_aggregate(tracer))
-    linger = getattr(args, "prometheus_linger", 0)
-    if not linger or stop["reason"] != "target exited":
+
+
+def _linger(args, exporter, stop):
+    """When the target exited, keep the final figures up until a scrape's
+    response with them was sent, or --prometheus-linger seconds passed:
+    a scraper that comes every N s would else miss the run's last N s.
+    A signal ends the wait; a stop by signal or --duration never waits."""
+    linger = args.prometheus_linger
+    if linger is None:
+        linger = PROMETHEUS_LINGER_S
+    if not linger or stop["reason"] != "target exited" or not exporter.final.is_set():
         return
-    _say(f"target exited: serving the final metrics for {linger:g} s more (Ctrl-C ends it)")
+    if exporter.final_scraped.is_set():
+        _say("target exited: a scrape fetched the final metrics")
+        return
+    _say(f"target exited: serving the final metrics until the next scrape, at most "
+         f"{linger:g} s (Ctrl-C ends it)")
     end = time.monotonic() + linger
-    while stop["signal"] is None and time.monotonic() < end:
-        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+    while stop["signal"] is None and not exporter.final_scraped.is_set():
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        exporter.final_scraped.wait(min(0.1, left))
+    if exporter.final_scraped.is_set():
+        _say("a scrape fetched the final metrics: endpoint closed")
+    elif stop["signal"] is None:
+        _say(f"no scrape came within {linger:g} s: endpoint closed")
 
 
 def _open_recorder(args, tracer, target):
@@ -532,10 +568,18 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
 
     out = getattr(args, "cmd_output_path", None)
     note = f"{os.path.basename(args.command[0])}'s output: {out}" if out else ""
+    # until the first op: what the target is doing meanwhile (probes/activity.py)
+    doing = activity.Activity(out)
 
     def view():
-        return _FitScreen(live.render(agg, prev, title=_title(tracer, target),
-                                      width=min(console.width, 120), note=note,
+        width = min(console.width, 120)
+        what = ""
+        if not live.traced_anything(agg):
+            what = doing.line(follower.tree(), discover.comm,
+                              any(p.uprobes for p in tracer.procs.values()),
+                              time.monotonic(), width)
+        return _FitScreen(live.render(agg, prev, title=_title(tracer, target), width=width,
+                                      note="\n".join(x for x in (note, what) if x),
                                       elapsed=time.monotonic() - tracer.started))
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \

@@ -289,6 +289,19 @@ def check_program_cache() -> Check:
     if not os.path.isdir(path):
         return Check("program cache", INFO, f"{path} does not exist yet: the first attach "
                      "compiles the BPF program (seconds) and caches it there")
+    euid = os.geteuid()
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return Check("program cache", WARN, f"{path}: {e.strerror}: every attach compiles "
+                     "the BPF program (seconds)", fix=f"KVTRACE_CACHE_DIR, or remove {path}")
+    if euid != 0 and st.st_uid == 0 and not cache.unsafe(st, euid=0):
+        # as it should be: attach runs as root (sudo), and root's cache is
+        # for root alone; this user could not use it, and need not
+        return Check("program cache", INFO, f"{path}: root's (mode "
+                     f"{st.st_mode & 0o777:o}), as it should be: an attach as root (sudo) "
+                     "loads the compiled program from it. An attach as this user (euid "
+                     f"{euid}) would not use it, and compile (seconds)")
     where, why = cache.directory()
     if where is None:
         return Check("program cache", WARN, f"not used ({why}): every attach compiles "

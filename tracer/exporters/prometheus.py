@@ -16,6 +16,7 @@ import ipaddress
 import math
 import shlex
 import socket
+import threading
 import time
 
 import numpy as np
@@ -92,7 +93,42 @@ def start_server(host, port, exporter):
             raise EnvironmentProblem(f"--prometheus {where}: not allowed to bind "
                                      f"port {port}") from None
         raise EnvironmentProblem(f"--prometheus {where}: {e.strerror or e}") from None
+    server.set_app(_counting(server.get_app(), exporter))
     return server
+
+
+class _Sent:
+    """A response body that tells the exporter once it was sent: wsgiref
+    writes each chunk to the socket before it asks for the next, and calls
+    close() at the end, also when the client went away midway (not sent)."""
+
+    def __init__(self, body, on_sent):
+        self.body, self.on_sent, self.done = body, on_sent, False
+
+    def __iter__(self):
+        yield from self.body
+        self.done = True
+
+    def close(self):
+        if self.done:
+            self.on_sent()
+
+
+def _counting(app, exporter):
+    """The metrics app, telling the exporter about each scrape whose
+    response held the final snapshot (Exporter.final_scraped)."""
+
+    def counted(environ, start_response):
+        # read before the app runs: publish_final() swaps the snapshot in
+        # before it sets `final`, so this scrape formats the final one
+        final = exporter.final.is_set()
+        body = app(environ, start_response)
+        if not final or environ.get("REQUEST_METHOD") != "GET" or \
+                environ.get("PATH_INFO") == "/favicon.ico":
+            return body
+        return _Sent(body, exporter.final_scraped.set)
+
+    return counted
 
 
 def stop_server(server):
@@ -235,6 +271,11 @@ class Exporter:
         self._last_window = {}  # (pid, group) -> (working set, tokens held, utilization)
         self._roles = {}  # pid -> role, once it is not 'other'
         self._last_agg = None  # the last published Aggregate: the final window's start
+        # set once the whole run's snapshot is served (publish_final), and
+        # once a scrape's response with it was sent: attach keeps the
+        # endpoint up until then, or --prometheus-linger seconds
+        self.final = threading.Event()
+        self.final_scraped = threading.Event()
 
     # -- the loop's side -------------------------------------------------
 
@@ -305,6 +346,7 @@ class Exporter:
         """After detach and drain: the whole run's counts, its last window
         since the last refresh."""
         self.publish(agg, self._last_agg)
+        self.final.set()
 
     def _role(self, p):
         """The role by the process's comm now: vLLM renames its engine and
