@@ -125,12 +125,16 @@ class _Ctx:
     """Set by KVCacheManager.allocate_slots (request, pool) and, inside it, by
     the single-type manager methods that take blocks for one KV-cache group.
     The scheduler runs in one thread of the EngineCore process."""
-    __slots__ = ("req_id", "pool", "group")
+    __slots__ = ("req_id", "pool", "group", "freeing")
 
     def __init__(self):
         self.req_id = None
         self.pool = None
         self.group = None
+        # inside KVCacheManager.free / pop_blocks_for_free, whose block_free
+        # fired from req_to_blocks before the call: the pool's free_blocks
+        # under it must not fire again
+        self.freeing = False
 
 
 CTX = _Ctx()
@@ -278,15 +282,74 @@ def _cache_full_blocks(orig):
                    kv_cache_group_id, *args, **kwargs)
         if before:
             try:
-                got = [b for b, h in before if b.block_hash is not None and b.block_hash != h]
-                if got:
-                    P.block_cache(req_hash(request.request_id), kv_cache_group_id,
-                                  array("i", [b.block_id for b in got]), self.num_gpu_blocks,
-                                  array("Q", [_content_hash(b.block_hash) for b in got]))
+                _fire_rehash(req_hash(request.request_id), kv_cache_group_id, self, before)
             except Exception:
                 _failed()
         return ret
     return cache_full_blocks
+
+
+def _fire_rehash(req, group, pool, before):
+    """The cache events of blocks whose hash changed, before = [(block, its
+    hash before)]: a block that had none is cached (block_cache); one whose
+    hash was replaced (a partial block promoted to full, or re-registered)
+    is evicted of its old content and cached with its new one."""
+    got = [(b, h) for b, h in before if b.block_hash is not None and b.block_hash != h]
+    if not got:
+        return
+    n = pool.num_gpu_blocks
+    old = [(b, h) for b, h in got if h is not None]
+    if old:
+        P.block_evict(req, group, array("i", [b.block_id for b, _ in old]), n,
+                      array("Q", [_content_hash(h) for _, h in old]))
+    P.block_cache(req, group, array("i", [b.block_id for b, _ in got]), n,
+                  array("Q", [_content_hash(b.block_hash) for b, _ in got]))
+
+
+def _cache_partial_block(orig):
+    """Mamba align mode with hashes finer than the block: a block made
+    reachable from a partial prefix (cached, or its hash replaced)."""
+    s = SEM["block_cache"]
+
+    def cache_partial_block(self, request, block, num_tokens, kv_cache_group_id,
+                            *args, **kwargs):
+        if not s[0]:
+            return orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
+        h = block.block_hash
+        ret = orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
+        try:
+            if not block.is_null:
+                _fire_rehash(req_hash(request.request_id), kv_cache_group_id, self,
+                             [(block, h)])
+        except Exception:
+            _failed()
+        return ret
+    return cache_partial_block
+
+
+def _move_block_hashes(orig):
+    """Mamba copy-on-write: src's cached hashes re-pointed to dst, src left
+    uncached: src evicted, dst cached, in the request's name if in one."""
+    s = SEM["block_cache"]
+
+    def move_block_hashes(self, src_block, dst_block, *args, **kwargs):
+        if not s[0]:
+            return orig(self, src_block, dst_block, *args, **kwargs)
+        h = src_block.block_hash
+        ret = orig(self, src_block, dst_block, *args, **kwargs)
+        if h is not None:
+            try:
+                req = req_hash(CTX.req_id) if CTX.req_id is not None else 0
+                g, n = _group_of(h), self.num_gpu_blocks
+                P.block_evict(req, g, array("i", [src_block.block_id]), n,
+                              array("Q", [_content_hash(h)]))
+                if dst_block.block_hash is not None:
+                    P.block_cache(req, g, array("i", [dst_block.block_id]), n,
+                                  array("Q", [_content_hash(dst_block.block_hash)]))
+            except Exception:
+                _failed()
+        return ret
+    return move_block_hashes
 
 
 def _fire_free(manager, request):
@@ -308,13 +371,109 @@ def _free(orig):
     s = SEM["block_free"]
 
     def free(self, request, *args, **kwargs):
-        if s[0]:
+        if not s[0]:
+            return orig(self, request, *args, **kwargs)
+        try:
+            _fire_free(self, request)
+        except Exception:
+            _failed()
+        prev = CTX.freeing
+        CTX.freeing = True
+        try:
+            return orig(self, request, *args, **kwargs)
+        finally:
+            CTX.freeing = prev
+    return free
+
+
+def _request_scope(orig):
+    """A single-type manager method that takes a request id first and may
+    give blocks back to the pool outside KVCacheManager.free
+    (remove_skipped_blocks: blocks leaving a sliding window, a Mamba group's
+    skipped blocks), reached from allocate_slots and from the scheduler
+    directly: the pool's free_blocks under it is that request's, in this
+    manager's group."""
+    s = SEM["block_free"]
+
+    def scoped(self, request_id, *args, **kwargs):
+        if not s[0]:
+            return orig(self, request_id, *args, **kwargs)
+        prev = CTX.req_id, CTX.pool, CTX.group
+        try:
+            CTX.req_id, CTX.pool, CTX.group = request_id, self.block_pool, \
+                self.kv_cache_group_id
+        except Exception:
+            _failed()
+        try:
+            return orig(self, request_id, *args, **kwargs)
+        finally:
+            CTX.req_id, CTX.pool, CTX.group = prev
+    return scoped
+
+
+def _free_blocks(orig):
+    """The pool's own free, for the frees no other hook reports: those in
+    a request's scope (allocate_slots, remove_skipped_blocks) outside
+    KVCacheManager.free.  Deferred frees (_drain_deferred_frees) run in no
+    request's scope: their block_free fired at pop_blocks_for_free."""
+    s = SEM["block_free"]
+
+    def free_blocks(self, ordered_blocks, *args, **kwargs):
+        c = CTX
+        if not s[0] or c.freeing or c.req_id is None or c.group is None \
+                or self is not c.pool:
+            return orig(self, ordered_blocks, *args, **kwargs)
+        try:
+            ordered_blocks = list(ordered_blocks)  # may be an iterator: read once
+            ids = _ids(ordered_blocks)
+        except Exception:
+            _failed()
+            ids = None
+        ret = orig(self, ordered_blocks, *args, **kwargs)
+        if ids:
             try:
-                _fire_free(self, request)
+                P.block_free(req_hash(c.req_id), c.group, ids, self.num_gpu_blocks)
             except Exception:
                 _failed()
-        return orig(self, request, *args, **kwargs)
-    return free
+        return ret
+    return free_blocks
+
+
+def _group_of(key):
+    """The KV-cache group id of a BlockHashWithGroupId: its last 4 bytes,
+    big-endian (kv_cache_utils.make_block_hash_with_group_id)."""
+    return int.from_bytes(bytes(key[-4:]), "big")
+
+
+def _reset_prefix_cache(orig):
+    """reset_prefix_cache drops every cached hash at once, through no
+    eviction: one block_evict per group for the blocks that held one, in
+    no request's name (req 0)."""
+    s = SEM["block_evict"]
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        if not s[0]:
+            return orig(self, *args, **kwargs)
+        before = None
+        try:
+            before = [(b.block_id, b.block_hash) for b in self.blocks
+                      if b.block_hash is not None and not b.is_null]
+        except Exception:
+            _failed()
+        ret = orig(self, *args, **kwargs)
+        if ret and before:
+            try:
+                groups = {}
+                for bid, key in before:
+                    ids, hashes = groups.setdefault(_group_of(key), (array("i"), array("Q")))
+                    ids.append(bid)
+                    hashes.append(_content_hash(key))
+                for g, (ids, hashes) in sorted(groups.items()):
+                    P.block_evict(0, g, ids, self.num_gpu_blocks, hashes)
+            except Exception:
+                _failed()
+        return ret
+    return reset_prefix_cache
 
 
 def _add_request(orig):
@@ -435,6 +594,9 @@ _METHODS = [
 # wrapped in every subclass that defines them
 GROUP_METHODS = ("add_local_computed_blocks", "allocate_external_computed_blocks",
                  "allocate_new_blocks", "cache_blocks")
+# single-type manager methods taking a request id first that may free
+# blocks outside KVCacheManager.free, wrapped in every subclass defining them
+REQUEST_METHODS = ("remove_skipped_blocks",)
 _FIELDS = [
     ("vllm.v1.core.sched.output", "SchedulerOutput",
      ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
@@ -618,3 +780,16 @@ def _wrap_all():
         for name in GROUP_METHODS:
             if inspect.isfunction(cls.__dict__.get(name)):
                 _wrap(cls, name, _group_scope)
+        for name in REQUEST_METHODS:
+            if inspect.isfunction(cls.__dict__.get(name)):
+                _wrap(cls, name, _request_scope)
+    # present in every release of the matrix, but not needed for the rest:
+    # where missing, their paths stay blind (docs/tiers.md)
+    if inspect.isfunction(BlockPool.__dict__.get("free_blocks")):
+        _wrap(BlockPool, "free_blocks", _free_blocks)
+    if inspect.isfunction(BlockPool.__dict__.get("reset_prefix_cache")):
+        _wrap(BlockPool, "reset_prefix_cache", _reset_prefix_cache)
+    if inspect.isfunction(BlockPool.__dict__.get("cache_partial_block")):
+        _wrap(BlockPool, "cache_partial_block", _cache_partial_block)
+    if inspect.isfunction(BlockPool.__dict__.get("move_block_hashes")):
+        _wrap(BlockPool, "move_block_hashes", _move_block_hashes)
