@@ -52,7 +52,7 @@ def fnv1a64(s):
 
 BASE = dict(groups=("full",), block_size=16, num_blocks=48, prefix_caching=True,
             max_batched=96, max_seqs=8, spec_tokens=0, async_sched=False, aborts=0,
-            reset=False, mamba_mode="none", hash_div=1, requests=24, steps=400, seed=1)
+            reset=False, evict=False, mamba_mode="none", hash_div=1, requests=24, steps=400, seed=1)
 
 SCENARIOS = {
     # prefix caching, preemption (a pool of 48 blocks), chunked prefill
@@ -61,6 +61,9 @@ SCENARIOS = {
     "no-prefix-caching": dict(prefix_caching=False),
     "aborts": dict(aborts=8),
     "reset-prefix-cache": dict(reset=True),
+    # KVCacheManager.evict_blocks, as a KV connector calls it for blocks
+    # whose contents it reports invalid: every other cached block, mid-run
+    "evict-blocks": dict(evict=True),
     "spec-decode": dict(spec_tokens=3),
     "async": dict(async_sched=True, aborts=2),
     "sliding-window": dict(groups=("full", "swa")),
@@ -332,6 +335,8 @@ def run(name, model_dir, reader):
     rng = random.Random(sc["seed"])
     reader.new()  # what earlier scenarios left
     sched = make_scheduler(model_dir, sc)
+    from kvtrace_vllm import hooks
+    plugin_status = hooks.status
     bs = sc["block_size"]
     hbs = bs // sc["hash_div"]
     prefixes = [[rng.randint(3, 999) for _ in range(3 * bs)] for _ in range(3)]
@@ -343,6 +348,7 @@ def run(name, model_dir, reader):
         pending.append(make_request(f"{name}-{i}", toks, rng.randint(1, 32), hbs))
     replay = Replay()
     result = dict(scenario=name, steps=0, checks=0, error=None, aborted=0, reset=False,
+                  connector_evicted=0, plugin_status=plugin_status,
                   draft_tokens=0, scheduler=type(sched).__name__)
     queue = []  # async: outputs a step behind
     aborted = set()
@@ -368,6 +374,11 @@ def run(name, model_dir, reader):
                 sched.update_from_output(done, model_output(done, rng, sc["spec_tokens"]))
         else:
             sched.update_from_output(out, model_output(out, rng, sc["spec_tokens"]))
+        if sc["evict"] and step in (15, 30):
+            pool = sched.kv_cache_manager.block_pool
+            ids = sorted(b.block_id for b in pool.blocks if b.block_hash is not None)[::2]
+            sched.kv_cache_manager.evict_blocks(set(ids))
+            result["connector_evicted"] += len(ids)
         if sc["reset"] and not result["reset"] and step > 40 and not sched.requests:
             result["reset"] = bool(sched.reset_prefix_cache())
         result["steps"] += 1

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from array import array
 from operator import add
 
@@ -125,7 +126,7 @@ class _Ctx:
     """Set by KVCacheManager.allocate_slots (request, pool) and, inside it, by
     the single-type manager methods that take blocks for one KV-cache group.
     The scheduler runs in one thread of the EngineCore process."""
-    __slots__ = ("req_id", "pool", "group", "freeing")
+    __slots__ = ("req_id", "pool", "group", "freeing", "evicting")
 
     def __init__(self):
         self.req_id = None
@@ -135,9 +136,17 @@ class _Ctx:
         # fired from req_to_blocks before the call: the pool's free_blocks
         # under it must not fire again
         self.freeing = False
+        # inside BlockPool.evict_blocks (a KV connector's invalid blocks):
+        # evictions in no request's name
+        self.evicting = False
 
 
 CTX = _Ctx()
+# The block pools of the KV-cache managers that allocate_slots ran on: the
+# pools the probes report.  A pool outside it (HiSparse's host pool, a CPU
+# offload pool) has blocks of its own, not the GPU pool's: its cache events
+# would mix two id spaces.
+POOLS = weakref.WeakSet()
 
 
 def _ids(blocks):
@@ -181,6 +190,7 @@ def _allocate_slots(orig):
         try:
             prev = CTX.req_id, CTX.pool, CTX.group
             CTX.req_id, CTX.pool, CTX.group = request.request_id, self.block_pool, None
+            POOLS.add(self.block_pool)
         except Exception:
             _failed()
             return orig(self, request, *args, **kwargs)
@@ -258,10 +268,26 @@ def _maybe_evict_cached_block(orig):
                 if c.req_id is not None and c.group is not None and self is c.pool:
                     P.block_evict(req_hash(c.req_id), c.group, array("i", [block.block_id]),
                                   self.num_gpu_blocks, array("Q", [_content_hash(key)]))
+                elif c.evicting and self in POOLS:
+                    P.block_evict(0, _group_of(key), array("i", [block.block_id]),
+                                  self.num_gpu_blocks, array("Q", [_content_hash(key)]))
             except Exception:
                 _failed()
         return ret
     return _maybe_evict_cached_block
+
+
+def _evict_blocks(orig):
+    """BlockPool.evict_blocks (KVCacheManager.evict_blocks: blocks a KV
+    connector reports invalid): its evictions, in no request's name."""
+    def evict_blocks(self, *args, **kwargs):
+        prev = CTX.evicting
+        CTX.evicting = True
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            CTX.evicting = prev
+    return evict_blocks
 
 
 def _cache_full_blocks(orig):
@@ -270,7 +296,7 @@ def _cache_full_blocks(orig):
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks,
                           block_size, kv_cache_group_id, *args, **kwargs):
         before = None
-        if s[0]:
+        if s[0] and self in POOLS:
             try:
                 mask = args[0] if args else kwargs.get("block_mask")
                 new = blocks[num_cached_blocks:num_full_blocks]
@@ -313,7 +339,7 @@ def _cache_partial_block(orig):
 
     def cache_partial_block(self, request, block, num_tokens, kv_cache_group_id,
                             *args, **kwargs):
-        if not s[0]:
+        if not s[0] or self not in POOLS:
             return orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
         h = block.block_hash
         ret = orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
@@ -333,7 +359,7 @@ def _move_block_hashes(orig):
     s = SEM["block_cache"]
 
     def move_block_hashes(self, src_block, dst_block, *args, **kwargs):
-        if not s[0]:
+        if not s[0] or self not in POOLS:
             return orig(self, src_block, dst_block, *args, **kwargs)
         h = src_block.block_hash
         ret = orig(self, src_block, dst_block, *args, **kwargs)
@@ -452,7 +478,7 @@ def _reset_prefix_cache(orig):
     s = SEM["block_evict"]
 
     def reset_prefix_cache(self, *args, **kwargs):
-        if not s[0]:
+        if not s[0] or self not in POOLS:
             return orig(self, *args, **kwargs)
         before = None
         try:
@@ -719,11 +745,33 @@ def _publish_refusal():
 def _scheduler_init(orig):
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
+        global status
         try:
+            blind = blind_spots(self)
+            if blind and status and "; not exact here: " not in status:
+                status += "; not exact here: " + ", ".join(blind)
+                if installed:  # a later scheduler: the line was published
+                    from . import _status
+                    _status.set_status(status)
             activate()
         except Exception:  # noqa: BLE001
             _failed()
     return __init__
+
+
+def blind_spots(scheduler):
+    """The configurations of this scheduler whose pool changes the hooks do
+    not report (docs/tiers.md, "Blind spots"), in words; [] if none."""
+    out = []
+    manager = scheduler.kv_cache_manager
+    hash_size = getattr(manager.block_pool, "hash_block_size", None)
+    for stm in manager.coordinator.single_type_managers:
+        spec = stm.kv_cache_spec
+        if getattr(spec, "mamba_cache_mode", None) == "align" and manager.enable_caching \
+                and hash_size and hash_size < spec.block_size:
+            out.append("Mamba align mode with hashes finer than the block (copy-on-write)")
+            break
+    return out
 
 
 def activate():
@@ -791,5 +839,7 @@ def _wrap_all():
         _wrap(BlockPool, "reset_prefix_cache", _reset_prefix_cache)
     if inspect.isfunction(BlockPool.__dict__.get("cache_partial_block")):
         _wrap(BlockPool, "cache_partial_block", _cache_partial_block)
+    if inspect.isfunction(BlockPool.__dict__.get("evict_blocks")):
+        _wrap(BlockPool, "evict_blocks", _evict_blocks)
     if inspect.isfunction(BlockPool.__dict__.get("move_block_hashes")):
         _wrap(BlockPool, "move_block_hashes", _move_block_hashes)
