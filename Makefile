@@ -10,10 +10,10 @@ PROMTOOL := build/promtool
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-fork promtool test test-fast demo \
+.PHONY: setup packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool test test-fast demo \
 	demo-vllm bench clean distclean
 
-setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-fork promtool
+setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -54,13 +54,28 @@ $(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
 # The plugin tier (docs/plugin.md): kvtrace's vLLM plugin, its C extension
 # compiled against bpf/kvtrace_probes.h, installed into the vLLM venv (a second).
 PLUGIN_SRC := plugin/pyproject.toml plugin/setup.py $(wildcard plugin/kvtrace_vllm/*.py) \
-	plugin/kvtrace_vllm/_probes.c bpf/kvtrace_probes.h
+	plugin/kvtrace_vllm/_probes.c plugin/kvtrace_vllm/_status.c bpf/kvtrace_probes.h
 vllm-plugin: $(STAMPS)/vllm-plugin
 $(STAMPS)/vllm-plugin: $(PLUGIN_SRC) $(STAMPS)/vllm-env
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation \
 		--no-deps --force-reinstall ./plugin
-	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm.hooks"
+	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm._status, kvtrace_vllm.hooks"
 	@touch $@
+
+# The python sources of every release in the tested matrix
+# (scripts/vllm-releases.txt), for the conformance run (tests/test_conformance.py):
+# each sdist fetched, checked against its pinned sha256 and unpacked into
+# build/vllm-sdist/vllm-VERSION, then compiled to bytecode by vLLM's python,
+# since PYTHONDONTWRITEBYTECODE would have every run compile it anew (a minute).
+VLLM_SDIST := build/vllm-sdist
+VLLM_RELEASES = $(shell awk '!/^\#/ && NF { print $$1 }' scripts/vllm-releases.txt)
+vllm-sources: $(STAMPS)/vllm-sources
+$(STAMPS)/vllm-sources: scripts/vllm-releases.txt scripts/vllm-sdist.sh $(STAMPS)/vllm-env
+	@set -e; for v in $(VLLM_RELEASES); do \
+		tree=$$(scripts/vllm-sdist.sh $$v $(VLLM_SDIST)); \
+		$(VLLM_VENV)/bin/python -m compileall -q -j 0 $$tree/vllm >/dev/null; \
+	done
+	@mkdir -p $(STAMPS) && touch $@
 
 # The vLLM fork's tests (docs/fork.md): every release of the matrix
 # (scripts/vllm-releases.txt), its pinned sdist patched, and, once for all of
@@ -68,12 +83,11 @@ $(STAMPS)/vllm-plugin: $(PLUGIN_SRC) $(STAMPS)/vllm-env
 # compiled against (pip takes the wheels from the machine's disk; about 1 GiB
 # unpacked), so that a changed patch does not unpack those again.
 FORK_BUILD := build/vllm-fork
-FORK_RELEASES = $(shell awk '!/^\#/ && NF { print $$1 }' scripts/vllm-releases.txt)
 vllm-fork: $(STAMPS)/vllm-fork
 $(STAMPS)/vllm-fork: scripts/build-vllm-fork.sh scripts/vllm-releases.txt scripts/vllm-sdist.sh \
 		scripts/vllm-fork/sdist-url.py $(wildcard scripts/vllm-fork/*/kvtrace-probes.patch) \
 		$(STAMPS)/vllm-fork-deps
-	set -e; for v in $(FORK_RELEASES); do \
+	set -e; for v in $(VLLM_RELEASES); do \
 		scripts/build-vllm-fork.sh source $$v $(FORK_BUILD) >/dev/null; done
 	@touch $@
 $(STAMPS)/vllm-fork-deps: scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv

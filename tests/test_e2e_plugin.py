@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, Tracer
+from conftest import ROOT, Tracer, kvtrace_cmd
 from test_e2e_record import report_json
 
 pytestmark = pytest.mark.vllm
@@ -252,3 +252,93 @@ def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):
         hit = mine[rid]["blocks"]["hit"] * generated["block_size"]
         want = req["prompt_len"] + len(req["generated"]) - 1 + lost - hit
         assert access[rid]["tokens_written"] == want, (rid, lost, hit)
+
+
+# -- what the plugin tells the tracer (docs/plugin.md, "What the tracer is told") --
+
+LOOP = ROOT / "tests" / "vllm_scheduler_loop.py"
+
+
+class SchedulerLoop:
+    """vLLM's real scheduler, no model, stepping in a loop with the plugin
+    loaded (tests/vllm_scheduler_loop.py), as a process to trace."""
+
+    def __init__(self, model, *args):
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), str(LOOP), "--model", str(model),
+                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.out = []
+        for line in self.proc.stdout:
+            self.out.append(line)
+            if line.startswith("READY"):
+                self.pid = int(line.split()[1])
+                return
+        raise AssertionError("the scheduler loop ended early:\n" + "".join(self.out)[-3000:])
+
+    def stop(self):
+        out, _ = self.proc.communicate("", timeout=120)
+        return "".join(self.out) + out
+
+
+def doctor_checks(pid):
+    r = subprocess.run([*kvtrace_cmd("doctor", "-p", pid)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr
+    return r, [line for line in r.stdout.splitlines() if "vLLM plugin" in line]
+
+
+def test_an_untested_release_is_traced_and_labelled(tmp_path, tiny_model, no_leftovers):
+    """The plugin on a release outside the tested matrix: `doctor -p` says
+    so in one line, `attach` says so in one line and traces the plugin's
+    events, and its exactness verdict names the release."""
+    loop = SchedulerLoop(tiny_model, "--version", "0.99.1")
+    tracer = None
+    try:
+        r, lines = doctor_checks(loop.pid)
+        assert len(lines) == 1, r.stdout
+        assert lines[0].startswith("WARN  vLLM plugin") and \
+            f"pid {loop.pid}" in lines[0] and "untested vLLM release 0.99.1" in lines[0], r.stdout
+
+        js = tmp_path / "agg.json"
+        tracer = Tracer("-q", "-p", loop.pid, "-d", 4, "--json", js)
+        rc, _out, err = tracer.finish()
+        assert rc == 0, err
+        said = [line for line in err.splitlines() if "kvtrace vLLM plugin" in line]
+        assert said == [f"kvtrace-bpf: pid {loop.pid} (python): kvtrace vLLM plugin: "
+                        "untested vLLM release 0.99.1"], err
+        doc = json.loads(js.read_text())
+        proc = next(p for p in doc["processes"] if p["pid"] == loop.pid)
+        assert proc["tier"] == "plugin" and proc["plugin_status"] == "untested vLLM release 0.99.1"
+        assert f"pid {loop.pid}: plugin tier on an untested vLLM release 0.99.1" in \
+            doc["inexact_reasons"]
+        assert not doc["exact"]
+        # traced for real: the scheduler's allocations and steps were counted
+        assert doc["ops"]["block_alloc"]["calls"] > 0 and doc["ops"]["step_reqs"]["calls"] > 0
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        loop.stop()
+
+
+def test_a_refused_layout_says_what_is_missing(tmp_path, tiny_model, no_leftovers):
+    """A vLLM whose BlockPool lacks a method the hooks need: the plugin
+    installs nothing, and `doctor -p` and `attach` each give its reason in
+    one line."""
+    loop = SchedulerLoop(tiny_model, "--remove", "BlockPool._maybe_evict_cached_block")
+    tracer = None
+    try:
+        why = ("refused vLLM release 0.32.0: BlockPool._maybe_evict_cached_block is missing")
+        r, lines = doctor_checks(loop.pid)
+        assert len(lines) == 1, r.stdout
+        assert lines[0].startswith("WARN  vLLM plugin") and why in lines[0], r.stdout
+
+        tracer = Tracer("-q", "-p", loop.pid, "-d", 3)
+        rc, _out, err = tracer.finish()
+        said = [line for line in err.splitlines() if "kvtrace vLLM plugin" in line]
+        assert said == [f"kvtrace-bpf: pid {loop.pid} (python): kvtrace vLLM plugin: {why}"], err
+        assert "Traceback" not in err
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        out = loop.stop()
+    assert "a hook failed" not in out

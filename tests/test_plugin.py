@@ -162,7 +162,7 @@ def runs(tmp_path_factory):
 
 def test_plugin_loads_and_installs_in_the_engine_core(runs):
     assert re.search(r"EngineCore pid=\d+\).*kvtrace: hooks installed in pid \d+ "
-                     r"\(vLLM 0\.3[23]\.0\)", runs["on_log"]), runs["on_log"][-3000:]
+                     r"\(tested vLLM release 0\.32\.0\)", runs["on_log"]), runs["on_log"][-3000:]
     assert "kvtrace:" not in runs["off_log"]
     assert "a hook failed" not in runs["on_log"]
 
@@ -329,37 +329,151 @@ def test_preemption_and_eviction(tmp_path):
     assert_tables_equal_reads(fired, [json.loads(line) for line in reads.read_text().splitlines()])
 
 
-def test_unknown_vllm_installs_nothing_and_says_one_line():
-    code = """
+@pytest.fixture(scope="module")
+def status_so():
+    rc, out = vllm_python("import kvtrace_vllm._status as s; print('SO', s.__file__)")
+    assert rc == 0, f"the plugin is not installed in .venv-vllm (make setup):\n{out[-2000:]}"
+    return re.search(r"^SO (\S+)$", out, re.M).group(1)
+
+
+def test_the_status_object_carries_no_probe(status_so):
+    """A process that maps probe sites is one the tracer names a tier for:
+    the object every scheduler process maps, refused plugin or not, has
+    none."""
+    out = subprocess.run(["readelf", "-n", status_so], check=True, capture_output=True,
+                         text=True).stdout
+    assert "stapsdt" not in out and "Provider:" not in out
+
+
+def status_in_memory(pid, so_path):
+    """The plugin's status line as the tracer would read it: the
+    kvtrace_plugin_status symbol of the status object (its ELF symbol
+    table), at the address where the process mapped that object
+    (/proc/PID/maps), read from /proc/PID/mem."""
+    with open(so_path, "rb") as f:
+        elf = ELFFile(f)
+        sym = elf.get_section_by_name(".symtab").get_symbol_by_name("kvtrace_plugin_status")
+        assert sym, "no kvtrace_plugin_status symbol in the probes' object"
+        first_load = min(seg["p_vaddr"] for seg in elf.iter_segments()
+                         if seg["p_type"] == "PT_LOAD")
+        addr, size = sym[0]["st_value"], sym[0]["st_size"]
+    real = os.path.realpath(so_path)
+    base = None
+    for line in open(f"/proc/{pid}/maps"):
+        parts = line.split()
+        if len(parts) >= 6 and os.path.realpath(parts[5]) == real and int(parts[2], 16) == 0:
+            base = int(parts[0].split("-")[0], 16) - first_load
+            break
+    assert base is not None, f"{so_path} is not mapped in {pid}"
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        mem.seek(base + addr)
+        return mem.read(size).split(b"\0")[0].decode()
+
+
+def run_until_read(code, env=None):
+    """Start code with vLLM's python: it prints "READY <pid>" and waits on
+    stdin, so that its memory can be read while it lives."""
+    e = dict(os.environ)
+    e.pop("KVTRACE_PLUGIN_RECORD", None)
+    e.update(env or {})
+    return subprocess.Popen([str(VLLM_PYTHON), "-c", textwrap.dedent(code)], cwd="/",
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=e)
+
+
+def read_status_of(code, status_so):
+    """Start code, read the status line from its memory once it is READY,
+    let it end; (status, its whole output, its /proc/PID/maps then)."""
+    p = run_until_read(code)
+    lines = []
+    status = maps = None
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                pid = int(line.split()[1])
+                status = status_in_memory(pid, status_so)
+                maps = open(f"/proc/{pid}/maps").read()
+                break
+    finally:
+        out, _ = p.communicate("\n", timeout=300)
+    return status, "".join(lines) + out, maps
+
+
+# a Scheduler built the way the conformance run builds one: no model
+# (indented as the test code it joins, for textwrap.dedent)
+BUILD_SCHEDULER = f"""
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import vllm_conformance as vc
+        vc.make_scheduler(MODEL, vc.scenario("full-16"))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "make-tiny-model.py"), str(d)],
+                   check=True, capture_output=True)
+    return d
+
+
+def test_an_untested_release_is_traced_and_labelled(status_so, tiny_model):
+    """A release outside the tested matrix whose classes pass the layout
+    check: the hooks go in, one log line says untested, and the probes'
+    status object carries "untested vLLM release X" where the tracer reads
+    it."""
+    code = f"""
+        import os, sys
         import vllm
-        vllm.__version__ = "0.31.0"
+        vllm.__version__ = "0.99.1"
         import kvtrace_vllm
+        from kvtrace_vllm import hooks
         kvtrace_vllm.register()
         kvtrace_vllm.register()
+        MODEL = {str(tiny_model)!r}
+    """ + BUILD_SCHEDULER + """
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.sched.scheduler import Scheduler
         print("WRAPPED", hasattr(BlockPool.touch, "__kvtrace_wrapped__"),
               hasattr(Scheduler.schedule, "__kvtrace_wrapped__"))
+        print("READY", os.getpid(), flush=True)
+        sys.stdin.readline()
     """
-    rc, out = vllm_python(code)
-    assert rc == 0, out
-    assert "WRAPPED False False" in out
-    lines = [line for line in out.splitlines() if "kvtrace:" in line]
-    assert len(lines) == 1 and "0.31.0" in lines[0] and "no hooks installed" in lines[0], out
+    status, out, maps = read_status_of(code, status_so)
+    assert "WRAPPED True True" in out, out
+    assert "kvtrace_vllm/_probes" in maps
+    assert status == "untested vLLM release 0.99.1", out
+    lines = [line for line in out.splitlines()
+             if "kvtrace:" in line and "hooks installed in pid" not in line]
+    assert len(lines) == 1 and "0.99.1" in lines[0] and "untested" in lines[0], out
 
 
-def test_unknown_layout_installs_nothing():
-    code = """
+def test_a_broken_layout_installs_nothing_and_says_what_is_missing(status_so, tiny_model):
+    """A method the hooks need is gone: nothing of vLLM's is wrapped but
+    Scheduler.__init__, one log line names the method, and the same reason
+    is in the status object of the scheduler's process, in one line; the
+    probes' object is not mapped there."""
+    code = f"""
+        import os, sys
         from vllm.v1.core.block_pool import BlockPool
         del BlockPool._maybe_evict_cached_block
         import kvtrace_vllm
         kvtrace_vllm.register()
+        kvtrace_vllm.register()
+        MODEL = {str(tiny_model)!r}
+    """ + BUILD_SCHEDULER + """
         from vllm.v1.core.sched.scheduler import Scheduler
-        print("WRAPPED", hasattr(Scheduler.schedule, "__kvtrace_wrapped__"))
+        print("WRAPPED", hasattr(BlockPool.touch, "__kvtrace_wrapped__"),
+              hasattr(Scheduler.schedule, "__kvtrace_wrapped__"))
+        print("READY", os.getpid(), flush=True)
+        sys.stdin.readline()
     """
-    rc, out = vllm_python(code)
-    assert rc == 0, out
-    assert "WRAPPED False" in out
+    status, out, maps = read_status_of(code, status_so)
+    assert "WRAPPED False False" in out, out
+    assert "kvtrace_vllm/_probes" not in maps
+    assert status is not None and "\n" not in status, out
+    assert re.fullmatch(r"refused vLLM release 0\.32\.0: "
+                        r"BlockPool\._maybe_evict_cached_block is missing", status), status
     lines = [line for line in out.splitlines() if "kvtrace:" in line]
     assert len(lines) == 1 and "_maybe_evict_cached_block is missing" in lines[0], out
 

@@ -147,6 +147,23 @@ def test_inexact_reason_from_globals(name, words):
     assert a.to_json()["exact"] is False
 
 
+@pytest.mark.parametrize("status,reason", [
+    ("tested vLLM release 0.34.0", None),
+    ("untested vLLM release 0.99.1", "pid 300: plugin tier on an untested vLLM release 0.99.1"),
+    ("tested vLLM release 0.34.0; not exact here: Mamba align mode",
+     "pid 300: plugin tier not exact here: Mamba align mode"),
+    ("refused vLLM release 0.99.1: BlockPool.touch is missing", None),
+])
+def test_inexact_reason_from_the_plugins_status(status, reason):
+    # the plugin's line (docs/plugin.md): an untested release, or a
+    # configuration it does not trace exactly, makes the counts not exact
+    moves = np.zeros((4, MAX_BLOCKS), dtype=np.uint64)
+    a = Aggregate.from_maps(raw_maps(caches=[], op_stats={}, moves={300: moves}),
+                            proc_info={300: {"plugin_status": status}})
+    assert a.inexact_reasons() == ([reason] if reason else [])
+    assert a.to_json()["processes"][0]["plugin_status"] == status
+
+
 def test_all_reasons_together():
     op_stats = {(1, "swap_blocks"): stats(truncated=1, read_errors=1, out_of_range=1)}
     g = {"next_cache": 0, "foreign": 0, "no_site": 0, "cache_full": 1, "missed_hits": 1}

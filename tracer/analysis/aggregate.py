@@ -100,6 +100,9 @@ class Process:
     tier: str = ""  # 'usdt', 'uprobe' (stock vLLM) or 'none'
     parent: int = 0  # the traced process's parent pid (0: the root)
     calls_only: bool = False  # stock uprobes without a tensor layout
+    # the kvtrace vLLM plugin's install outcome in it, one line
+    # (docs/plugin.md, "What the tracer is told"); None without the plugin
+    plugin_status: str = None
     # op names with a probe site attached in this process; None: not known
     # (a trace file from before they were kept).  An op outside it shows
     # "not probed on this build", not a 0 that reads as "did not happen".
@@ -236,6 +239,15 @@ class Aggregate:
             if p.calls_only:
                 reasons.append(f"pid {p.pid}: torch's tensor layout is unknown, so its ops "
                                "are counted as calls only")
+            status = p.plugin_status or ""
+            if status.startswith("untested "):
+                # the plugin's events are checked against a release's block
+                # pool only for the releases of its conformance run
+                reasons.append(f"pid {p.pid}: plugin tier on an {status.split('; ')[0]}")
+            if "; not exact here: " in status:
+                # a configuration whose pool changes the plugin does not report
+                reasons.append(f"pid {p.pid}: plugin tier not exact here: "
+                               + status.split("; not exact here: ", 1)[1])
         totals = self.op_totals()
         for key, what in (("truncated", "items beyond the per-op read limit"),
                           ("read_errors", "index arrays that could not be read"),
@@ -288,7 +300,8 @@ class Aggregate:
         for p in sorted(self.processes.values(), key=lambda p: p.pid):
             procs.append({
                 "pid": p.pid, "comm": p.comm, "parent": p.parent, "tier": p.tier,
-                "calls_only": p.calls_only, "probe_files": p.probe_files,
+                "calls_only": p.calls_only, "plugin_status": p.plugin_status,
+                "probe_files": p.probe_files,
                 "probed_ops": sorted(p.probed_ops) if p.probed_ops is not None else None,
                 "ops": measured(p.ops),
                 "layers": [{

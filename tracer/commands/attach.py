@@ -509,6 +509,7 @@ def _aggregate(tracer, raw=None) -> Aggregate:
         comms={pid: p.comm for pid, p in tracer.procs.items()},
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()},
         proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only,
+                         "plugin_status": p.plugin_status,
                          "probed_ops": p.probed_ops}
                    for pid, p in tracer.procs.items()})
 

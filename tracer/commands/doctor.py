@@ -393,6 +393,7 @@ def check_target(pid: int) -> list:
     checks = [Check("target", PASS, f"{_proc(pid)} and {len(tree) - 1} descendant(s)")]
     tiers = {p: session.TracedProcess(p, 0, discover.comm(p), probe_files=files).tier
              for p, files in found.items()}
+    checks += _plugin_checks(follower.plugin_status)
     if not found:
         checks.append(_no_probes(pid, tree))
         return checks
@@ -404,6 +405,30 @@ def check_target(pid: int) -> list:
              + describe_probes(files, tiers[p] == "uprobe") for p, files in found.items()]
     checks.append(Check("probe tier", PASS, " + ".join(TIER_NAMES[t] for t in present)
                         + f": {'; '.join(where)}"))
+    return checks
+
+
+def _plugin_checks(statuses: dict) -> list:
+    """The kvtrace vLLM plugin's install outcome where the tree runs it
+    (docs/plugin.md, "What the tracer is told"), one line a process: a
+    tested release passes; an untested one is traced and labelled; a
+    refused one says what vLLM lacks."""
+    checks = []
+    for pid, line in sorted(statuses.items()):
+        if line.startswith("tested ") and "; not exact here: " not in line:
+            checks.append(Check("vLLM plugin", PASS, f"{_proc(pid)}: {line}"))
+        elif line.startswith("tested "):
+            checks.append(Check("vLLM plugin", WARN, f"{_proc(pid)}: {line}",
+                                fix="docs/tiers.md, \"Blind spots\": what it does not report"))
+        elif line.startswith("untested "):
+            checks.append(Check("vLLM plugin", WARN,
+                                f"{_proc(pid)}: {line}: traced, its figures labelled so",
+                                fix="docs/tiers.md lists the tested releases"))
+        else:
+            checks.append(Check("vLLM plugin", WARN,
+                                f"{_proc(pid)}: {line}: no plugin tier",
+                                fix="docs/plugin.md, \"Versions\": what the plugin needs "
+                                    "of vLLM"))
     return checks
 
 

@@ -135,6 +135,8 @@ class TracedProcess:
     skipped: list = field(default_factory=list)  # (probe, reason)
     calls_only: bool = False  # stock uprobes without a tensor layout
     parent: int = 0  # the traced process it descends from (0: the root)
+    # the kvtrace vLLM plugin's install outcome in it (discover.plugin_status)
+    plugin_status: str = None
 
     @property
     def tier(self) -> str:

@@ -10,6 +10,9 @@ import platform
 import struct
 from dataclasses import dataclass
 
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
 from .. import abi
 from ..errors import TargetError
 from . import probe_cache
@@ -123,6 +126,54 @@ def read_semaphore(pid: int, maps: list, probe: Probe):
             return struct.unpack("<H", f.read(2))[0]
     except OSError:
         return None
+
+
+# -- the kvtrace vLLM plugin's install outcome ----------------------------------
+
+PLUGIN_STATUS_SYMBOL = "kvtrace_plugin_status"
+
+
+def is_plugin_status_object(path: str) -> bool:
+    """The plugin's probe-less status object (plugin/kvtrace_vllm/_status.c)."""
+    name = os.path.basename(path)
+    return os.path.basename(os.path.dirname(path)) == "kvtrace_vllm" and \
+        name.startswith("_status") and name.endswith(".so")
+
+
+def plugin_status(pid: int, maps: list = None):
+    """The kvtrace vLLM plugin's install outcome in a process, one line
+    (docs/plugin.md, "What the tracer is told"): "tested vLLM release X",
+    "untested vLLM release X" or "refused vLLM release X: why"; None where
+    the process maps no status object or its line is not set.  Read from
+    the kvtrace_plugin_status array of that object, at the address the
+    process mapped it (its load bias plus the symbol's value)."""
+    maps = read_maps(pid) if maps is None else maps
+    for path in sorted({m.path for m in maps if is_plugin_status_object(m.path)}):
+        try:
+            with open(path, "rb") as f:
+                elf = ELFFile(f)
+                symtab = elf.get_section_by_name(".dynsym") or elf.get_section_by_name(".symtab")
+                syms = symtab.get_symbol_by_name(PLUGIN_STATUS_SYMBOL) if symtab else None
+                if not syms:
+                    continue
+                value, size = syms[0]["st_value"], syms[0]["st_size"]
+                first = min(s["p_vaddr"] - s["p_offset"] for s in elf.iter_segments()
+                            if s["p_type"] == "PT_LOAD")
+        except (OSError, ELFError):
+            continue
+        starts = [m.start - m.offset for m in maps if m.path == path and m.offset == 0]
+        if not starts:
+            continue
+        try:
+            with open(f"/proc/{pid}/mem", "rb") as f:
+                f.seek(starts[0] - first + value)
+                raw = f.read(size)
+        except OSError:
+            continue
+        line = raw.split(b"\0", 1)[0].decode(errors="replace").strip()
+        if line:
+            return line.splitlines()[0]
+    return None
 
 
 def check_arch():

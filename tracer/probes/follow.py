@@ -98,6 +98,8 @@ class Follower:
         self._code_sizes = {}  # pid -> exec_code_kb(pid) when its maps were last read
         self.changed_at = time.monotonic()  # last time the tree or a maps changed
         self.notices = []  # lines for the user, taken by the caller
+        # pid -> the kvtrace vLLM plugin's install outcome there, once read
+        self.plugin_status = {}
         self._tree = []  # the tree's pids, root first, as last listed
         self._tree_last_pid = None  # last_pid() before that listing
 
@@ -135,10 +137,32 @@ class Follower:
                 found[pid] = files
                 if not self.calls_only and any(p.stock for ps in files.values() for p in ps):
                     self._discovery(pid)
+            if pid not in self.plugin_status:
+                self._read_plugin_status(pid)
         for pid in set(self._maps_seen).difference(visited):
             del self._maps_seen[pid]  # exited, or left the tree
             self._code_sizes.pop(pid, None)
+            self.plugin_status.pop(pid, None)
         return found
+
+    def _read_plugin_status(self, pid: int):
+        """The plugin's line in pid, once its status object is mapped and the
+        line set (read again each scan until then: the plugin maps the
+        object, then sets it); a notice for the user unless it is a tested
+        release."""
+        seen = self._maps_seen.get(pid)
+        if seen is None or not any(discover.is_plugin_status_object(p) for p in seen[0]):
+            return
+        try:
+            line = discover.plugin_status(pid)
+        except TargetError:
+            return  # gone meanwhile
+        if line is None:
+            return
+        self.plugin_status[pid] = line
+        if not line.startswith("tested ") or "; not exact here: " in line:
+            self.notices.append(f"pid {pid} ({discover.comm(pid)}): kvtrace vLLM plugin: "
+                                f"{line}")
 
     def _files(self, pid: int) -> dict:
         """process_probe_files(pid), re-computed only when the set of files
@@ -206,6 +230,7 @@ class Follower:
                     self.notices.append(f"pid {pid}: not traced: {e}")
                 continue
             proc = tracer.procs[pid]
+            proc.plugin_status = self.plugin_status.get(pid)
             if new:
                 proc.parent = self.parent_of.get(pid, 0)
                 self._warn_cuda_graphs(pid)

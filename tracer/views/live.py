@@ -263,6 +263,9 @@ def describe(proc) -> str:
         bits.append(f"child of {proc.parent}")
     if proc.tier:
         bits.append(TIER_WORDS.get(proc.tier, proc.tier))
+    status = getattr(proc, "plugin_status", None)
+    if status and not status.startswith("tested "):
+        bits.append(status)  # "untested vLLM release X", or a refusal's reason
     return ", ".join(bits)
 
 
