@@ -45,9 +45,9 @@
 /* The per-op record and its sequence number exist for a stream's consumer
  * alone: without a stream (plain attach) every count comes from the maps,
  * and the record cost about 400 ns of each op's BPF time to tell user space
- * only that it arrived (docs/bench.md, stop 26).  KVTRACE_WITH_OP_RECORDS
- * keeps them without a stream: bench row 4 measures what the transports
- * carry. */
+ * only that it arrived.  KVTRACE_WITH_OP_RECORDS keeps them without a
+ * stream: bench/run.py's carrying-capacity row measures what the
+ * transports carry. */
 #if STREAM_VALUES || STREAM_BLOCK_IDS || defined(KVTRACE_WITH_OP_RECORDS)
 #define OP_RECORDS 1
 #else
@@ -68,7 +68,7 @@ BPF_F_TABLE("array", u32, struct kvtrace_cache_stats, cache_stats, KVTRACE_CACHE
  * KVTRACE_NR_OPS + op; op_log2, the log2 histogram of items per op, row =
  * op * KVTRACE_LOG2_SLOTS + bpf_log2l(items).  Arrays, not hashes: the
  * verifier turns an array lookup into an address computation, where a hash
- * lookup hashes its key and walks a bucket (docs/bench.md, stop 26).
+ * lookup hashes its key and walks a bucket.
  * Mmapable, read as numpy arrays.
  */
 BPF_F_TABLE("array", u32, struct kvtrace_op_stats, op_stats,
@@ -793,8 +793,8 @@ static __always_inline int stage_state(struct work **w, struct chunk **buf)
 /*
  * Tail-call a stage whose key is a constant where this is inlined: the JIT
  * makes such a call a direct jump, where a key known only at run time costs
- * two loads and an indirect jump, a retpoline here (cold, as in vLLM, 0.25
- * us: docs/bench.md, stop 49).  The asm takes the key as an immediate, so
+ * two loads and an indirect jump, a retpoline here (cold, as in vLLM, a
+ * quarter of a microsecond).  The asm takes the key as an immediate, so
  * clang cannot merge two calls into one with a variable key.
  */
 static __always_inline void stage_call(struct pt_regs *ctx, const u32 stage)
@@ -1232,7 +1232,7 @@ int kvtrace_stage_sizes(struct pt_regs *ctx)
  * step's live set).  Only the group's leader layer reads, one
  * step after the other (a model's forward steps do not overlap), so neither
  * the counter nor the stamp needs an atomic: a lock-prefixed add was most
- * of the per-entry cost (docs/bench.md, row 8).
+ * of the per-entry cost.
  *
  * Tokens held in the step's live set: every distinct block holds
  * block_size tokens but a row's last one, which holds what is left of its
@@ -1267,7 +1267,7 @@ struct table_loop {
  * One chunk of the table stage: bpf_loop()'s callback, index c.  The
  * verifier walks a bounded loop iteration by iteration, but a callback
  * once per state it starts from: the chunk loop was 718k of the 1.78M
- * instructions the verifier walked at every attach (docs/bench.md, row 5).
+ * instructions the verifier walked at every attach.
  * Returns 1 to stop the loop.
  *
  * Starting the next row is branch-free (its seq_len is read on every

@@ -163,8 +163,7 @@ enum kvtrace_callback {
  * with the same 33 tail calls: a step reads at least 33 * 128 = 4224
  * chunks (rows, where rows are short), e.g. 256 requests x 2048 blocks.
  * Entries beyond are counted as truncated.  256 entries a read, not 128:
- * a read and a callback per chunk were 0.6 ns of each entry's 3.5
- * (docs/bench.md, "Stop 31").
+ * a read and a callback per chunk were a sixth of each entry's cost.
  */
 #define KVTRACE_TABLE_CHUNK 256
 #ifndef KVTRACE_TABLE_SEGMENT_CHUNKS
@@ -216,8 +215,8 @@ struct kvtrace_tensor_layout {
  * Sites: one row of `sites` per attached probe address in one process, its
  * index given by the front end.  A uprobe_multi link carries index + 1 as
  * each probe's cookie, so a hit finds its row by the cookie, with no hash
- * lookup (cold, as every hit in vLLM is, a hash lookup cost 0.5-0.7 us
- * here: docs/bench.md, stop 49); on perf events, which have no cookie,
+ * lookup (cold, as every hit in vLLM is, a hash lookup costs over half a
+ * microsecond); on perf events, which have no cookie,
  * `site_index` maps (pid, address) to the row.
  */
 #define KVTRACE_MAX_SITES 4096

@@ -548,8 +548,8 @@ def test_generations_begun_before_attach_are_unseen(tmp_path):
     afresh: no generation is unseen, ever.  That is the likeliest reading of
     this test's rare failures before (once in CI, once in 27 runs here).  So
     a run in which generations end but none is unseen within 15 s attaches
-    again, up to three times; a tracer that never counts unseen generations fails all
-    three."""
+    again, up to three times; a tracer that never counts unseen generations
+    fails all three."""
     sim = Kvsim(tmp_path, "default", "--repeat", 100000, "--step-delay-us", 2000, pause=False)
     tracer = None
     tries = []

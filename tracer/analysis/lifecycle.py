@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import abi
-from ..trace import stream
 from ..kernel import records
+from ..trace import stream
 
 # vllm/v1/metrics/buckets.py KV_CACHE_RESIDENCY_BUCKETS (seconds), the
 # buckets of vllm:kv_block_lifetime_seconds, idle_before_evict, reuse_gap

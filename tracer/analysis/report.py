@@ -12,10 +12,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from .. import abi
+from ..errors import UsageError
 from ..trace import stream, tracefile
 from . import access_counters, access_requests, access_stream, heatmap, lifecycle, occupancy
 from .aggregate import Aggregate
-from ..errors import UsageError
 
 
 class Report:

@@ -16,19 +16,19 @@ from rich.segment import Segment
 from rich.style import Style
 
 from .. import abi
-from ..probes import activity, discover, follow, target as target_mod
 from ..analysis import lifecycle
-from ..views import live
-from ..exporters import prometheus
 from ..analysis.aggregate import Aggregate
 from ..errors import TargetError, UsageError
+from ..exporters import prometheus
 from ..exporters.folded import folded_lines
-from .args import (MAX_STACK_BUCKETS, add_stack_storage_size, cpu_list, non_negative_float,
-                   positive_float, positive_int)
 from ..files import Outputs, check_writable, open_private, write_file
 # session imports no bcc at module level: --help still works without it
 from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
+from ..probes import activity, discover, follow, target as target_mod
 from ..trace.tracefile import Recorder
+from ..views import live
+from .args import (MAX_STACK_BUCKETS, add_stack_storage_size, cpu_list, non_negative_float,
+                   positive_float, positive_int)
 
 EXAMPLES = """\
 examples:

@@ -22,11 +22,11 @@ import sys
 from dataclasses import asdict, dataclass
 
 from .. import __version__, abi, cache
-from ..probes import catalog, discover, follow
+from ..errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
 from ..kernel import bpf, program, session, uprobes
+from ..probes import catalog, discover, follow
 from ..probes import target as target_mod
 from .args import positive_int
-from ..errors import EXIT_ENV, EXIT_OK, EXIT_TARGET, EnvironmentProblem, TargetError
 
 EXAMPLES = """\
 examples:

@@ -31,10 +31,10 @@ import numpy as np
 
 from .. import abi
 from ..analysis import access_stream
-from ..trace import stream, tracefile
 from ..errors import UsageError
 from ..exporters.folded import block_lines, folded_lines, process_frame
 from ..files import Outputs, check_writable, write_file
+from ..trace import stream, tracefile
 
 EXAMPLES = """\
 examples:

@@ -5,9 +5,9 @@ import argparse
 import os
 
 from .. import abi
+from ..errors import TargetError, UsageError
 from ..probes import catalog, discover, sdt
 from .args import positive_int
-from ..errors import TargetError, UsageError
 
 EXAMPLES = """\
 examples:

@@ -7,9 +7,9 @@ loop (attach.py), one writer (tracefile.Recorder).
 import argparse
 
 from .. import abi
+from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 from . import attach
 from .args import add_stack_storage_size, positive_float, positive_int
-from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 
 EXAMPLES = """\
 examples:

@@ -12,12 +12,12 @@ import threading
 
 from rich.console import Console
 
-from ..trace import tracefile
 from ..analysis import heatmap
 from ..analysis.report import Report
 from ..errors import UsageError
 from ..exporters.report_csv import write_csv
 from ..exporters.report_json import document, json_fragment, json_parts, write_json
+from ..trace import tracefile
 from ..views.report_text import LIFE_SHOWN_REQUESTS, render
 
 TABLES = ("blocks", "generations", "fragmentation", "heatmap", "access", "wss")

@@ -22,9 +22,9 @@ import time
 import numpy as np
 
 from .. import abi
-from ..probes import discover
 from ..analysis.aggregate import BYTES_OPS
 from ..errors import EnvironmentProblem, UsageError
+from ..probes import discover
 
 # Not vLLM's 8000, Dynamo's 8000/8081, ebpf_exporter's 9435, Prometheus's own
 # 9090-9093 or node_exporter's 9100 (docs/metrics.md).

@@ -45,11 +45,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import abi, cache
+from ..errors import EnvironmentProblem
 from . import symbolize, uprobes
 from .bpf import (BPF_TRACE_UPROBE_MULTI, FUNC_BTF, LOST_CB, PROG_INFO_SIZE,
                   PROG_INFO_VERIFIED_INSNS, RAW_CB, RINGBUF_CB, libbcc_bpf, load_btf,
                   load_prog, map_info, obj_info, oserror, trivial_program)
-from ..errors import EnvironmentProblem
 
 FORMAT = 3  # bump when the cache entry's layout changes (2: verified_insns, 3: subprogs)
 BPF_PSEUDO_MAP_FD = 1

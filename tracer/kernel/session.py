@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import abi
+from ..errors import EnvironmentProblem, TargetError
 from ..probes import catalog, discover
 from . import bpf, program, records, uprobes
-from ..errors import EnvironmentProblem, TargetError
 from .uprobes import NoUprobeMulti, Uprobe, UprobeLink
 
 # The capabilities tracing involves (linux/capability.h), by CapEff bit

@@ -16,8 +16,8 @@ the model, seconds before it serves.  docs/stock-vllm.md says so.
 import os
 import time
 
-from . import discover, torch_layout
 from ..errors import TargetError
+from . import discover, torch_layout
 
 
 def children_map() -> dict:

@@ -8,8 +8,8 @@ import shutil
 import signal
 import time
 
-from . import sdt
 from ..errors import TargetError
+from . import sdt
 
 
 class Target:

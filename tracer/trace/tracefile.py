@@ -35,10 +35,10 @@ import orjson
 from zlib_ng.zlib_ng import crc32
 
 from .. import __version__, abi
-from . import stream
-from ..kernel import records
 from ..errors import DataError
 from ..files import IsNotRegular, open_private, open_regular
+from ..kernel import records
+from . import stream
 
 MAGIC = b"KVTRACE\0"
 VERSION = 1
