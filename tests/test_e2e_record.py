@@ -263,3 +263,20 @@ def test_killed_recorder_leaves_a_readable_prefix(tmp_path):
     calls = [l["calls"] for l in doc["blocks"]["processes"][0]["layers"]]
     assert len(calls) == kvsim_truth(tmp_path, "default")["num_layers"]
     assert max(calls) - min(calls) <= 1
+
+
+def test_a_launched_command_is_named_by_what_it_runs(tmp_path):
+    """`record -- CMD` tracks the command from fork, before its exec: it was
+    named by the tracer's own command (kvtrace-bpf, or python3.11 under
+    `python -m`) in one run and by its own in another.  A shell that stays
+    the parent of kvsim (the `; true`) is never attached to, as vLLM's API
+    server is not."""
+    trace = tmp_path / "sh.kvt"
+    r = run_kvtrace("record", "-o", trace, "--", "bash", "-c",
+                    f"{KVSIM} --workload default --quiet; true")
+    # (kvsim may end before a scan finds it: only the root is asserted)
+    assert r.returncode == 0, r.stderr
+    doc = report_json(trace)
+    root = doc["trace"]["target"]["pid"]
+    names = {p["pid"]: p["comm"] for p in doc["trace"]["processes"]}
+    assert names[root] == "bash", names

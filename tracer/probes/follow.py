@@ -201,6 +201,14 @@ class Follower:
         still being discovered wait for the next step, unless `wait`.
         Returns the pids that got new probes."""
         attached = []
+        # a command launched under the tracer is tracked from fork, when its
+        # comm is still the tracer's; the processes without probes (vLLM's
+        # API server) are never attach()ed, which reads it again: it is
+        # read here, once a step, so every process is named by what it runs
+        for pid, proc in tracer.procs.items():
+            name = discover.comm(pid)
+            if name != "?":
+                proc.comm = name
         for pid, files in self.scan().items():
             if pid in self.refused:
                 continue
