@@ -68,7 +68,7 @@ def expected_occupancy(truth):
         "steps": truth["steps"],
         "active_blocks": truth["active_blocks"],
         "active_tokens": truth["active_tokens"],
-        "fragmentation_mean": float(frag.mean()),
+        "unwritten_share_mean": float(frag.mean()),
         "incomplete_ops": 0,
     }
 
@@ -80,7 +80,7 @@ def assert_occupancy_matches(doc, truth):
     for occ in layers:
         assert occ["block_size"] == truth["block_size"]
         for key, value in want.items():
-            if key == "fragmentation_mean":
+            if key == "unwritten_share_mean":
                 assert occ[key] == pytest.approx(value, rel=1e-12), key
             else:
                 assert occ[key] == value, (occ["layer"], key)

@@ -41,6 +41,10 @@ def test_residency_as_vllm_defines_it():
     assert sorted(r["lifetime"].tolist()) == [10.0, 15.0]
     assert sorted(r["idle_before_evict"].tolist()) == [3.0, 7.0, 15.0]
     assert r["reuse_gap"].tolist() == [2.0]
+    # 5 at 10, 7 and 6 at 15: three re-allocations, none an eviction of a
+    # cached block, where the screen had said "0 evicted" above them
+    assert lifecycle.summary(ev)["reallocated"] == 3
+    assert lifecycle.summary(ev)["blocks"]["evict"] == 0
     assert lifecycle.histogram(r["lifetime"])[-1] == ("+Inf", 2)
     assert dict(lifecycle.histogram(r["lifetime"], bounds=(10, 20))) == {10: 1, 20: 2, "+Inf": 2}
 
@@ -71,6 +75,8 @@ def test_residency_equals_the_event_by_event_reading(seed):
         want = np.array([v for p in per_pid for v in p[name]], dtype=np.int64) / 1e9
         assert got[name].tolist() == want.tolist(), name
     assert len(got["lifetime"]) and len(got["reuse_gap"])  # each kind was tried
+    # the summary's re-allocations, counted apart: one per idle_before_evict
+    assert lifecycle.reallocations(ev) == len(got["idle_before_evict"])
 
 
 def test_groups_are_separate_pools():

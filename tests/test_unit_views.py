@@ -12,7 +12,7 @@ from rich.console import Console
 from tracer import abi
 from tracer.analysis import heatmap
 from tracer.views import live
-from tracer.analysis.aggregate import Aggregate, Layer, Process
+from tracer.analysis.aggregate import Aggregate, Layer, Process, ReadGroup
 from tracer.exporters import folded
 from tracer.exporters.folded import folded_lines
 
@@ -388,9 +388,9 @@ class FakeGroup:
         self.held_tokens = self.distinct * self.block_size - 12
         self.null_entries = self.out_of_range = self.truncated = self.read_errors = 0
 
-    @property
-    def layers(self):  # as aggregate.ReadGroup: layer calls per step
-        return self.layer_calls / self.steps
+    # as aggregate.ReadGroup: layer calls per step, a whole number
+    layers = ReadGroup.layers
+    layers_note = ReadGroup.layers_note
 
 
 def test_reads_panel_from_groups():
@@ -405,7 +405,8 @@ def test_reads_panel_from_groups():
         "group's 2 layers)" in text
     assert "working set: 2 blocks read at the last step, 4 read at least once, of 64" in text
     assert "hottest block:reads 5:10, 7:7, 6:3, 8:1" in text
-    assert "coldest read block:reads 8:1, 6:3, 7:7, 5:10" in text
+    # four blocks read: all among the hottest, none listed as coldest too
+    assert "coldest read block:reads -" in text
     # 4 distinct blocks over 10 steps, 52 of their 64 token slots held; 21
     # reads of them; blocks 6 and 8 idle for 6 and 8 steps
     assert "live set: 0.4 blocks a step (mean), utilization 81.2% (tokens held / " \
@@ -413,6 +414,14 @@ def test_reads_panel_from_groups():
     assert "blocks idle, median 7 steps since their last read" in text
     assert "blocks 3-10 of 64 (zoomed to those in use)" in text
     assert "height: reads per block; top 10" in text
+    # more blocks than both lists: the coldest are the least read of the rest
+    many = [0] * 64
+    many[1:15] = range(1, 15)
+    p.groups = [FakeGroup(many, [3] * 64, 10)]
+    text = flat(render_text(FakeAggregate({7: p}), 120))
+    assert "hottest block:reads 14:14, 13:13, 12:12, 11:11, 10:10, 9:9" in text
+    assert "coldest read block:reads 1:1, 2:2, 3:3, 4:4, 5:5, 6:6" in text
+    p.groups = [FakeGroup(reads, last, 10)]
     # a truncated table says so, in the panel
     p.groups[0].truncated = 5
     text = flat(render_text(FakeAggregate({7: p}), 120))
@@ -497,3 +506,59 @@ def test_lifecycle_panel_says_what_the_scheduler_did():
     assert "2 seen, 1 running, 1 finished, 2 preemptions (48 tokens to recompute)" in text
     assert "b2 x3" in text and "b1 x" not in text
     assert live.lifecycle_panel(Process(pid=6, comm="w"), 100) == []
+
+
+def test_layer_count_is_whole_or_says_why():
+    """Counters read while a step is under way count some of its layers:
+    attach's live view once said "the group's 1.99953 layers"."""
+    p = process(7)
+    reads = [0] * 64
+    reads[5:9] = [10, 3, 7, 1]
+    g = FakeGroup(reads, [1] * 64, 10)
+    g.layer_calls = 19  # 2 layers x 10 steps, the last layer of the last step not yet
+    p.groups = [g]
+    text = flat(render_text(FakeAggregate({7: p}), 200))
+    assert "(once per step for the group's 2 layers; 19 layer calls over 10 steps: steps " \
+        "under way when counted)" in text
+    assert "1.9" not in text
+    g.layer_calls = 10
+    assert "(once per step for the group's 1 layer)" in flat(render_text(FakeAggregate({7: p}),
+                                                                         120))
+
+
+def test_reader_process_header_counts_the_blocks_it_reads():
+    """A process that only reads (vLLM's engine core, the plugin tier) said
+    "0 layers, 0 blocks" above a 64-block read histogram."""
+    q = Process(8, "reader")
+    q.groups = [FakeGroup([0, 4, 2] + [0] * 61, [0, 3, 3] + [0] * 61, 3)]
+    text = flat(render_text(FakeAggregate({8: q}), 120))
+    assert "pid 8 (reader): no layer written, 64 blocks" in text
+    assert "0 blocks" not in text
+
+
+def _lifecycle_text(mrc, width=200):
+    from tracer.analysis import lifecycle
+    from tracer.views import report_text
+    hist = {"count": 232, "sum_s": 1.0, "buckets": lifecycle.histogram(np.full(232, 0.3))}
+    figs = {"summary": {"blocks": {"alloc": 300, "hit": 50, "cache": 40, "free": 340,
+                                   "evict": 0},
+                        "reallocated": 232, "prefix_served_share": 0.14, "requests": 0,
+                        "incomplete_events": 0, "access_steps": {"steps": 0, "unmatched": 0}},
+            "lifetime": hist, "idle_before_evict": hist, "reuse_gap": hist,
+            "miss_ratio_curve": mrc, "requests": []}
+    console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False)
+    console.print(*report_text.lifecycle_view(figs, width))
+    return flat(re.sub("[│╭╮╰╯─]", " ", console.file.getvalue()))
+
+
+def test_lifecycle_says_what_idle_before_evict_and_the_curve_count():
+    """"0 evicted" above an idle_before_evict histogram of 232 blocks, and
+    "0 recomputed that a larger cache would have hit" above hit ratios up to
+    78.9%, read as contradictions: the screen now says what each counts."""
+    text = _lifecycle_text({"references": 400, "observed_hits": 120, "compulsory": 280,
+                            "refetched": 0, "curve": [[1, 0.1], [8, 0.3]]})
+    assert "300 allocated (232 of them re-allocations)" in text
+    assert "0 evicted from the prefix cache" in text
+    assert "idle_before_evict: vLLM's name, one sample per re-allocation, cached or not" in text
+    assert "vLLM hit 30.0%; 280 first references miss at any size, so no cache hits more " \
+        "than 30.0%; 0 blocks recomputed whose content had been cached" in text

@@ -37,10 +37,14 @@ def most_read_blocks(reads_per_block: np.ndarray, n: int = 5) -> list:
 
 
 def least_read_blocks(reads_per_block: np.ndarray, n: int = 5) -> list:
-    """[(block, reads)] of the n least read blocks among those read at all."""
+    """[(block, reads)] of the n least read blocks among those read at all,
+    but the n most read (most_read_blocks): with fewer than 2n blocks read,
+    a block listed as both hottest and coldest reads as a contradiction, so
+    the coldest are then fewer."""
     nz = np.flatnonzero(reads_per_block)
-    order = nz[np.argsort(reads_per_block[nz].astype(np.int64), kind="stable")][:n]
-    return [(int(b), int(reads_per_block[b])) for b in order]
+    hot = {b for b, _ in most_read_blocks(reads_per_block, n)}
+    order = nz[np.argsort(reads_per_block[nz].astype(np.int64), kind="stable")]
+    return [(int(b), int(reads_per_block[b])) for b in order if int(b) not in hot][:n]
 
 
 def age_steps(last_read_step: np.ndarray, steps: int) -> np.ndarray:
@@ -55,7 +59,7 @@ def group_summary(g) -> dict:
     steps = g.steps
     return {
         "steps": steps,
-        "layers": round(g.layers, 3),
+        "layers": g.layers,
         "reads_per_step": g.reads / steps if steps else 0.0,
         "distinct_per_step": g.distinct / steps if steps else 0.0,
         "blocks_ever_read": int(np.count_nonzero(g.reads_per_block)),

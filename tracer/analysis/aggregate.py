@@ -83,10 +83,22 @@ class ReadGroup:
     last_read_step: np.ndarray   # uint64 per block: step of its last read, 0 never
 
     @property
-    def layers(self) -> float:
-        """Layers calling per step: layer_calls / steps (exact when every
-        layer runs every step, as in vLLM)."""
-        return self.layer_calls / self.steps if self.steps else 0.0
+    def layers(self) -> int:
+        """Layers calling per step: layer_calls / steps, a whole number.
+        Every layer of a step reads the same table, but counters read while
+        a step is under way (attach's refresh) or a trace that begins or
+        ends inside one count some of its layers' calls and not the rest:
+        the ratio is then off by less than one step's layers, and rounded
+        (layers_note says so)."""
+        return max(1, round(self.layer_calls / self.steps)) if self.steps else 0
+
+    @property
+    def layers_note(self):
+        """Why layer_calls is not layers x steps, or None where it is."""
+        if not self.steps or self.layer_calls == self.layers * self.steps:
+            return None
+        return (f"{self.layer_calls:,} layer calls over {self.steps:,} steps: steps under "
+                "way when counted")
 
 
 @dataclass

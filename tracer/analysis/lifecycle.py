@@ -331,10 +331,27 @@ def summary(ev: Events) -> dict:
         np.zeros(len(abi.LIFE), np.int64)
     totals = {k: int(counts[i]) for i, k in enumerate(abi.LIFE)}
     needed = totals["hit"] + totals["alloc"]
-    return {"blocks": totals,
+    return {"blocks": totals, "reallocated": reallocations(ev),
             "prefix_served_share": totals["hit"] / needed if needed else None,
             "requests": _distinct_requests(ev),
             "incomplete_events": ev.incomplete}
+
+
+def reallocations(ev: Events) -> int:
+    """Allocations of a block (pid, group, id) that an allocation or a hit
+    in the trace held before: what vLLM's collector counts as evictions
+    (idle_before_evict has one sample each), cached or not.  block_evict
+    counts fewer: the blocks whose cached content was dropped on the way."""
+    alloc, hit = abi.LIFE.index("alloc"), abi.LIFE.index("hit")
+    sel = np.flatnonzero(np.isin(ev.kind, (alloc, hit)))
+    if not len(sel):
+        return 0
+    sel = sel[np.argsort(ev.ts_ns[sel], kind="stable")]
+    pid = ev.pid[sel] if ev.pid is not None else np.zeros(len(sel), np.int64)
+    keys = np.stack([pid, ev.group[sel], ev.block[sel]], axis=1)
+    _, first = np.unique(keys, axis=0, return_index=True)
+    first_is_alloc = int(np.count_nonzero(ev.kind[sel][first] == alloc))
+    return int(np.count_nonzero(ev.kind[sel] == alloc)) - first_is_alloc
 
 
 def _distinct_requests(ev: Events) -> int:

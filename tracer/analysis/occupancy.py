@@ -60,6 +60,9 @@ class Source:
     fragmentation: str  # 1 - tokens held / (blocks x block_size), per step
     span: str  # lifetime_steps: start to last access
     gap: str  # reuse_steps: last access to the block's next start
+    # how its unwritten share differs from the internal fragmentation of the
+    # blocks read (access), "" where they are one figure
+    not_fragmentation: str = ""
 
 
 FROM_WRITES = Source(
@@ -69,7 +72,12 @@ FROM_WRITES = Source(
     fill="written fill at generation end",
     fragmentation="unwritten share of the blocks being written",
     span="write span (steps from a generation's start to its last write)",
-    gap="write gap (steps from a last write to the block's next generation)")
+    gap="write gap (steps from a last write to the block's next generation)",
+    not_fragmentation="not the internal fragmentation of the blocks read (access patterns): "
+                      "this counts a block only from its generation's first write to its "
+                      "last, so it leaves out the full blocks requests go on holding and "
+                      "reading, and the two can move in opposite directions "
+                      "(docs/glossary.md)")
 
 
 @dataclass

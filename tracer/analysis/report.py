@@ -118,6 +118,9 @@ class Report:
             self.occupancy_source = occupancy.FROM_WRITES
             self.reasons = stream_reasons(ops, trace, self.agg)
             named.result()  # the views made meanwhile may name rows
+            # each process's block events per block, as attach's maps count
+            # them: its JSON lifecycle is then no null where it fired events
+            lifecycle_per_block(self.agg, self.life)
             self.meanwhile = meanwhile(self) if meanwhile else None
             # every request's figures (JSON): what each one wrote and read is
             # most of them, and beside's; the rest (timelines, the residency
@@ -264,9 +267,13 @@ def stream_groups(steps: list, scans: list, trace) -> list:
         for g in (p.get("groups") or []) if isinstance(p, dict) else []:
             if isinstance(g, dict) and isinstance(g.get("layer_calls"), int):
                 end_groups[(p.get("pid"), g.get("group_id"))] = g["layer_calls"]
+    # the cache's blocks, as the group's document has them: the read panel
+    # then says "of" the same count as the write panel above it, not the
+    # highest block read + 1
+    sizes = {(g["pid"], g["group_id"]): int(g.get("num_blocks") or 0) for g in trace.groups}
     out = []
     for index, (st, scan) in enumerate(zip(steps, scans)):
-        nb = len(scan.reads_per_block)
+        nb = max(len(scan.reads_per_block), sizes.get((st.pid, st.group_id), 0))
         n = len(st)
         out.append(dict(
             pid=st.pid, group_id=st.group_id, index=index, block_size=st.block_size,
@@ -278,8 +285,13 @@ def stream_groups(steps: list, scans: list, trace) -> list:
             # steps whose live set was lost or cut short are counted in the
             # totals but not per block: stream_reasons says so
             truncated=0, read_errors=0,
-            reads_per_block=scan.reads_per_block, last_read_step=scan.last_read_step))
+            reads_per_block=_padded(scan.reads_per_block, nb),
+            last_read_step=_padded(scan.last_read_step, nb)))
     return out
+
+
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    return a if len(a) >= n else np.concatenate([a, np.zeros(n - len(a), a.dtype)])
 
 
 def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
@@ -376,6 +388,21 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
                                proc_info=process_info(trace))
 
 
+def lifecycle_per_block(agg: Aggregate, ev: "lifecycle.Events"):
+    """Fills each process's `life` (lifecycle kind -> uint64 per block, as
+    attach's maps have it) from the plugin tier's events."""
+    if not len(ev) or ev.pid is None:
+        return
+    for pid in np.unique(ev.pid).tolist():
+        proc = agg.processes.get(pid)
+        if proc is None:
+            continue
+        mine = ev.pid == pid
+        nb = int(ev.block[mine].max()) + 1
+        proc.life = {k: np.bincount(ev.block[mine & (ev.kind == i)], minlength=nb)
+                     .astype(np.uint64) for i, k in enumerate(abi.LIFE)}
+
+
 def process_info(trace) -> dict:
     """{pid: parent, tier, probed_ops} as attach had them: from the process
     documents, or for a trace written before they held them, the END
@@ -466,8 +493,8 @@ def access_figures(rep: Report) -> list:
         reuse = access_requests.prefix_reuse(rep.ops, rows, doc.get("leader"), rep.step_reqs)
         out.append({
             "pid": st.pid, "group": g.group, "group_id": st.group_id,
-            "block_size": st.block_size, "steps": len(st), "layers": round(layers, 3),
-            "reads": g.reads, "reads_all_layers": round(g.reads * layers),
+            "block_size": st.block_size, "steps": len(st), "layers": layers,
+            "layers_note": g.layers_note, "reads": g.reads, "reads_all_layers": g.reads * layers,
             "distinct": g.distinct, "tokens": g.tokens, "held_tokens": g.held_tokens,
             "blocks_read": int(len(read)),
             "frequency": [list(x) for x in access_counters.frequency_histogram(g.reads_per_block)],
@@ -475,6 +502,10 @@ def access_figures(rep: Report) -> list:
             "coldest": [list(x) for x in access_counters.least_read_blocks(g.reads_per_block)],
             "wss_blocks": _pcts(st.distinct),
             "utilization": _pcts(st.utilization),
+            # 1 - utilization, its percentiles mirrored (p10 of one is p90 of
+            # the other): not the occupancy's unwritten share (docs/glossary.md)
+            "internal_fragmentation": [[100 - p, 1 - v] for p, v in
+                                       reversed(_pcts(st.utilization))],
             "utilization_overall": g.held_tokens / (g.distinct * st.block_size)
             if g.distinct and st.block_size else None,
             "sharing_mean": g.reads / g.distinct if g.distinct else None,

@@ -11,8 +11,10 @@ from ..files import WatchedStdout
 
 REPORT_SCHEMA = "kvtrace-bpf/report"
 # 2: lifecycle.requests[].access.blocks is columns (a list per figure), not
-# a list of one dict per block
-REPORT_VERSION = 2
+# a list of one dict per block; 3: occupancy[].fragmentation_mean is
+# unwritten_share_mean, beside access[].internal_fragmentation, layers a
+# whole number (and layers_note), lifecycle.summary.reallocated
+REPORT_VERSION = 3
 
 
 def _occupancy_json(rep: Report) -> list:
@@ -48,7 +50,9 @@ def _generations_json(g: occupancy.Generations) -> dict:
         "steps": g.steps,
         "active_blocks": g.active_blocks.tolist(),
         "active_tokens": g.active_tokens.tolist(),
-        "fragmentation_mean": float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else None,
+        # not "fragmentation": access[].internal_fragmentation is that of
+        # the blocks read, which differs by definition (docs/glossary.md)
+        "unwritten_share_mean": float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else None,
         "incomplete_ops": g.incomplete_ops,
     }
 

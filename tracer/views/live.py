@@ -312,7 +312,9 @@ def reads_panel(proc, width: int) -> list:
             if read_ever else 0
         # a group's layers all read the same blocks at a step: counted once
         layers = getattr(g, "layers", 0)
-        per = (f"the group's {layers:g} layers" if layers else "all the group's layers")
+        note = getattr(g, "layers_note", None)
+        per = (f"the group's {layers} layer{'s' if layers != 1 else ''}"
+               + (f"; {note}" if note else "") if layers else "all the group's layers")
         head = (f"reads per block, group {g.group}: {_n(g.steps)} steps, {_n(g.reads)} "
                 f"block reads (once per step for {per})")
         body += [Text(head, style="bold"),
@@ -335,7 +337,10 @@ def reads_panel(proc, width: int) -> list:
             order = np.argsort(reads, kind="stable")
             read = order[reads[order] > 0]
             hot = ", ".join(f"{b}:{_n(reads[b])}" for b in read[::-1][:6])
-            cold = ", ".join(f"{b}:{_n(reads[b])}" for b in read[:6])
+            # never a block of the hottest six: fewer than twelve blocks read
+            # list fewer coldest
+            cold = ", ".join(f"{b}:{_n(reads[b])}" for b in read[:max(0, len(read) - 6)][:6]) \
+                or "-"
             body.append(Text(f"hottest block:reads {hot}\ncoldest read block:reads {cold}"))
         problems = [f"{_n(getattr(g, k))} {what}" for k, what in (
             ("truncated", "entries truncated"), ("read_errors", "tables unreadable"),
@@ -347,7 +352,7 @@ def reads_panel(proc, width: int) -> list:
 
 # Each entry: (process, width) -> renderables; an empty list draws nothing.
 LIFE_WORDS = {"alloc": "allocated", "hit": "prefix hits", "cache": "cached",
-              "free": "freed", "evict": "evicted"}
+              "free": "freed", "evict": "evicted from the prefix cache"}
 
 
 def lifecycle_panel(proc, width: int) -> list:
@@ -390,7 +395,11 @@ PROCESS_PANELS = [writes_panel, reads_panel, lifecycle_panel]
 
 def process_panel(proc, width: int) -> Panel:
     nl = len(proc.layers)
-    head = f"{describe(proc)}: {nl} layer{'s' if nl != 1 else ''}, {proc.num_blocks} blocks"
+    # a process that only reads (the engine core's scheduler tables) has no
+    # layer written, but its read panels are of a cache of blocks all the same
+    nb = max([proc.num_blocks] + [g.num_blocks for g in getattr(proc, "groups", None) or []])
+    what = f"{nl} layer{'s' if nl != 1 else ''}" if nl else "no layer written"
+    head = f"{describe(proc)}: {what}, {nb} blocks"
     body = []
     for build in PROCESS_PANELS:
         part = build(proc, width)

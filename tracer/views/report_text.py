@@ -30,15 +30,20 @@ def lifecycle_view(figs: dict, width: int) -> list:
     if not figs:
         return []
     s = figs["summary"]
-    head = Text(", ".join(f"{n:,} {live.LIFE_WORDS[k]}" for k, n in s["blocks"].items()))
+    head = Text(", ".join(f"{n:,} {live.LIFE_WORDS[k]}" + (
+        f" ({s['reallocated']:,} of them re-allocations)" if k == "alloc" and "reallocated" in s
+        else "") for k, n in s["blocks"].items()))
     if s["prefix_served_share"] is not None:
         head.append(f"; the prefix cache served {100 * s['prefix_served_share']:.1f}% of the "
                     "blocks requests needed")
     if s["incomplete_events"]:
         head.append(f"; {s['incomplete_events']:,} events with ids missing (left out)",
                     style="red")
+    # vLLM's collector calls every re-allocation an eviction, cached or not:
+    # its name is kept (the metrics overlay), and the screen says so
     hist = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="block residency, every block "
-                 "(vLLM's kv_block_* buckets, seconds; cumulative)", title_justify="left")
+                 "(vLLM's kv_block_* buckets, seconds; cumulative; idle_before_evict: vLLM's "
+                 "name, one sample per re-allocation, cached or not)", title_justify="left")
     hist.add_column("le", justify="right")
     names = ("lifetime", "idle_before_evict", "reuse_gap")
     for n in names:
@@ -88,10 +93,16 @@ def lifecycle_view(figs: dict, width: int) -> list:
     parts = [head, hist]
     mrc = figs.get("miss_ratio_curve")
     if mrc:
+        n = mrc["references"]
+        top = (n - mrc["compulsory"]) / n if n else 0
         m = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
-                  title=f"miss-ratio curve (Mattson, LRU over {mrc['references']:,} block "
-                        f"references; {mrc['refetched']:,} recomputed that a larger cache "
-                        "would have hit)")
+                  title=f"miss-ratio curve: the hit ratio of an LRU cache of C free blocks "
+                        f"(Mattson, over {n:,} block references). vLLM hit "
+                        f"{100 * mrc['observed_hits'] / n if n else 0:.1f}%; "
+                        f"{mrc['compulsory']:,} first references miss at any size, so no "
+                        f"cache hits more than {100 * top:.1f}%; {mrc['refetched']:,} blocks "
+                        "recomputed whose content had been cached (a larger cache would "
+                        "have hit them)")
         m.add_column("cache blocks", justify="right")
         m.add_column("hit ratio", justify="right")
         for size, ratio in mrc["curve"]:
@@ -114,17 +125,19 @@ def access_view(figs: list, width: int) -> list:
         def pct(pairs, fmt):
             return "  ".join(f"p{int(p)} {fmt(v)}" for p, v in pairs) or "-"
 
-        t.add_row("steps", f"{f['steps']:,} ({f['layers']:g} layers a step)")
-        t.add_row("block reads", f"{f['reads']:,} (x {f['layers']:g} layers: "
-                                 f"{f['reads_all_layers']:,})")
+        layers = f"{f['layers']} layer{'s' if f['layers'] != 1 else ''}"
+        t.add_row("steps", f"{f['steps']:,} ({layers} a step" +
+                  (f"; {f['layers_note']})" if f.get("layers_note") else ")"))
+        t.add_row("block reads", f"{f['reads']:,} (x {layers}: {f['reads_all_layers']:,})")
         t.add_row("working set, blocks a step", pct(f["wss_blocks"], lambda v: f"{v:,.0f}"))
         t.add_row("utilization of the working set",
                   pct(f["utilization"], lambda v: f"{100 * v:.1f}%"))
         # the live set's internal fragmentation: what occupancy from writes
-        # (below) can only estimate, as it sees neither frees nor held blocks
-        t.add_row("internal fragmentation (live set)",
-                  pct([[100 - p, 1 - v] for p, v in reversed(f["utilization"])],
-                      lambda v: f"{100 * v:.1f}%"))
+        # (below) can only estimate, as it sees neither frees nor held blocks;
+        # named apart from that panel's "unwritten share", which differs by
+        # definition and may move the other way between two runs
+        t.add_row("internal fragmentation of the blocks read (1 - utilization)",
+                  pct(f["internal_fragmentation"], lambda v: f"{100 * v:.1f}%"))
         if f["sharing_mean"] is not None:
             t.add_row("sharing (requests a block)", f"mean {f['sharing_mean']:.2f}; most at "
                       f"one step: " + ", ".join(f"{d}: {n} blocks" for d, n in
@@ -296,6 +309,8 @@ def occupancy_panel(g: occupancy.Generations, src: occupancy.Source, where: str,
              Text(note), fill,
              Text(f"{src.fragmentation}, over {g.steps:,} steps (mean {mean:.1%}; "
                   "bar height 0-100%)", style="bold"), spark]
+    if src.not_fragmentation:
+        body.append(Text(src.not_fragmentation, style="dim"))
     grid = Table.grid(padding=(0, 4))
     span, gap = (x.split(" (")[0] for x in (src.span, src.gap))
     grid.add_row(_distribution(span, value_counts(g.lifetime_steps), "steps"),
