@@ -522,3 +522,49 @@ def trace_stream(tmp_path, workload, *extra, perf_pages=256):
             tracer.close()
         sim.kill()
     return stream.decode(batches), raw, sim.truth()
+
+
+# a trace file's first bytes (tracer/trace/tracefile.py MAGIC), written here
+# so that a change there cannot make this fixture find no trace at all
+TRACE_MAGIC = b"KVTRACE\0"
+_CHECKED = set()
+
+
+def _traces_written_since(dirs, since):
+    for d in dirs:
+        for path in Path(d).rglob("*"):
+            try:
+                if path.is_symlink() or not path.is_file() or path.stat().st_mtime < since:
+                    continue
+                with open(path, "rb") as f:
+                    if f.read(len(TRACE_MAGIC)) != TRACE_MAGIC:
+                        continue
+            except OSError:
+                continue  # gone meanwhile, or not ours to read (a fifo, a socket)
+            st = path.stat()
+            key = (str(path), st.st_mtime_ns, st.st_size)
+            if key not in _CHECKED:
+                _CHECKED.add(key)
+                yield path
+
+
+@pytest.fixture(autouse=True)
+def invariants_of_every_recording(request, tmp_path_factory, private_tmpdir):
+    """Every trace file an end-to-end test writes (any file with a trace's
+    magic under the suite's temporary directories, written during the test,
+    by the test or its module's fixtures) passes `report --check`: the
+    figures of its report agree with each other (tracer/analysis/
+    invariants.py).  A file report cannot read even with --partial (the
+    error tests' damaged ones) has no figures to check: report says so on
+    stderr and prints no check line."""
+    if not request.module.__name__.startswith(("test_e2e_", "test_kvsim_truth")):
+        yield
+        return
+    since = time.time() - 1
+    yield
+    for path in _traces_written_since((tmp_path_factory.getbasetemp(), private_tmpdir), since):
+        r = run_kvtrace("report", path, "--check", "--partial", timeout=600)
+        fails = [line for line in r.stdout.splitlines() if not line.startswith("ok ")]
+        assert not fails and r.returncode in (0, 4), \
+            f"report --check {path}: rc {r.returncode}\n{r.stdout}{r.stderr[-2000:]}"
+        assert r.returncode == 0 or (not r.stdout and "kvtrace-bpf:" in r.stderr), r.stderr

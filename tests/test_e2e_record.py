@@ -2,6 +2,7 @@
 processes.  Occupancy figures are recomputed here from kvsim's generations
 (its block manager's books), never from the tracer's code."""
 
+import copy
 import json
 import os
 import re
@@ -12,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from tracer import abi
+from tracer import abi, cli
+from tracer.analysis import access_counters, invariants
 from tracer.trace import tracefile
 from conftest import (KVSIM, KVSIM_LIB, Kvsim, WRITE_OPS, assert_matches_truth, kvsim_truth,
                       kvtrace_cmd, read_line, run_kvtrace, ROOT)
@@ -280,3 +282,68 @@ def test_a_launched_command_is_named_by_what_it_runs(tmp_path):
     root = doc["trace"]["target"]["pid"]
     names = {p["pid"]: p["comm"] for p in doc["trace"]["processes"]}
     assert names[root] == "bash", names
+
+
+def _broken(doc, name):
+    """doc with one figure made to contradict its neighbours: what the
+    invariant `name` must catch (and no other)."""
+    d = copy.deepcopy(doc)
+    proc = d["blocks"]["processes"][0]
+    life, acc = d["lifecycle"], d["access"][0]
+    if name == "panel_headers_agree":  # reads "of" the highest block read + 1
+        proc["groups"][0]["num_blocks"] = max(b for b, _ in proc["groups"][0]["reads_per_block"]) + 1
+    elif name == "hottest_coldest_disjoint":
+        acc["coldest"][0] = acc["hottest"][0]
+    elif name == "working_set_within_cache":
+        acc["wss_blocks"][-1][1] = acc["blocks_read"] + 1
+    elif name == "shares_within_0_1":
+        d["occupancy"][0]["unwritten_share_mean"] = 1.2
+    elif name == "layers_whole":
+        acc["layers"] = 1.99953
+    elif name == "process_names":
+        proc["comm"] = invariants.TRACER_COMM
+    elif name == "lifecycle_per_process":
+        proc["lifecycle"] = None
+    elif name == "request_sums":
+        life["requests"][0]["events"] = [e for e in life["requests"][0]["events"]
+                                         if e[1] != "alloc"]
+    elif name == "residency_counts":
+        life["summary"]["reallocated"] += 1
+    return d
+
+
+def test_report_check_holds_and_can_fail(tmp_path, monkeypatch, capsys):
+    """report --check: every invariant holds on a real recording, one line
+    each; each one fails on a document broken where it looks, and the
+    command exits 4 when the analysis itself is broken."""
+    trace, truth = record(tmp_path, "prefix", "--repeat", "3")
+    r = run_kvtrace("report", trace, "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    names = [re.match(r"ok   (\w+): ", line).group(1) for line in lines]
+    # kvsim passes no content hashes: no miss-ratio curve to check
+    want = [c.__name__ for c in invariants.CHECKS if c.__name__ != "miss_ratio_curve"]
+    assert names == want
+    doc = report_json(trace)
+    # the re-allocations on screen beside "evicted": kvsim's own count of
+    # vLLM's idle_before_evict samples
+    s = doc["lifecycle"]["summary"]
+    assert s["blocks"] == truth["lifecycle"]["totals"]
+    assert s["reallocated"] == len(truth["lifecycle"]["residency"]["idle_before_evict_ns"]) > 0
+    # the process's own lifecycle (it was null) and its reads "of" kvsim's
+    # blocks (they were "of" the highest block read + 1)
+    (proc,) = doc["blocks"]["processes"]
+    assert proc["lifecycle"]["totals"] == truth["lifecycle"]["totals"]
+    assert proc["groups"][0]["num_blocks"] == truth["num_blocks"] == \
+        proc["layers"][0]["num_blocks"]
+    assert invariants.failures(doc) == []
+    for name in want:
+        assert [n for n, _ in invariants.failures(_broken(doc, name))] == [name], name
+    # the aggregate broken as it once was: the coldest blocks taken from all
+    # those read, the hottest among them
+    monkeypatch.setattr(access_counters, "least_read_blocks", access_counters.most_read_blocks)
+    assert cli.main(["report", str(trace), "--check"]) == 4
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out if not line.startswith("ok ")] == \
+        ["FAIL hottest_coldest_disjoint"]
+    assert len(out) == len(want)

@@ -12,11 +12,11 @@ import threading
 
 from rich.console import Console
 
-from ..analysis import heatmap
+from ..analysis import heatmap, invariants
 from ..analysis.report import Report
-from ..errors import UsageError
+from ..errors import EXIT_DATA, UsageError
 from ..exporters.report_csv import write_csv
-from ..exporters.report_json import document, json_fragment, json_parts, write_json
+from ..exporters.report_json import document, json_fragment, json_parts, plain, write_json
 from ..trace import tracefile
 from ..views.report_text import LIFE_SHOWN_REQUESTS, render
 
@@ -31,6 +31,11 @@ examples:
   kvtrace-bpf report run.kvt --format csv --table generations > gens.csv
   kvtrace-bpf report run.kvt --kind reads          # the read heatmap (temperature)
   kvtrace-bpf report run.kvt --format csv --table wss > wss.csv
+  kvtrace-bpf report run.kvt --check              # figures agree? exit 4 if not
+
+--check: the cross-figure invariants over the report's JSON, one line each
+(ok or FAIL, and what it compared); exit 0 when all hold, 4 when one fails
+(docs/report-json.md, "Invariants").
 """
 
 
@@ -64,6 +69,9 @@ def add_parser(sub):
     p.add_argument("--layer", type=int, default=0,
                    help="layer shown in the terminal's occupancy section (default 0; "
                         "JSON and CSV have every layer)")
+    p.add_argument("--check", action="store_true",
+                   help="check that the report's figures agree with each other (one "
+                   "line per invariant; exit 4 when one fails) instead of showing them")
     p.add_argument("--partial", action="store_true",
                    help="read a damaged or cut-short trace up to the damage")
     p.set_defaults(run=run)
@@ -89,6 +97,8 @@ def check_args(args):
     if args.block_range and not 0 <= args.block_range[0] <= args.block_range[1] < \
             tracefile.MAX_BLOCKS:
         raise UsageError(f"--block-range LO HI needs 0 <= LO <= HI < {tracefile.MAX_BLOCKS}")
+    if args.check and args.format != "text":
+        raise UsageError("--check prints its own lines: no --format")
     if args.table != "blocks" and args.format != "csv":
         raise UsageError("--table goes with --format csv")
 
@@ -120,6 +130,8 @@ def _run(args) -> int:
     check_args(args)
     trace = tracefile.load(args.file, partial=args.partial,
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
+    if args.check:
+        return check(trace, args)
     # the plugin tier's figures: every request's in JSON, the first few in
     # the terminal, none in CSV (no table has them)
     console = Console(highlight=False)
@@ -158,3 +170,19 @@ def _run(args) -> int:
             console = Console(highlight=False, width=wide)
         console.print(render(rep, hm, rates, width, args.layer))
     return 0
+
+
+def check(trace, args) -> int:
+    """report --check: the document JSON would give (every request's
+    figures), checked by analysis/invariants.py, one line per invariant."""
+    def views(rep):
+        hm = rep.heatmap(20, 100, args.time_range, args.block_range, exact_cols=False,
+                         kind=args.kind)
+        return document(rep, hm, rep.op_rates(time_range=args.time_range))
+
+    rep = Report(trace, args.pid, meanwhile=views)
+    doc = plain({**rep.meanwhile, "lifecycle": rep.lifecycle})
+    results = invariants.check(doc)
+    for name, ok, detail in results:
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    return EXIT_DATA if any(not ok for _, ok, _ in results) else 0

@@ -94,6 +94,12 @@ def json_parts(doc: dict) -> dict:
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
+def plain(doc: dict):
+    """The document as json.loads would read it back (numpy arrays as lists,
+    number keys as strings): what report --check's invariants read."""
+    return orjson.loads(orjson.dumps(doc, option=_JSON_OPTIONS))
+
+
 def json_fragment(value) -> orjson.Fragment:
     """value serialized now, to be copied as it is into write_json's bytes
     (every request's access columns, made on the side that computes them,
