@@ -2,6 +2,7 @@
 the rich live view (live.py), fed with hand-built data."""
 
 import io
+import os
 import re
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
+from conftest import run_kvtrace
 from tracer import abi
 from tracer.analysis import heatmap
 from tracer.views import live
@@ -497,3 +499,25 @@ def test_lifecycle_panel_says_what_the_scheduler_did():
     assert "2 seen, 1 running, 1 finished, 2 preemptions (48 tokens to recompute)" in text
     assert "b2 x3" in text and "b1 x" not in text
     assert live.lifecycle_panel(Process(pid=6, comm="w"), 100) == []
+
+
+# -- density: the report keeps its width ----------------------------------------
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.mark.parametrize("columns, width", ((None, 120), ("100", 100)))
+def test_report_piped_keeps_its_width(columns, width):
+    """`report` into a pipe or a file is drawn 120 columns wide
+    (live.PIPE_WIDTH; rich's own default there is 80); COLUMNS still wins."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns:
+        env["COLUMNS"] = columns
+    r = run_kvtrace("report", os.path.join(DATA, "before-reads.kvt"), env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    # the panels are drawn to the width, their borders whole
+    borders = [l for l in lines if l.startswith("╭─ pid")]
+    assert borders and all(cell_len(l) == width for l in borders), borders
+    assert max(cell_len(l) for l in lines) <= width
+    assert width == int(columns or live.PIPE_WIDTH)

@@ -673,7 +673,7 @@ def _finish(args, tracer, target, reason, recorder=None) -> int:
     raw = tracer.read_maps()
     agg = _aggregate(tracer, raw)
     elapsed = time.monotonic() - tracer.started
-    console = Console(highlight=False)
+    console = live.output_console()
     out = Outputs()
     if getattr(args, "summary", True):
         out.write("the summary to stdout", lambda: console.print(

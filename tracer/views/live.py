@@ -11,9 +11,11 @@ A process's panel is built from PROCESS_PANELS, a list of functions
 from Process.groups when the aggregate has them.
 """
 
+import os
+
 import numpy as np
 from rich import box
-from rich.console import Group
+from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -48,6 +50,21 @@ LEGEND = ("tokens: per layer (the busiest layer; each token once). slots, paddin
 
 SHORT_LEGEND = ("tokens: per layer; slots, padding, pairs: all layers; exact: every slot "
                 "of every probe hit (the summary and docs/glossary.md say more)")
+
+
+# The width a view is drawn at where stdout is no terminal (a pipe, a
+# file): rich's own default there, 80 columns, wrapped the report's tables
+# and lines that the views draw for up to 120.  COLUMNS, when set, wins.
+PIPE_WIDTH = 120
+
+
+def output_console() -> Console:
+    """A Console for stdout: a terminal's own width, else COLUMNS, else
+    PIPE_WIDTH."""
+    console = Console(highlight=False)
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+        console = Console(highlight=False, width=PIPE_WIDTH)
+    return console
 
 
 def _n(x) -> str:
