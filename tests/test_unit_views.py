@@ -13,6 +13,8 @@ from rich.console import Console
 from conftest import run_kvtrace
 from tracer import abi
 from tracer.analysis import heatmap
+from tracer.analysis.report import Report
+from tracer.trace import tracefile
 from tracer.views import live
 from tracer.analysis.aggregate import Aggregate, Layer, Process
 from tracer.exporters import folded
@@ -501,9 +503,69 @@ def test_lifecycle_panel_says_what_the_scheduler_did():
     assert live.lifecycle_panel(Process(pid=6, comm="w"), 100) == []
 
 
-# -- density: the report keeps its width ----------------------------------------
+# -- density: the live view fits 50 rows, the report keeps its width ----------
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
+# Real CPU vLLM with the plugin, make demo-vllm's workload for 2 rounds,
+# recorded on 2026-12-07 by
+#   kvtrace-bpf record -o tests/data/vllm-demo.kvt -- .venv-vllm/bin/python \
+#     scripts/vllm-workload.py --model TINY --repeat 2 --requests \
+#     160:16,128:16,96:16,200:16,64:16 --prefix-caching on --shared-prefix 64 \
+#     --fresh-prompts --num-gpu-blocks 24 --max-model-len 256
+# an engine core (the plugin's lifecycle and reads) and a worker (writes and
+# reads): the two panels of demo-vllm's live view.
+VLLM_DEMO = os.path.join(DATA, "vllm-demo.kvt")
+
+
+def vllm_demo_aggregate():
+    """The recording's aggregate as the live view draws it at the end of
+    the run: the stream's counts, and the scheduler's lifecycle counts and
+    requests from the END record (the live view reads those from the maps)."""
+    trace = tracefile.load(VLLM_DEMO)
+    agg = Report(trace).agg
+    for p in trace.end["aggregate"]["processes"]:
+        lc = p.get("lifecycle")
+        if not lc:
+            continue
+        proc = agg.processes[p["pid"]]
+        proc.life = {}
+        for kind, pairs in lc["blocks"].items():
+            arr = np.zeros(max([b for b, _ in pairs] + [0]) + 1, np.uint64)
+            for b, n in pairs:
+                arr[b] = n
+            proc.life[kind] = arr
+        proc.requests = [dict(r, req=int(r["req"], 16)) for r in lc["requests"]]
+    return agg
+
+
+def live_frame(agg, width, full):
+    console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False)
+    console.print(live.render(agg, agg, title="kvtrace-bpf  pid 1  traced: 2 VLLM::EngineCor, "
+                              "3 VLLM::Worker", elapsed=3.25, width=min(width, 120),
+                              full=full, note="python3's output: /tmp/kvtrace-cmd-x.log"))
+    return console.file.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("width", (100, 120, 200))
+def test_live_view_of_vllm_fits_50_rows(width):
+    """attach's live view by default fits a 50-row terminal (less the line
+    rich's Live keeps free) with both of vLLM's panels whole: the worker's
+    reads were cut off at 60 rows; --full has every panel."""
+    agg = vllm_demo_aggregate()
+    procs = [p for p in agg.processes.values() if not live.is_idle(p)]
+    assert len(procs) == 2 and any(p.life for p in procs) and all(p.groups for p in procs)
+    lines = live_frame(agg, width, full=False)
+    assert len(lines) <= live.FIT_ROWS - 1, "\n".join(lines)
+    text = flat("\n".join(lines))
+    for p in procs:
+        assert f"pid {p.pid} ({p.comm})" in text
+        assert text.count(f"reads per block, group {p.groups[0].group}:") == 2
+    assert "lifecycle (scheduler):" in text and "tokens written per block" in text
+    # the second of two panels with the same reads says whose it drew
+    assert f"block reads, as pid {min(p.pid for p in procs)}'s above" in text
+    full = live_frame(agg, width, full=True)
+    assert len(full) > live.FIT_ROWS and "items per op (log2)" in flat("\n".join(full))
+    assert "items per op (log2)" not in text
 
 
 @pytest.mark.parametrize("columns, width", ((None, 120), ("100", 100)))

@@ -6,7 +6,9 @@ are those of docs/glossary.md; every count says whether it is per layer or
 summed over all layers.
 
 A process's panel is built from PROCESS_PANELS, a list of functions
-(process, width) -> list of renderables (empty: nothing to show).  Reads
+(process, width, full, seen) -> list of renderables (empty: nothing to
+show); full: every part (the summary, attach --full), else the live
+view's short form; seen: what earlier panels of the frame drew.  Reads
 (the block_table probe) slot in as one more entry, reads_panel, which draws
 from Process.groups when the aggregate has them.
 """
@@ -26,6 +28,13 @@ from ..analysis.aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
 HIST_ROWS = 6
+# The live view by default (attach without --full) fits a 50-row terminal
+# with two traced processes (vLLM's engine core and its worker): shorter
+# histograms, the hottest blocks on one line, and the tables that only the
+# summary needs (the hottest blocks', copies and swaps, items per op) left
+# to --full and the summary at the end.
+COMPACT_ROWS = 3
+FIT_ROWS = 50
 LABEL = 6  # the y-axis label's width, left of the bars
 
 # ops that move whole blocks: their "items" are block pairs (batch: entries),
@@ -101,7 +110,7 @@ def traced_anything(agg: Aggregate) -> bool:
 
 
 def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
-              width: int = 100) -> Table:
+              width: int = 100, full: bool = True) -> Table:
     """Ops with their call rates: over the last refresh interval (live, with
     a previous aggregate), or the mean over the whole run (a summary).
     Counts are printed whole, never rounded; a narrow terminal drops the
@@ -115,7 +124,8 @@ def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
         basis = "mean"
     totals = agg.op_totals()
     t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, collapse_padding=True,
-              title="ops, all processes", title_justify="left", title_style="bold")
+              title="ops, all processes", title_justify="left", title_style="bold",
+              show_edge=full)
     t.add_column("op", no_wrap=True, min_width=len("cpu_attn_reshape_and_cache"))
     heads = {"calls": "calls", "calls/s": f"calls/s\n{basis}", "slots": "slots\nall layers",
              "padding": "padding\nall layers", "pairs": "pairs\nmoved", "bytes": "bytes\nmoved",
@@ -161,11 +171,11 @@ def not_probed_line(agg: Aggregate) -> Text:
 
 
 def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str = "tokens",
-              block_range: tuple = None) -> Text:
+              block_range: tuple = None, full: bool = True) -> Text:
     """A vertical bar chart of counts per block, bucketed to at most `width`
     columns.  By default it zooms to the blocks in use (heatmap.block_window); a
     block_range (lo, hi inclusive) overrides.  The footer says which blocks
-    are drawn and what one column's height sums."""
+    are drawn and what one column's height sums (not full: on one line)."""
     n = len(counts)
     if not n or not counts.any():
         return Text(f"(no {what} yet)", style="dim")
@@ -187,7 +197,8 @@ def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str =
                                            else "")
     height = (f"{what} per block" if per == 1 else
               f"{what} summed over {per} blocks per column")
-    text.append(f"{'':>{LABEL}} {shown}\n{'':>{LABEL}} height: {height}; top {_n(top)}",
+    sep = f"\n{'':>{LABEL}} " if full else "; "
+    text.append(f"{'':>{LABEL}} {shown}{sep}height: {height}; top {_n(top)}",
                 style="dim")
     return text
 
@@ -294,10 +305,14 @@ def is_idle(proc) -> bool:
         and not getattr(proc, "life", None) and not getattr(proc, "requests", None)
 
 
-def writes_panel(proc, width: int) -> list:
-    """Tokens written per block, the hottest blocks, copies and swaps."""
+def writes_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
+    """Tokens written per block, the hottest blocks, copies and swaps; not
+    full: a shorter histogram, the hottest blocks on one line and the moves
+    only where some happened."""
     if not proc.layers and not any(a.any() for a in proc.moves.values()):
         return []
+    if not full:
+        return compact_writes(proc, width)
     hot = Group(Text("hottest blocks: tokens per layer, slots of all layers", style="bold"),
                 most_written_blocks(proc))
     moved = moves_part(proc)
@@ -312,15 +327,42 @@ def writes_panel(proc, width: int) -> list:
     return body
 
 
-def reads_panel(proc, width: int) -> list:
+def compact_writes(proc, width: int) -> list:
+    body = [Text("tokens written per block (per layer: the busiest layer)", style="bold"),
+            histogram(proc.tokens, max(10, width - 12), rows=COMPACT_ROWS, what="tokens",
+                      full=False)]
+    tokens = proc.tokens
+    if len(tokens) and tokens.any():
+        order = np.argsort(tokens, kind="stable")[::-1][:6]
+        body.append(Text("hottest block:tokens " + ", ".join(
+            f"{b}:{_n(tokens[b])}" for b in order if tokens[b])))
+    moved = [(k, int(a.sum())) for k, a in proc.moves.items()
+             if k not in unprobed_moves(proc) and a.any()]
+    if moved:
+        body.append(Text("copies and swaps, all layers (blocks moved): " +
+                         ", ".join(f"{k} {_n(n)}" for k, n in moved)))
+    return body
+
+
+def reads_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
     """Reads per block of each KV-cache group (the block_table probe), from
     Process.groups: a histogram of reads per block, the working set (blocks
     read at the last step against blocks read ever) and the hottest and
-    coldest blocks.  Empty for a process without read groups."""
+    coldest blocks.  Empty for a process without read groups.  Not full: a
+    group whose reads an earlier panel drew (vLLM's engine core, from the
+    plugin, and its worker, from the op) is one line, and no coldest."""
     groups = getattr(proc, "groups", None) or []
     body = []
     for g in groups:
         reads = np.asarray(g.reads_per_block, dtype=np.uint64)
+        if not full and seen is not None:
+            key = ("reads", g.group, g.steps, g.reads, reads.tobytes())
+            if key in seen:
+                body.append(Text(f"reads per block, group {g.group}: {_n(g.steps)} steps, "
+                                 f"{_n(g.reads)} block reads, as pid {seen[key]}'s above",
+                                 style="bold"))
+                continue
+            seen[key] = proc.pid
         last = np.asarray(g.last_read_step, dtype=np.uint64)
         read_ever = int(np.count_nonzero(reads))
         # the working set now: blocks whose last read is the latest read step
@@ -333,7 +375,8 @@ def reads_panel(proc, width: int) -> list:
         head = (f"reads per block, group {g.group}: {_n(g.steps)} steps, {_n(g.reads)} "
                 f"block reads (once per step for {per})")
         body += [Text(head, style="bold"),
-                 histogram(reads, max(10, width - 12), rows=4, what="reads"),
+                 histogram(reads, max(10, width - 12), rows=4 if full else COMPACT_ROWS,
+                           what="reads", full=full),
                  Text(f"working set: {_n(now)} blocks read at the last step, "
                       f"{_n(read_ever)} read at least once, of {_n(len(reads))}")]
         summ = access_counters.group_summary(g) if g.steps else None
@@ -353,7 +396,8 @@ def reads_panel(proc, width: int) -> list:
             read = order[reads[order] > 0]
             hot = ", ".join(f"{b}:{_n(reads[b])}" for b in read[::-1][:6])
             cold = ", ".join(f"{b}:{_n(reads[b])}" for b in read[:6])
-            body.append(Text(f"hottest block:reads {hot}\ncoldest read block:reads {cold}"))
+            body.append(Text(f"hottest block:reads {hot}" +
+                             (f"\ncoldest read block:reads {cold}" if full else "")))
         problems = [f"{_n(getattr(g, k))} {what}" for k, what in (
             ("truncated", "entries truncated"), ("read_errors", "tables unreadable"),
             ("out_of_range", "entries beyond --max-blocks")) if getattr(g, k, 0)]
@@ -367,7 +411,7 @@ LIFE_WORDS = {"alloc": "allocated", "hit": "prefix hits", "cache": "cached",
               "free": "freed", "evict": "evicted"}
 
 
-def lifecycle_panel(proc, width: int) -> list:
+def lifecycle_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
     """The plugin tier (the scheduler's view): block events per kind, the
     share of the blocks requests needed that the prefix cache served, the
     requests and their preemptions, and the blocks hit most.  Empty for a
@@ -395,7 +439,7 @@ def lifecycle_panel(proc, width: int) -> list:
             rl.append(f" ({_n(sum(r['recomputed'] for r in reqs))} tokens to recompute)")
         body.append(rl)
     hits = np.asarray(life.get("hit", []), dtype=np.uint64)
-    if hits.any():
+    if hits.any() and full:
         top = np.argsort(hits, kind="stable")[::-1][:8]
         body.append(Text("hit most: " + "  ".join(
             f"b{int(b)} x{_n(hits[b])}" for b in top if hits[b]), style="dim"))
@@ -405,14 +449,14 @@ def lifecycle_panel(proc, width: int) -> list:
 PROCESS_PANELS = [writes_panel, reads_panel, lifecycle_panel]
 
 
-def process_panel(proc, width: int) -> Panel:
+def process_panel(proc, width: int, full: bool = True, seen: dict = None) -> Panel:
     nl = len(proc.layers)
     head = f"{describe(proc)}: {nl} layer{'s' if nl != 1 else ''}, {proc.num_blocks} blocks"
     body = []
     for build in PROCESS_PANELS:
-        part = build(proc, width)
+        part = build(proc, width, full, seen)
         if part:
-            if body:
+            if body and full:
                 body.append(Text(""))
             body += part
     if not body:
@@ -443,7 +487,9 @@ def verdict(agg: Aggregate) -> Text:
 
 
 def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float,
-           width: int = 100, note: str = "") -> Group:
+           width: int = 100, note: str = "", full: bool = True) -> Group:
+    """The live frame (with prev) or the summary; not full: the live view
+    that fits FIT_ROWS rows (attach without --full)."""
     status = Text()
     status.append(title, style="bold")
     status.append(f"   {elapsed:.1f}s   ")
@@ -457,22 +503,23 @@ def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float
     parts = [status]
     if note:
         parts.append(Text(note, style="yellow"))
-    parts.append(ops_table(agg, prev, elapsed, width))
+    parts.append(ops_table(agg, prev, elapsed, width, full))
     missing = not_probed_line(agg)
     if missing is not None:
         parts.append(missing)
     procs = sorted(agg.processes.values(), key=lambda p: p.pid)
+    seen = {}
     for proc in procs:
         if not is_idle(proc):
-            parts.append(process_panel(proc, width))
+            parts.append(process_panel(proc, width, full, seen))
     idle = [p for p in procs if is_idle(p)]
     if idle:
         parts.append(idle_line(idle))
-    if agg.log2:
+    if agg.log2 and full:
         parts.append(log2_table(agg))
     if traced_anything(agg):
         # the summary explains its words in full; a live frame keeps its rows
-        # for the figures (a 55-row terminal), with one line saying where
+        # for the figures (FIT_ROWS), with one line saying where
         parts.append(Text(LEGEND + "\n" + EXACT_MEANS if prev is None else SHORT_LEGEND,
                           style="dim"))
     return Group(*parts)
