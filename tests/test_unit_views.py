@@ -568,6 +568,28 @@ def test_live_view_of_vllm_fits_50_rows(width):
     assert "items per op (log2)" not in text
 
 
+def test_report_tables_keep_their_titles_on_one_line():
+    """A table's title is a line of its own: rich wrapped it to the table's
+    width, and the miss-ratio curve's two columns squeezed its title into a
+    column of 25 characters.  The curve's points go across, and so do the
+    rates of more ops than fit as columns."""
+    r = run_kvtrace("report", VLLM_DEMO, env={**os.environ, "COLUMNS": "120"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for title, end in (("miss-ratio curve (", "hit)"), ("block residency, every block", "cumulative)"),
+                       ("what each request wrote and read:", "block reads in all and a step")):
+        at = [l for l in lines if title in l]
+        assert len(at) == 1 and end in at[0], at
+    curve = next(i for i, l in enumerate(lines) if "miss-ratio curve (" in l)
+    assert "cache blocks" in lines[curve + 2] and "hit ratio" in lines[curve + 4], \
+        "\n".join(lines[curve:curve + 6])
+    assert max(cell_len(l) for l in lines) <= 120
+    # ten ops' rates: a row an op, no name cut to "block_t…"
+    assert "…" not in r.stdout
+    assert any(l.split()[:1] == ["cpu_attn_reshape_and_cache"] and len(l.split()) == 11
+               for l in lines)
+
+
 @pytest.mark.parametrize("columns, width", ((None, 120), ("100", 100)))
 def test_report_piped_keeps_its_width(columns, width):
     """`report` into a pipe or a file is drawn 120 columns wide
