@@ -349,18 +349,22 @@ def reads_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
     Process.groups: a histogram of reads per block, the working set (blocks
     read at the last step against blocks read ever) and the hottest and
     coldest blocks.  Empty for a process without read groups.  Not full: a
-    group whose reads an earlier panel drew (vLLM's engine core, from the
-    plugin, and its worker, from the op) is one line, and no coldest."""
+    group an earlier panel drew (vLLM's engine core counts the group's reads
+    from the plugin, its worker from the op) is one line with its own
+    counts, and no coldest.  The same group: the same index, blocks and
+    block size, not the same counts: the scheduler counts a step before its
+    worker runs it, so mid-run they differ by the steps in flight (at the
+    end they are equal, tests/test_e2e_plugin.py)."""
     groups = getattr(proc, "groups", None) or []
     body = []
     for g in groups:
         reads = np.asarray(g.reads_per_block, dtype=np.uint64)
         if not full and seen is not None:
-            key = ("reads", g.group, g.steps, g.reads, reads.tobytes())
+            key = ("reads", g.group, len(reads), getattr(g, "block_size", None))
             if key in seen:
                 body.append(Text(f"reads per block, group {g.group}: {_n(g.steps)} steps, "
-                                 f"{_n(g.reads)} block reads, as pid {seen[key]}'s above",
-                                 style="bold"))
+                                 f"{_n(g.reads)} block reads (the same group as pid "
+                                 f"{seen[key]}'s, drawn above)", style="bold"))
                 continue
             seen[key] = proc.pid
         last = np.asarray(g.last_read_step, dtype=np.uint64)
