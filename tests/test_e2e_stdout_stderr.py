@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import pytest
+from rich.cells import cell_len
 
 from conftest import KVSIM, ROOT, kvtrace_cmd
 
@@ -21,11 +22,16 @@ KVSIM_ARGS = [KVSIM, "--workload", "default", "--quiet"]
 
 
 def test_messages_on_stderr_views_on_stdout_each_once():
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     r = subprocess.run(kvtrace_cmd("attach", "--", *KVSIM_ARGS), cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     # stdout: the summary view, once, and no message line
     assert r.stdout.count("kvtrace-bpf summary (target exited)") == 1, r.stdout
+    # a pipe is no terminal: the summary is drawn 120 columns wide (views.live.
+    # PIPE_WIDTH), not at rich's 80
+    panels = [l for l in r.stdout.splitlines() if l.startswith("╭─ pid")]
+    assert panels and all(cell_len(l) == 120 for l in panels), panels
     assert "kvtrace-bpf:" not in r.stdout and "tracing pid" not in r.stdout, r.stdout
     # stderr: every message once, no view
     assert r.stderr.count("tracing pid") == 1, r.stderr

@@ -59,13 +59,13 @@ def test_cmd_output_needs_a_command():
     assert r.returncode == 1 and "--cmd-output goes with -- CMD" in r.stderr
 
 
-def run_in_a_terminal(argv, timeout=120):
+def run_in_a_terminal(argv, timeout=120, columns=100, lines=60):
     """Run argv with a pseudo-terminal as stdout and stderr (so the live
     view is drawn); all it wrote there."""
     master, slave = os.openpty()
     proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=slave, env={**os.environ, "COLUMNS": "100",
-                                               "LINES": "60"})
+                            stderr=slave, env={**os.environ, "COLUMNS": str(columns),
+                                               "LINES": str(lines)})
     os.close(slave)
     chunks = []
     deadline = time.monotonic() + timeout
@@ -110,3 +110,24 @@ def test_live_view_sends_cmd_output_to_a_named_private_file():
         assert "summary (target exited)" in screen
     finally:
         os.unlink(path)
+
+
+def test_live_view_fits_a_50_row_terminal():
+    """kvsim's writes, reads and scheduler events in a 50-row terminal: the
+    live view fits, where the tables only the summary needs (the hottest
+    blocks', items per op) made it cut its last 40 lines."""
+    rc, screen = run_in_a_terminal(kvtrace_cmd(
+        "attach", "-i", "0.2", "--", KVSIM, "--workload", "default", "--repeat", 400,
+        "--step-delay-us", 20), columns=200, lines=50)
+    assert rc == 0, screen[-3000:]
+    summary = screen.index("summary (target exited)")
+    live_frames = screen[:summary]
+    # frames were drawn, with every part of the process's panel ...
+    for part in ("tokens written per block", "reads per block, group 0",
+                 "lifecycle (scheduler)"):
+        assert part in live_frames, part
+    # ... and none was cut to the terminal's height
+    assert "more lines" not in live_frames
+    # the summary at the end has all
+    assert "items per op (log2)" in screen[summary:]
+    assert "items per op (log2)" not in live_frames

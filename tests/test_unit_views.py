@@ -2,6 +2,7 @@
 the rich live view (live.py), fed with hand-built data."""
 
 import io
+import os
 import re
 
 import numpy as np
@@ -9,8 +10,11 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
+from conftest import run_kvtrace
 from tracer import abi
 from tracer.analysis import heatmap
+from tracer.analysis.report import Report
+from tracer.trace import tracefile
 from tracer.views import live
 from tracer.analysis.aggregate import Aggregate, Layer, Process, ReadGroup
 from tracer.exporters import folded
@@ -562,3 +566,116 @@ def test_lifecycle_says_what_idle_before_evict_and_the_curve_count():
     assert "idle_before_evict: vLLM's name, one sample per re-allocation, cached or not" in text
     assert "vLLM hit 30.0%; 280 first references miss at any size, so no cache hits more " \
         "than 30.0%; 0 blocks recomputed whose content had been cached" in text
+
+
+# -- density: the live view fits 50 rows, the report keeps its width ----------
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+# Real CPU vLLM with the plugin, make demo-vllm's workload for 2 rounds,
+# recorded on 2026-12-07 by
+#   kvtrace-bpf record -o tests/data/vllm-demo.kvt -- .venv-vllm/bin/python \
+#     scripts/vllm-workload.py --model TINY --repeat 2 --requests \
+#     160:16,128:16,96:16,200:16,64:16 --prefix-caching on --shared-prefix 64 \
+#     --fresh-prompts --num-gpu-blocks 24 --max-model-len 256
+# an engine core (the plugin's lifecycle and reads) and a worker (writes and
+# reads): the two panels of demo-vllm's live view.
+VLLM_DEMO = os.path.join(DATA, "vllm-demo.kvt")
+
+
+def vllm_demo_aggregate():
+    """The recording's aggregate as the live view draws it at the end of
+    the run: the stream's counts, and the scheduler's lifecycle counts and
+    requests from the END record (the live view reads those from the maps)."""
+    trace = tracefile.load(VLLM_DEMO)
+    agg = Report(trace).agg
+    for p in trace.end["aggregate"]["processes"]:
+        lc = p.get("lifecycle")
+        if not lc:
+            continue
+        proc = agg.processes[p["pid"]]
+        proc.life = {}
+        for kind, pairs in lc["blocks"].items():
+            arr = np.zeros(max([b for b, _ in pairs] + [0]) + 1, np.uint64)
+            for b, n in pairs:
+                arr[b] = n
+            proc.life[kind] = arr
+        proc.requests = [dict(r, req=int(r["req"], 16)) for r in lc["requests"]]
+    return agg
+
+
+def live_frame(agg, width, full):
+    console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False)
+    console.print(live.render(agg, agg, title="kvtrace-bpf  pid 1  traced: 2 VLLM::EngineCor, "
+                              "3 VLLM::Worker", elapsed=3.25, width=min(width, 120),
+                              full=full, note="python3's output: /tmp/kvtrace-cmd-x.log"))
+    return console.file.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("width", (100, 120, 200))
+def test_live_view_of_vllm_fits_50_rows(width):
+    """attach's live view by default fits a 50-row terminal (less the line
+    rich's Live keeps free) with both of vLLM's panels whole: the worker's
+    reads were cut off at 60 rows; --full has every panel."""
+    agg = vllm_demo_aggregate()
+    procs = [p for p in agg.processes.values() if not live.is_idle(p)]
+    assert len(procs) == 2 and any(p.life for p in procs) and all(p.groups for p in procs)
+    lines = live_frame(agg, width, full=False)
+    assert len(lines) <= live.FIT_ROWS - 1, "\n".join(lines)
+    text = flat("\n".join(lines))
+    for p in procs:
+        assert f"pid {p.pid} ({p.comm})" in text
+        assert text.count(f"reads per block, group {p.groups[0].group}:") == 2
+    assert "lifecycle (scheduler):" in text and "tokens written per block" in text
+    # the second of two panels with the same group says which drew it
+    assert f"block reads (the same group as pid {min(p.pid for p in procs)}'s, drawn " \
+        "above)" in text
+    # mid-run the scheduler is a step ahead of its worker (a step in
+    # flight): the two counts differ, and the group is still drawn once
+    later = max(procs, key=lambda p: p.pid).groups[0]
+    later.steps -= 1
+    later.reads_per_block = later.reads_per_block.copy()
+    later.reads_per_block[int(np.argmax(later.reads_per_block))] -= 1
+    assert len(live_frame(agg, width, full=False)) <= live.FIT_ROWS - 1
+    full = live_frame(agg, width, full=True)
+    assert len(full) > live.FIT_ROWS and "items per op (log2)" in flat("\n".join(full))
+    assert "items per op (log2)" not in text
+
+
+def test_report_tables_keep_their_titles_on_one_line():
+    """A table's title is a line of its own: rich wrapped it to the table's
+    width, and the miss-ratio curve's two columns squeezed its title into a
+    column of 25 characters.  The curve's points go across, and so do the
+    rates of more ops than fit as columns."""
+    r = run_kvtrace("report", VLLM_DEMO, env={**os.environ, "COLUMNS": "120"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for title, end in (("miss-ratio curve: ", "block references)"),
+                       ("block residency, every block", "cumulative)"),
+                       ("what each request wrote and read:", "block reads in all and a step")):
+        at = [l for l in lines if title in l]
+        assert len(at) == 1 and end in at[0], at
+    curve = next(i for i, l in enumerate(lines) if "miss-ratio curve: " in l)
+    assert "cache blocks" in lines[curve + 2] and "hit ratio" in lines[curve + 4], \
+        "\n".join(lines[curve:curve + 6])
+    assert max(cell_len(l) for l in lines) <= 120
+    # ten ops' rates: a row an op, no name cut to "block_t…"
+    assert "…" not in r.stdout
+    assert any(l.split()[:1] == ["cpu_attn_reshape_and_cache"] and len(l.split()) == 11
+               for l in lines)
+
+
+@pytest.mark.parametrize("columns, width", ((None, 120), ("100", 100)))
+def test_report_piped_keeps_its_width(columns, width):
+    """`report` into a pipe or a file is drawn 120 columns wide
+    (live.PIPE_WIDTH; rich's own default there is 80); COLUMNS still wins."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns:
+        env["COLUMNS"] = columns
+    r = run_kvtrace("report", os.path.join(DATA, "before-reads.kvt"), env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    # the panels are drawn to the width, their borders whole
+    borders = [l for l in lines if l.startswith("╭─ pid")]
+    assert borders and all(cell_len(l) == width for l in borders), borders
+    assert max(cell_len(l) for l in lines) <= width
+    assert width == int(columns or live.PIPE_WIDTH)

@@ -33,6 +33,7 @@ from .args import (MAX_STACK_BUCKETS, add_stack_storage_size, cpu_list, non_nega
 EXAMPLES = """\
 examples:
   sudo kvtrace-bpf attach -p 1234                  # live view until Ctrl-C
+  sudo kvtrace-bpf attach --full -p 1234           # every panel (a tall terminal)
   sudo kvtrace-bpf attach -p 1234 -d 30 --json kv.json
   sudo kvtrace-bpf attach --folded kv.folded -- tests/target/kvsim --workload beam
   sudo kvtrace-bpf attach -p 1234 -o run.kvt       # live, and record for `report`
@@ -100,6 +101,11 @@ def add_parser(sub):
     add_stack_storage_size(p)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no live view: only the summary at the end")
+    p.add_argument("--full", action="store_true",
+                   help="the live view with every panel: taller histograms, the "
+                   "hottest blocks' and the copies' and swaps' tables, items per op "
+                   f"(default: a view that fits {live.FIT_ROWS} rows; the summary at "
+                   "the end has them all)")
     p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
                    metavar="N", help="blocks per layer counted exactly "
                    f"(rounded up to a power of two; default {abi.DEFAULT_MAX_BLOCKS})")
@@ -581,7 +587,8 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
                               time.monotonic(), width)
         return _FitScreen(live.render(agg, prev, title=_title(tracer, target), width=width,
                                       note="\n".join(x for x in (note, what) if x),
-                                      elapsed=time.monotonic() - tracer.started))
+                                      elapsed=time.monotonic() - tracer.started,
+                                      full=getattr(args, "full", False)))
 
     live_ctx = Live(view(), console=console, auto_refresh=False, transient=True) \
         if show_live else None
@@ -673,7 +680,7 @@ def _finish(args, tracer, target, reason, recorder=None) -> int:
     raw = tracer.read_maps()
     agg = _aggregate(tracer, raw)
     elapsed = time.monotonic() - tracer.started
-    console = Console(highlight=False)
+    console = live.output_console()
     out = Outputs()
     if getattr(args, "summary", True):
         out.write("the summary to stdout", lambda: console.print(

@@ -18,6 +18,7 @@ from ..errors import EXIT_DATA, UsageError
 from ..exporters.report_csv import write_csv
 from ..exporters.report_json import document, json_fragment, json_parts, plain, write_json
 from ..trace import tracefile
+from ..views.live import output_console
 from ..views.report_text import LIFE_SHOWN_REQUESTS, render
 
 TABLES = ("blocks", "generations", "fragmentation", "heatmap", "access", "wss")
@@ -26,6 +27,7 @@ KINDS = ("writes", "reads")
 EXAMPLES = """\
 examples:
   kvtrace-bpf report run.kvt
+  kvtrace-bpf report run.kvt > run.txt             # 120 columns (COLUMNS=N: N)
   kvtrace-bpf report run.kvt --resol 30 100 --time-range 2 5 --block-range 0 1023
   kvtrace-bpf report run.kvt --format json > run.json
   kvtrace-bpf report run.kvt --format csv --table generations > gens.csv
@@ -48,7 +50,9 @@ def add_parser(sub):
                     "generation's end, the unwritten share of the blocks being written,\n"
                     "write span and write gap) of a trace file written by `record` or\n"
                     "`attach -o`. Writes alone do not show frees or blocks held but not\n"
-                    "written. Definitions: docs/occupancy.md, docs/glossary.md.",
+                    "written. Text goes to the terminal at its width (up to 120\n"
+                    "columns), to a pipe or a file at 120 columns, or COLUMNS where set.\n"
+                    "Definitions: docs/occupancy.md, docs/glossary.md.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", help="trace file")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
@@ -134,7 +138,7 @@ def _run(args) -> int:
         return check(trace, args)
     # the plugin tier's figures: every request's in JSON, the first few in
     # the terminal, none in CSV (no table has them)
-    console = Console(highlight=False)
+    console = output_console()
     width = min(console.width, 120)
 
     def views(rep):  # the heatmap and the rates: Report computes them meanwhile

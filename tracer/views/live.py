@@ -6,14 +6,18 @@ are those of docs/glossary.md; every count says whether it is per layer or
 summed over all layers.
 
 A process's panel is built from PROCESS_PANELS, a list of functions
-(process, width) -> list of renderables (empty: nothing to show).  Reads
+(process, width, full, seen) -> list of renderables (empty: nothing to
+show); full: every part (the summary, attach --full), else the live
+view's short form; seen: what earlier panels of the frame drew.  Reads
 (the block_table probe) slot in as one more entry, reads_panel, which draws
 from Process.groups when the aggregate has them.
 """
 
+import os
+
 import numpy as np
 from rich import box
-from rich.console import Group
+from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -24,6 +28,13 @@ from ..analysis.aggregate import Aggregate, bucket, log2_range, rates
 
 _BARS = " ▁▂▃▄▅▆▇█"
 HIST_ROWS = 6
+# The live view by default (attach without --full) fits a 50-row terminal
+# with two traced processes (vLLM's engine core and its worker): shorter
+# histograms, the hottest blocks on one line, and the tables that only the
+# summary needs (the hottest blocks', copies and swaps, items per op) left
+# to --full and the summary at the end.
+COMPACT_ROWS = 3
+FIT_ROWS = 50
 LABEL = 6  # the y-axis label's width, left of the bars
 
 # ops that move whole blocks: their "items" are block pairs (batch: entries),
@@ -48,6 +59,21 @@ LEGEND = ("tokens: per layer (the busiest layer; each token once). slots, paddin
 
 SHORT_LEGEND = ("tokens: per layer; slots, padding, pairs: all layers; exact: every slot "
                 "of every probe hit (the summary and docs/glossary.md say more)")
+
+
+# The width a view is drawn at where stdout is no terminal (a pipe, a
+# file): rich's own default there, 80 columns, wrapped the report's tables
+# and lines that the views draw for up to 120.  COLUMNS, when set, wins.
+PIPE_WIDTH = 120
+
+
+def output_console() -> Console:
+    """A Console for stdout: a terminal's own width, else COLUMNS, else
+    PIPE_WIDTH."""
+    console = Console(highlight=False)
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+        console = Console(highlight=False, width=PIPE_WIDTH)
+    return console
 
 
 def _n(x) -> str:
@@ -84,7 +110,7 @@ def traced_anything(agg: Aggregate) -> bool:
 
 
 def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
-              width: int = 100) -> Table:
+              width: int = 100, full: bool = True) -> Table:
     """Ops with their call rates: over the last refresh interval (live, with
     a previous aggregate), or the mean over the whole run (a summary).
     Counts are printed whole, never rounded; a narrow terminal drops the
@@ -98,7 +124,8 @@ def ops_table(agg: Aggregate, prev: Aggregate = None, elapsed: float = 0.0,
         basis = "mean"
     totals = agg.op_totals()
     t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, collapse_padding=True,
-              title="ops, all processes", title_justify="left", title_style="bold")
+              title="ops, all processes", title_justify="left", title_style="bold",
+              show_edge=full)
     t.add_column("op", no_wrap=True, min_width=len("cpu_attn_reshape_and_cache"))
     heads = {"calls": "calls", "calls/s": f"calls/s\n{basis}", "slots": "slots\nall layers",
              "padding": "padding\nall layers", "pairs": "pairs\nmoved", "bytes": "bytes\nmoved",
@@ -144,11 +171,11 @@ def not_probed_line(agg: Aggregate) -> Text:
 
 
 def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str = "tokens",
-              block_range: tuple = None) -> Text:
+              block_range: tuple = None, full: bool = True) -> Text:
     """A vertical bar chart of counts per block, bucketed to at most `width`
     columns.  By default it zooms to the blocks in use (heatmap.block_window); a
     block_range (lo, hi inclusive) overrides.  The footer says which blocks
-    are drawn and what one column's height sums."""
+    are drawn and what one column's height sums (not full: on one line)."""
     n = len(counts)
     if not n or not counts.any():
         return Text(f"(no {what} yet)", style="dim")
@@ -170,7 +197,8 @@ def histogram(counts: np.ndarray, width: int, rows: int = HIST_ROWS, what: str =
                                            else "")
     height = (f"{what} per block" if per == 1 else
               f"{what} summed over {per} blocks per column")
-    text.append(f"{'':>{LABEL}} {shown}\n{'':>{LABEL}} height: {height}; top {_n(top)}",
+    sep = f"\n{'':>{LABEL}} " if full else "; "
+    text.append(f"{'':>{LABEL}} {shown}{sep}height: {height}; top {_n(top)}",
                 style="dim")
     return text
 
@@ -277,10 +305,14 @@ def is_idle(proc) -> bool:
         and not getattr(proc, "life", None) and not getattr(proc, "requests", None)
 
 
-def writes_panel(proc, width: int) -> list:
-    """Tokens written per block, the hottest blocks, copies and swaps."""
+def writes_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
+    """Tokens written per block, the hottest blocks, copies and swaps; not
+    full: a shorter histogram, the hottest blocks on one line and the moves
+    only where some happened."""
     if not proc.layers and not any(a.any() for a in proc.moves.values()):
         return []
+    if not full:
+        return compact_writes(proc, width)
     hot = Group(Text("hottest blocks: tokens per layer, slots of all layers", style="bold"),
                 most_written_blocks(proc))
     moved = moves_part(proc)
@@ -295,15 +327,46 @@ def writes_panel(proc, width: int) -> list:
     return body
 
 
-def reads_panel(proc, width: int) -> list:
+def compact_writes(proc, width: int) -> list:
+    body = [Text("tokens written per block (per layer: the busiest layer)", style="bold"),
+            histogram(proc.tokens, max(10, width - 12), rows=COMPACT_ROWS, what="tokens",
+                      full=False)]
+    tokens = proc.tokens
+    if len(tokens) and tokens.any():
+        order = np.argsort(tokens, kind="stable")[::-1][:6]
+        body.append(Text("hottest block:tokens " + ", ".join(
+            f"{b}:{_n(tokens[b])}" for b in order if tokens[b])))
+    moved = [(k, int(a.sum())) for k, a in proc.moves.items()
+             if k not in unprobed_moves(proc) and a.any()]
+    if moved:
+        body.append(Text("copies and swaps, all layers (blocks moved): " +
+                         ", ".join(f"{k} {_n(n)}" for k, n in moved)))
+    return body
+
+
+def reads_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
     """Reads per block of each KV-cache group (the block_table probe), from
     Process.groups: a histogram of reads per block, the working set (blocks
     read at the last step against blocks read ever) and the hottest and
-    coldest blocks.  Empty for a process without read groups."""
+    coldest blocks.  Empty for a process without read groups.  Not full: a
+    group an earlier panel drew (vLLM's engine core counts the group's reads
+    from the plugin, its worker from the op) is one line with its own
+    counts, and no coldest.  The same group: the same index, blocks and
+    block size, not the same counts: the scheduler counts a step before its
+    worker runs it, so mid-run they differ by the steps in flight (at the
+    end they are equal, tests/test_e2e_plugin.py)."""
     groups = getattr(proc, "groups", None) or []
     body = []
     for g in groups:
         reads = np.asarray(g.reads_per_block, dtype=np.uint64)
+        if not full and seen is not None:
+            key = ("reads", g.group, len(reads), getattr(g, "block_size", None))
+            if key in seen:
+                body.append(Text(f"reads per block, group {g.group}: {_n(g.steps)} steps, "
+                                 f"{_n(g.reads)} block reads (the same group as pid "
+                                 f"{seen[key]}'s, drawn above)", style="bold"))
+                continue
+            seen[key] = proc.pid
         last = np.asarray(g.last_read_step, dtype=np.uint64)
         read_ever = int(np.count_nonzero(reads))
         # the working set now: blocks whose last read is the latest read step
@@ -318,7 +381,8 @@ def reads_panel(proc, width: int) -> list:
         head = (f"reads per block, group {g.group}: {_n(g.steps)} steps, {_n(g.reads)} "
                 f"block reads (once per step for {per})")
         body += [Text(head, style="bold"),
-                 histogram(reads, max(10, width - 12), rows=4, what="reads"),
+                 histogram(reads, max(10, width - 12), rows=4 if full else COMPACT_ROWS,
+                           what="reads", full=full),
                  Text(f"working set: {_n(now)} blocks read at the last step, "
                       f"{_n(read_ever)} read at least once, of {_n(len(reads))}")]
         summ = access_counters.group_summary(g) if g.steps else None
@@ -341,7 +405,8 @@ def reads_panel(proc, width: int) -> list:
             # list fewer coldest
             cold = ", ".join(f"{b}:{_n(reads[b])}" for b in read[:max(0, len(read) - 6)][:6]) \
                 or "-"
-            body.append(Text(f"hottest block:reads {hot}\ncoldest read block:reads {cold}"))
+            body.append(Text(f"hottest block:reads {hot}" +
+                             (f"\ncoldest read block:reads {cold}" if full else "")))
         problems = [f"{_n(getattr(g, k))} {what}" for k, what in (
             ("truncated", "entries truncated"), ("read_errors", "tables unreadable"),
             ("out_of_range", "entries beyond --max-blocks")) if getattr(g, k, 0)]
@@ -355,7 +420,7 @@ LIFE_WORDS = {"alloc": "allocated", "hit": "prefix hits", "cache": "cached",
               "free": "freed", "evict": "evicted from the prefix cache"}
 
 
-def lifecycle_panel(proc, width: int) -> list:
+def lifecycle_panel(proc, width: int, full: bool = True, seen: dict = None) -> list:
     """The plugin tier (the scheduler's view): block events per kind, the
     share of the blocks requests needed that the prefix cache served, the
     requests and their preemptions, and the blocks hit most.  Empty for a
@@ -383,7 +448,7 @@ def lifecycle_panel(proc, width: int) -> list:
             rl.append(f" ({_n(sum(r['recomputed'] for r in reqs))} tokens to recompute)")
         body.append(rl)
     hits = np.asarray(life.get("hit", []), dtype=np.uint64)
-    if hits.any():
+    if hits.any() and full:
         top = np.argsort(hits, kind="stable")[::-1][:8]
         body.append(Text("hit most: " + "  ".join(
             f"b{int(b)} x{_n(hits[b])}" for b in top if hits[b]), style="dim"))
@@ -393,7 +458,7 @@ def lifecycle_panel(proc, width: int) -> list:
 PROCESS_PANELS = [writes_panel, reads_panel, lifecycle_panel]
 
 
-def process_panel(proc, width: int) -> Panel:
+def process_panel(proc, width: int, full: bool = True, seen: dict = None) -> Panel:
     nl = len(proc.layers)
     # a process that only reads (the engine core's scheduler tables) has no
     # layer written, but its read panels are of a cache of blocks all the same
@@ -402,9 +467,9 @@ def process_panel(proc, width: int) -> Panel:
     head = f"{describe(proc)}: {what}, {nb} blocks"
     body = []
     for build in PROCESS_PANELS:
-        part = build(proc, width)
+        part = build(proc, width, full, seen)
         if part:
-            if body:
+            if body and full:
                 body.append(Text(""))
             body += part
     if not body:
@@ -435,7 +500,9 @@ def verdict(agg: Aggregate) -> Text:
 
 
 def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float,
-           width: int = 100, note: str = "") -> Group:
+           width: int = 100, note: str = "", full: bool = True) -> Group:
+    """The live frame (with prev) or the summary; not full: the live view
+    that fits FIT_ROWS rows (attach without --full)."""
     status = Text()
     status.append(title, style="bold")
     status.append(f"   {elapsed:.1f}s   ")
@@ -449,22 +516,23 @@ def render(agg: Aggregate, prev: Aggregate = None, *, title: str, elapsed: float
     parts = [status]
     if note:
         parts.append(Text(note, style="yellow"))
-    parts.append(ops_table(agg, prev, elapsed, width))
+    parts.append(ops_table(agg, prev, elapsed, width, full))
     missing = not_probed_line(agg)
     if missing is not None:
         parts.append(missing)
     procs = sorted(agg.processes.values(), key=lambda p: p.pid)
+    seen = {}
     for proc in procs:
         if not is_idle(proc):
-            parts.append(process_panel(proc, width))
+            parts.append(process_panel(proc, width, full, seen))
     idle = [p for p in procs if is_idle(p)]
     if idle:
         parts.append(idle_line(idle))
-    if agg.log2:
+    if agg.log2 and full:
         parts.append(log2_table(agg))
     if traced_anything(agg):
         # the summary explains its words in full; a live frame keeps its rows
-        # for the figures (a 55-row terminal), with one line saying where
+        # for the figures (FIT_ROWS), with one line saying where
         parts.append(Text(LEGEND + "\n" + EXACT_MEANS if prev is None else SHORT_LEGEND,
                           style="dim"))
     return Group(*parts)

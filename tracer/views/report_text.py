@@ -3,9 +3,12 @@ histograms, op rates, the heatmap, occupancy, access and the plugin tier's
 figures.
 """
 
+import io
+
 import numpy as np
 from rich import box
-from rich.console import Group
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -26,6 +29,44 @@ ACCESS_MEANS = ("reads: (request, block) pairs at a forward step, counted once p
 LIFE_SHOWN_REQUESTS = 12
 
 
+def titled(table: Table):
+    """The table under its title, the title a line of its own: a rich
+    table wraps its title to the table's width, and a narrow table (the
+    miss-ratio curve's two columns) squeezed a sentence into a column of
+    25 characters."""
+    if not table.title:
+        return table
+    head = Text(str(table.title), style=table.title_style or "table.title")
+    table.title = None
+    return Group(head, table)
+
+
+def curve_table(t: Table, curve: list, room: int) -> Table:
+    """The miss-ratio curve's points in t: across, a column a cache size
+    (the curve has at most 11 points), where that fits in room; else
+    down, a row a size."""
+    heads = [f"{size:,}" for size, _ in curve]
+    cells = [f"{100 * ratio:.1f}%" for _, ratio in curve]
+    across = Table(box=t.box, pad_edge=False)
+    across.add_column("cache blocks")
+    for head in heads:
+        across.add_column(head, justify="right")
+    across.add_row("hit ratio", *cells)
+    if Measurement.get(_MEASURE, _MEASURE.options, across).maximum <= room:
+        for col in across.columns:
+            t.add_column(col.header, justify=col.justify)
+        t.add_row("hit ratio", *cells)
+        return t
+    t.add_column("cache blocks", justify="right")
+    t.add_column("hit ratio", justify="right")
+    for head, cell in zip(heads, cells):
+        t.add_row(head, cell)
+    return t
+
+
+_MEASURE = Console(width=1000, file=io.StringIO())
+
+
 def lifecycle_view(figs: dict, width: int) -> list:
     if not figs:
         return []
@@ -42,8 +83,7 @@ def lifecycle_view(figs: dict, width: int) -> list:
     # vLLM's collector calls every re-allocation an eviction, cached or not:
     # its name is kept (the metrics overlay), and the screen says so
     hist = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="block residency, every block "
-                 "(vLLM's kv_block_* buckets, seconds; cumulative; idle_before_evict: vLLM's "
-                 "name, one sample per re-allocation, cached or not)", title_justify="left")
+                 "(vLLM's kv_block_* buckets, seconds; cumulative)", title_justify="left")
     hist.add_column("le", justify="right")
     names = ("lifetime", "idle_before_evict", "reuse_gap")
     for n in names:
@@ -90,27 +130,26 @@ def lifecycle_view(figs: dict, width: int) -> list:
                 f"{np.count_nonzero(a['blocks']['tokens_written']):,}",
                 f"{a['block_reads']:,}",
                 f"{a['block_reads'] / a['steps']:.1f}" if a["steps"] else "-")))
-    parts = [head, hist]
+    parts = [head, titled(hist), Text("idle_before_evict: vLLM's name, one sample per "
+                                       "re-allocation, cached or not")]
     mrc = figs.get("miss_ratio_curve")
     if mrc:
         n = mrc["references"]
         top = (n - mrc["compulsory"]) / n if n else 0
         m = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
                   title=f"miss-ratio curve: the hit ratio of an LRU cache of C free blocks "
-                        f"(Mattson, over {n:,} block references). vLLM hit "
-                        f"{100 * mrc['observed_hits'] / n if n else 0:.1f}%; "
-                        f"{mrc['compulsory']:,} first references miss at any size, so no "
-                        f"cache hits more than {100 * top:.1f}%; {mrc['refetched']:,} blocks "
-                        "recomputed whose content had been cached (a larger cache would "
-                        "have hit them)")
-        m.add_column("cache blocks", justify="right")
-        m.add_column("hit ratio", justify="right")
-        for size, ratio in mrc["curve"]:
-            m.add_row(f"{size:,}", f"{100 * ratio:.1f}%")
-        parts.append(m)
-    parts.append(reqs)
+                        f"(Mattson, over {n:,} block references)")
+        # inside the panel: its border and padding take 4 columns
+        parts.append(titled(curve_table(m, mrc["curve"], width - 4)))
+        # what bounds the curve, under it: a title of its own would wrap
+        parts.append(Text(f"vLLM hit {100 * mrc['observed_hits'] / n if n else 0:.1f}%; "
+                          f"{mrc['compulsory']:,} first references miss at any size, so no "
+                          f"cache hits more than {100 * top:.1f}%; {mrc['refetched']:,} blocks "
+                          "recomputed whose content had been cached (a larger cache would "
+                          "have hit them)"))
+    parts.append(titled(reqs))
     if acc is not None:
-        parts.append(acc)
+        parts.append(titled(acc))
     return [Panel(Group(*parts), title="block lifecycle (plugin tier)",
                   title_align="left", width=width)]
 
@@ -208,19 +247,30 @@ def _moves_histograms(rep: Report, width: int) -> list:
     return parts
 
 
-def _rates_table(rates: dict) -> Table:
+def _rates_table(rates: dict, width: int = 120) -> Table:
+    """Calls/s per time bin: a row a bin and a column an op where the ops
+    fit in width; else a row an op and a column a bin (its 10 bins fit),
+    so that no op's name is cut to a few letters."""
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False,
               title=f"calls/s per {rates['bin_s']:.3g} s, all layers",
               title_justify="left", title_style="bold")
-    t.add_column("from s", justify="right")
     ops = list(rates["calls_per_s"])
-    for op in ops:
-        t.add_column(op, justify="right")
     nbins = len(next(iter(rates["calls_per_s"].values()), []))
     digits = max(0, 1 - int(np.floor(np.log10(rates["bin_s"])))) if rates["bin_s"] > 0 else 0
+    starts = [f"{(rates['t0_ns'] / 1e9 + i * rates['bin_s']):.{digits}f}" for i in range(nbins)]
+    cells = {op: [live._rate(v) for v in rates["calls_per_s"][op]] for op in ops}
+    if 8 + sum(max(len(op), 5) + 3 for op in ops) > width:
+        t.add_column("op \\ from s", no_wrap=True)
+        for start in starts:
+            t.add_column(start, justify="right")
+        for op in ops:
+            t.add_row(op, *cells[op])
+        return t
+    t.add_column("from s", justify="right")
+    for op in ops:
+        t.add_column(op, justify="right")
     for i in range(nbins):
-        t.add_row(f"{(rates['t0_ns'] / 1e9 + i * rates['bin_s']):.{digits}f}",
-                  *(live._rate(rates["calls_per_s"][op][i]) for op in ops))
+        t.add_row(starts[i], *(cells[op][i] for op in ops))
     return t
 
 
@@ -328,7 +378,7 @@ def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int
                          elapsed=rep.duration_ns() / 1e9, width=width)]
     parts += _moves_histograms(rep, max(10, width - 12))
     if rates["calls_per_s"]:
-        parts.append(_rates_table(rates))
+        parts.append(_rates_table(rates, width))
     parts += [Text(f"{hm.what}: time (rows) x blocks (columns)", style="bold"),
               heatmap.render(hm)]
     parts += access_view(access_figures(rep), width)
