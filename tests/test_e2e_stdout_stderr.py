@@ -28,7 +28,7 @@ def test_messages_on_stderr_views_on_stdout_each_once():
     assert r.returncode == 0, r.stderr
     # stdout: the summary view, once, and no message line
     assert r.stdout.count("kvtrace-bpf summary (target exited)") == 1, r.stdout
-    # a pipe is no terminal: the summary is drawn 120 columns wide (views.live.
+    # a pipe is no terminal: the summary is drawn 120 columns wide (views.panels.
     # PIPE_WIDTH), not at rich's 80
     panels = [l for l in r.stdout.splitlines() if l.startswith("╭─ pid")]
     assert panels and all(cell_len(l) == 120 for l in panels), panels

@@ -149,7 +149,7 @@ def test_the_graph_is_read_at_every_depth():
 
 @pytest.mark.parametrize("edges,want_up,want_cycle", [
     ({"tracer.kernel.session": {"tracer.trace.stream"}}, 1, 0),
-    ({"tracer.views.live": {"tracer.exporters.folded"}}, 1, 0),
+    ({"tracer.views.panels": {"tracer.exporters.folded"}}, 1, 0),
     ({"tracer.probes.a": {"tracer.probes.b"}, "tracer.probes.b": {"tracer.probes.a"}}, 0, 1),
     ({"tracer.commands.record": {"tracer.commands.attach"}, "tracer.commands.attach": set()},
      0, 0),

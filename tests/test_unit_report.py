@@ -13,6 +13,7 @@ from rich.console import Console
 from conftest import run_kvtrace
 from test_unit_tracefile import BS, write_trace, synthetic_ops
 from tracer.analysis import heatmap
+from tracer.views import heatmap_text
 from tracer.analysis.report import Report, value_counts
 from tracer.exporters import report_json
 
@@ -29,7 +30,7 @@ def test_heatmap_cells_and_footer():
     assert h.cells[0, :12].tolist() == [8] * 12 and h.cells[0, 12] == 4 and h.cells[0, 13:].sum() == 0
     d = h.digits()
     assert d.max() == 9 and d[h.cells == 0].max() == 0 and d[h.cells > 0].min() >= 1
-    text = heatmap.render(h).plain.splitlines()
+    text = heatmap_text.render(h).plain.splitlines()
     assert text[-3:] == ["# time 0.000-1.000 s, 100 ms per row", "# blocks 0-511, 8 per column",
                          "# 0 none, 1-9 up to 8 slot writes per cell (all layers)"]
 
@@ -62,7 +63,7 @@ def test_heatmap_fewer_blocks_than_columns_spans_each_block():
     b = np.array([0, 1, 1, 2, 2, 2, 3, 3, 3, 3])
     h = heatmap.compute(t, b, 1, 10, (0, 1), (0, 3))
     assert h.cells[0].tolist() == [1, 1, 1, 2, 2, 3, 3, 3, 4, 4]
-    assert heatmap.per_column(h) == "1 block per 2.5 columns"
+    assert heatmap_text.per_column(h) == "1 block per 2.5 columns"
 
 
 def test_heatmap_fits_a_fixed_width_console():
@@ -72,7 +73,7 @@ def test_heatmap_fits_a_fixed_width_console():
     width = 60
     h = heatmap.compute(t, b, 12, width - heatmap.LABEL_WIDTH, (0, 10**9), (0, 4095))
     console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
-    console.print(heatmap.render(h))
+    console.print(heatmap_text.render(h))
     lines = console.export_text().rstrip("\n").split("\n")
     assert len(lines) == 12 + 3  # one per row and the footer: nothing wrapped
     assert all(len(line) <= width for line in lines)
@@ -272,7 +273,7 @@ def test_heatmap_label_widens_for_long_traces():
     assert heatmap.label_width(h.t0_ns, h.t1_ns) == len("12346.000 ")
     console = Console(width=len("12346.000 ") + 4, file=io.StringIO(), record=True,
                       color_system=None)
-    console.print(heatmap.render(h))
+    console.print(heatmap_text.render(h))
     assert console.export_text().splitlines()[0] == "12345.000 0009"
 
 
@@ -280,7 +281,7 @@ def test_heatmap_names_what_it_counts():
     # the same map for another kind of event (reads): its footer and JSON key
     h = heatmap.compute(np.array([0]), np.array([2]), 1, 4, (0, 1), (0, 3),
                         what="block reads (once per step per group)", key="reads")
-    assert heatmap.render(h).plain.splitlines()[-1] == \
+    assert heatmap_text.render(h).plain.splitlines()[-1] == \
         "# 0 none, 1-9 up to 1 block reads per cell (once per step per group)"
     assert h.to_json()["reads"] == [[0, 0, 1, 0]] and "writes" not in h.to_json()
 

@@ -1,5 +1,5 @@
 """Unit tests of the outputs that need no BPF: folded stacks (folded.py) and
-the rich live view (live.py), fed with hand-built data."""
+the rich live view (panels.py), fed with hand-built data."""
 
 import io
 import os
@@ -15,7 +15,7 @@ from tracer import abi
 from tracer.analysis import heatmap
 from tracer.analysis.report import Report
 from tracer.trace import tracefile
-from tracer.views import live
+from tracer.views import panels
 from tracer.analysis.aggregate import Aggregate, Layer, Process, ReadGroup
 from tracer.exporters import folded
 from tracer.exporters.folded import folded_lines
@@ -160,7 +160,7 @@ class FakeAggregate(Aggregate):
 
 def render_text(agg, width, prev=None):
     console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False)
-    console.print(live.render(agg, prev, title="kvtrace-bpf  pid 7 (vllm)", elapsed=3.25,
+    console.print(panels.render(agg, prev, title="kvtrace-bpf  pid 7 (vllm)", elapsed=3.25,
                               width=width))
     return console.file.getvalue()
 
@@ -300,11 +300,11 @@ def test_rates_shown_against_previous():
     # the header says the rate is over the last interval, not a mean
     assert "last 2.0s" in text and "mean" not in text.split("─")[0]
     # a live frame keeps its rows: one line of legend, not the summary's
-    assert live.SHORT_LEGEND in flat(text) and live.EXACT_MEANS not in flat(text)
+    assert panels.SHORT_LEGEND in flat(text) and panels.EXACT_MEANS not in flat(text)
 
 
 def test_histogram_text():
-    text = live.histogram(np.array([8, 4, 0, 1], dtype=np.uint64), width=4).plain
+    text = panels.histogram(np.array([8, 4, 0, 1], dtype=np.uint64), width=4).plain
     # 6 rows of 8 eighths each; top = 8: heights 48, 24, 0, 6 eighths
     assert text.split("\n") == [
         "     8 █   ",
@@ -321,7 +321,7 @@ def test_histogram_text():
 
 def test_histogram_buckets_blocks():
     # 10 blocks in at most 4 columns: 3 blocks per column, sums 3, 0, 0, 9
-    text = live.histogram(np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 9], dtype=np.uint64),
+    text = panels.histogram(np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 9], dtype=np.uint64),
                           width=4).plain
     assert "height: tokens summed over 3 blocks per column; top 9" in text
     assert text.split("\n")[0] == "     9    █"
@@ -333,14 +333,14 @@ def test_histogram_zooms_to_blocks_in_use():
     # 2048 blocks, 12 written (3..14): drawn 1 per column, not 19 per column
     counts = np.zeros(2048, np.uint64)
     counts[3:15] = 16
-    text = live.histogram(counts, width=100, what="tokens").plain.split("\n")
+    text = panels.histogram(counts, width=100, what="tokens").plain.split("\n")
     assert text[-2].strip() == "blocks 1-16 of 2048 (zoomed to those in use)"
     assert text[-1].strip() == "height: tokens per block; top 16"
-    bars = text[0][live.LABEL + 1:]
+    bars = text[0][panels.LABEL + 1:]
     assert bars == " " * 2 + "█" * 12 + " " * 2  # 16 columns: blocks 1..16
     assert text[6].split() == ["1", "16"]
     # an explicit range is honoured, and not called a zoom
-    text = live.histogram(counts, width=100, block_range=(0, 2047)).plain
+    text = panels.histogram(counts, width=100, block_range=(0, 2047)).plain
     assert "blocks 0-2047 of 2048\n" in text and "zoomed" not in text
     assert "summed over 21 blocks per column" in text  # ceil(2048 / 100)
 
@@ -356,8 +356,8 @@ def test_block_window(counts, window):
 
 
 def test_histogram_empty():
-    assert live.histogram(np.zeros(5, dtype=np.uint64), 40).plain == "(no tokens yet)"
-    assert live.histogram(np.zeros(0, dtype=np.uint64), 40).plain == "(no tokens yet)"
+    assert panels.histogram(np.zeros(5, dtype=np.uint64), 40).plain == "(no tokens yet)"
+    assert panels.histogram(np.zeros(0, dtype=np.uint64), 40).plain == "(no tokens yet)"
 
 
 def test_log2_table_ranges():
@@ -433,7 +433,7 @@ def test_reads_panel_from_groups():
     # a process that has only reads is not idle
     q = Process(8, "reader")
     q.groups = [FakeGroup(reads, last, 10)]
-    assert not live.is_idle(q) and live.reads_panel(Process(9, "x"), 80) == []
+    assert not panels.is_idle(q) and panels.reads_panel(Process(9, "x"), 80) == []
 
 
 def test_probed_ops_of_a_traced_process():
@@ -504,12 +504,12 @@ def test_lifecycle_panel_says_what_the_scheduler_did():
                       "free": u(0, 4, 5), "evict": u(0, 1, 0)},
                 requests=[dict(finish_ns=1, preemptions=0, recomputed=0),
                           dict(finish_ns=0, preemptions=2, recomputed=48)])
-    text = "\n".join(str(part) for part in live.lifecycle_panel(p, 100))
+    text = "\n".join(str(part) for part in panels.lifecycle_panel(p, 100))
     assert "9 allocated, 3 prefix hits, 2 cached, 9 freed, 1 evicted" in text
     assert "served 25.0% of the 12 blocks" in text
     assert "2 seen, 1 running, 1 finished, 2 preemptions (48 tokens to recompute)" in text
     assert "b2 x3" in text and "b1 x" not in text
-    assert live.lifecycle_panel(Process(pid=6, comm="w"), 100) == []
+    assert panels.lifecycle_panel(Process(pid=6, comm="w"), 100) == []
 
 
 def test_layer_count_is_whole_or_says_why():
@@ -605,7 +605,7 @@ def vllm_demo_aggregate():
 
 def live_frame(agg, width, full):
     console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False)
-    console.print(live.render(agg, agg, title="kvtrace-bpf  pid 1  traced: 2 VLLM::EngineCor, "
+    console.print(panels.render(agg, agg, title="kvtrace-bpf  pid 1  traced: 2 VLLM::EngineCor, "
                               "3 VLLM::Worker", elapsed=3.25, width=min(width, 120),
                               full=full, note="python3's output: /tmp/kvtrace-cmd-x.log"))
     return console.file.getvalue().splitlines()
@@ -617,10 +617,10 @@ def test_live_view_of_vllm_fits_50_rows(width):
     rich's Live keeps free) with both of vLLM's panels whole: the worker's
     reads were cut off at 60 rows; --full has every panel."""
     agg = vllm_demo_aggregate()
-    procs = [p for p in agg.processes.values() if not live.is_idle(p)]
+    procs = [p for p in agg.processes.values() if not panels.is_idle(p)]
     assert len(procs) == 2 and any(p.life for p in procs) and all(p.groups for p in procs)
     lines = live_frame(agg, width, full=False)
-    assert len(lines) <= live.FIT_ROWS - 1, "\n".join(lines)
+    assert len(lines) <= panels.FIT_ROWS - 1, "\n".join(lines)
     text = flat("\n".join(lines))
     for p in procs:
         assert f"pid {p.pid} ({p.comm})" in text
@@ -635,9 +635,9 @@ def test_live_view_of_vllm_fits_50_rows(width):
     later.steps -= 1
     later.reads_per_block = later.reads_per_block.copy()
     later.reads_per_block[int(np.argmax(later.reads_per_block))] -= 1
-    assert len(live_frame(agg, width, full=False)) <= live.FIT_ROWS - 1
+    assert len(live_frame(agg, width, full=False)) <= panels.FIT_ROWS - 1
     full = live_frame(agg, width, full=True)
-    assert len(full) > live.FIT_ROWS and "items per op (log2)" in flat("\n".join(full))
+    assert len(full) > panels.FIT_ROWS and "items per op (log2)" in flat("\n".join(full))
     assert "items per op (log2)" not in text
 
 
@@ -667,7 +667,7 @@ def test_report_tables_keep_their_titles_on_one_line():
 @pytest.mark.parametrize("columns, width", ((None, 120), ("100", 100)))
 def test_report_piped_keeps_its_width(columns, width):
     """`report` into a pipe or a file is drawn 120 columns wide
-    (live.PIPE_WIDTH; rich's own default there is 80); COLUMNS still wins."""
+    (panels.PIPE_WIDTH; rich's own default there is 80); COLUMNS still wins."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     if columns:
         env["COLUMNS"] = columns
@@ -678,4 +678,4 @@ def test_report_piped_keeps_its_width(columns, width):
     borders = [l for l in lines if l.startswith("╭─ pid")]
     assert borders and all(cell_len(l) == width for l in borders), borders
     assert max(cell_len(l) for l in lines) <= width
-    assert width == int(columns or live.PIPE_WIDTH)
+    assert width == int(columns or panels.PIPE_WIDTH)

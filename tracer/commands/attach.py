@@ -26,7 +26,7 @@ from ..files import Outputs, check_writable, open_private, write_file
 from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
 from ..probes import activity, discover, follow, target as target_mod
 from ..trace.tracefile import Recorder
-from ..views import live
+from ..views import panels
 from .args import (MAX_STACK_BUCKETS, add_stack_storage_size, cpu_list, non_negative_float,
                    positive_float, positive_int)
 
@@ -104,7 +104,7 @@ def add_parser(sub):
     p.add_argument("--full", action="store_true",
                    help="the live view with every panel: taller histograms, the "
                    "hottest blocks' and the copies' and swaps' tables, items per op "
-                   f"(default: a view that fits {live.FIT_ROWS} rows; the summary at "
+                   f"(default: a view that fits {panels.FIT_ROWS} rows; the summary at "
                    "the end has them all)")
     p.add_argument("--max-blocks", type=positive_int, default=abi.DEFAULT_MAX_BLOCKS,
                    metavar="N", help="blocks per layer counted exactly "
@@ -581,11 +581,11 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
     def view():
         width = min(console.width, 120)
         what = ""
-        if not live.traced_anything(agg):
+        if not panels.traced_anything(agg):
             what = doing.line(follower.tree(), discover.comm,
                               any(p.uprobes for p in tracer.procs.values()),
                               time.monotonic(), width)
-        return _FitScreen(live.render(agg, prev, title=_title(tracer, target), width=width,
+        return _FitScreen(panels.render(agg, prev, title=_title(tracer, target), width=width,
                                       note="\n".join(x for x in (note, what) if x),
                                       elapsed=time.monotonic() - tracer.started,
                                       full=getattr(args, "full", False)))
@@ -680,11 +680,11 @@ def _finish(args, tracer, target, reason, recorder=None) -> int:
     raw = tracer.read_maps()
     agg = _aggregate(tracer, raw)
     elapsed = time.monotonic() - tracer.started
-    console = live.output_console()
+    console = panels.output_console()
     out = Outputs()
     if getattr(args, "summary", True):
         out.write("the summary to stdout", lambda: console.print(
-            live.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
+            panels.render(agg, None, title=f"kvtrace-bpf summary ({reason})",
                         width=min(console.width, 120), elapsed=elapsed)), stdout=True)
     doc = agg.to_json(duration_s=round(elapsed, 3), stop_reason=reason,
                       target_exit_status=target.status if target.child else None,

@@ -18,7 +18,7 @@ from ..errors import EXIT_DATA, UsageError
 from ..exporters.report_csv import write_csv
 from ..exporters.report_json import document, json_fragment, json_parts, plain, write_json
 from ..trace import tracefile
-from ..views.live import output_console
+from ..views.panels import output_console
 from ..views.report_text import LIFE_SHOWN_REQUESTS, render
 
 TABLES = ("blocks", "generations", "fragmentation", "heatmap", "access", "wss")

@@ -16,7 +16,7 @@ from rich.text import Text
 from .. import abi
 from ..analysis import heatmap, occupancy
 from ..analysis.report import Report, access_figures, log2_slot, value_counts
-from . import live
+from . import heatmap_text, panels
 
 ACCESS_MEANS = ("reads: (request, block) pairs at a forward step, counted once per step "
                 "for the group's layers (all layers: x layers); working set: distinct "
@@ -71,7 +71,7 @@ def lifecycle_view(figs: dict, width: int) -> list:
     if not figs:
         return []
     s = figs["summary"]
-    head = Text(", ".join(f"{n:,} {live.LIFE_WORDS[k]}" + (
+    head = Text(", ".join(f"{n:,} {panels.LIFE_WORDS[k]}" + (
         f" ({s['reallocated']:,} of them re-allocations)" if k == "alloc" and "reallocated" in s
         else "") for k, n in s["blocks"].items()))
     if s["prefix_served_share"] is not None:
@@ -225,7 +225,7 @@ def _header(rep: Report) -> Text:
         ids = ", ".join(f"{f['path'].rsplit('/', 1)[-1]} build-id {(f.get('build_id') or '?')[:12]}"
                         for f in p.get("probe_files", []))
         proc = rep.agg.processes.get(pid)
-        who = live.describe(proc) if proc is not None else f"pid {pid} ({p.get('comm', '?')})"
+        who = panels.describe(proc) if proc is not None else f"pid {pid} ({p.get('comm', '?')})"
         text.append(f"{who}: {ids}\n")
     text.append("stream: ")
     text.append("complete" if not rep.reasons else "NOT complete: " + "; ".join(rep.reasons),
@@ -243,7 +243,7 @@ def _moves_histograms(rep: Report, width: int) -> list:
         for kind, arr in p.moves.items():
             if arr.any():
                 parts += [Text(f"pid {p.pid}: {kind} per block, all layers", style="bold"),
-                          live.histogram(arr, width, rows=4, what=kind)]
+                          panels.histogram(arr, width, rows=4, what=kind)]
     return parts
 
 
@@ -258,7 +258,7 @@ def _rates_table(rates: dict, width: int = 120) -> Table:
     nbins = len(next(iter(rates["calls_per_s"].values()), []))
     digits = max(0, 1 - int(np.floor(np.log10(rates["bin_s"])))) if rates["bin_s"] > 0 else 0
     starts = [f"{(rates['t0_ns'] / 1e9 + i * rates['bin_s']):.{digits}f}" for i in range(nbins)]
-    cells = {op: [live._rate(v) for v in rates["calls_per_s"][op]] for op in ops}
+    cells = {op: [panels._rate(v) for v in rates["calls_per_s"][op]] for op in ops}
     if 8 + sum(max(len(op), 5) + 3 for op in ops) > width:
         t.add_column("op \\ from s", no_wrap=True)
         for start in starts:
@@ -344,7 +344,7 @@ def occupancy_panel(g: occupancy.Generations, src: occupancy.Source, where: str,
         for a, b in zip(edges[:-1], edges[1:]):
             seg = frag[a:max(b, a + 1)]
             seg = seg[~np.isnan(seg)]
-            spark.append(live._BARS[int(round(seg.mean() * 8))] if len(seg) else " ",
+            spark.append(panels._BARS[int(round(seg.mean() * 8))] if len(seg) else " ",
                          style="magenta")
     mean = float(np.nanmean(frag)) if np.any(~np.isnan(frag)) else float("nan")
     body = []
@@ -374,13 +374,13 @@ def occupancy_panel(g: occupancy.Generations, src: occupancy.Source, where: str,
 
 def render(rep: Report, hm: heatmap.Heatmap, rates: dict, width: int, layer: int) -> Group:
     parts = [_header(rep),
-             live.render(rep.agg, None, title="per-block histograms (from the stream)",
+             panels.render(rep.agg, None, title="per-block histograms (from the stream)",
                          elapsed=rep.duration_ns() / 1e9, width=width)]
     parts += _moves_histograms(rep, max(10, width - 12))
     if rates["calls_per_s"]:
         parts.append(_rates_table(rates, width))
     parts += [Text(f"{hm.what}: time (rows) x blocks (columns)", style="bold"),
-              heatmap.render(hm)]
+              heatmap_text.render(hm)]
     parts += access_view(access_figures(rep), width)
     parts += lifecycle_view(rep.lifecycle, width)
     parts += _occupancy_view(rep, layer, width)

@@ -1,4 +1,5 @@
-"""The terminal views (rich): the live screen of `attach` and its summary.
+"""The terminal views: the per-process panels of an aggregate, drawn live by
+`attach`, in its summary, and in `report`'s per-block section.
 
 render() is a pure function of Aggregates, so it is unit-tested with a
 fixed-width Console; attach only decides when to call it.  Words on screen
