@@ -124,7 +124,7 @@ demo-vllm: setup
 		--fresh-prompts --num-gpu-blocks 24 --max-model-len 256
 
 # What tracing costs the target and how much it carries, measured side by
-# side: one table, and bench/results.json (docs/bench.md).  About 10-15
+# side: one table, and bench/results.json (docs/bench.md).  About 15-25
 # minutes; BENCH_QUICK=1 for the short run without vLLM (under 2 minutes).
 BENCH_QUICK ?= 0
 bench: setup
