@@ -521,3 +521,15 @@ def test_value_counts_in_value_order_any_integers():
     for a in (rng.integers(0, 50, 1000), rng.integers(-3, 50, 1000),
               rng.integers(0, 1 << 40, 50), np.zeros(0, np.int64), np.array([7])):
         assert value_counts(a) == sorted([v, n] for v, n in Counter(a.tolist()).items())
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(
+    os.path.join(os.path.dirname(__file__), "data")) if n.endswith(".kvt")))
+def test_every_recording_kept_here_holds_its_invariants(name):
+    """The recordings the suite keeps (real kvsim and real CPU vLLM) pass
+    `report --check` as a user's would: one that an older tracer made with a
+    fault the invariants name (its root process called "kvtrace-bpf") fails
+    here until it is recorded again."""
+    r = run_kvtrace("report", os.path.join(os.path.dirname(__file__), "data", name), "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FAIL" not in r.stdout and r.stdout.count("ok ") >= 3, r.stdout
