@@ -359,7 +359,7 @@ def test_make_demo_vllm(no_leftovers):
     subprocess.run(["tmux", "set-option", "-t", term.name, "remain-on-exit", "on"], check=True)
     try:
         _wait_screen(term, DOING.pattern)
-        _wait_screen(term, r"^ cpu_attn_reshape_and_cache +[1-9]")
+        _wait_screen(term, r"^ ?cpu_attn_reshape_and_cache +[1-9]")
         seen = term.screen(history=True)
         term.keys("C-c")
         # the tracer's last line: the command's output file, named
