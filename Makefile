@@ -32,7 +32,7 @@ venv: $(STAMPS)/venv
 $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 	$(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[test]'
-	$(VENV)/bin/python -c "import bcc, tracer, prometheus_client, orjson, zlib_ng"
+	$(VENV)/bin/python -c "import bcc, tracer, prometheus_client, orjson, zlib_ng, matplotlib"
 	@touch $@
 
 # The tracer's modules compiled to bytecode now, not at each start: where
