@@ -35,8 +35,11 @@ examples:
   kvtrace-bpf report run.kvt --format csv --table wss > wss.csv
   kvtrace-bpf report run.kvt --check              # figures agree? exit 4 if not
   kvtrace-bpf report run.kvt --html run.html       # every figure, one page
-  kvtrace-bpf report run.kvt --svg figs/ --png figs/
-  kvtrace-bpf report a.kvt b.kvt --html cmp.html   # two runs side by side
+  kvtrace-bpf report run.kvt --svg figs --png figs # one file a figure
+
+Two trace files (report A B): their headline figures side by side with the
+differences (B - A); with --html/--svg/--png, every figure of both, paired or
+overlaid (docs/pictures.md).
 
 --check: the cross-figure invariants over the report's JSON, one line each
 (ok or FAIL, and what it compared); exit 0 when all hold, 4 when one fails

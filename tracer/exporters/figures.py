@@ -56,9 +56,15 @@ class Figure:
     svg_text: str = ""  # svg(), kept for the page once the figure is closed
 
     def svg(self) -> str:
-        """The drawing as an SVG element, for a page (no XML prolog)."""
+        """The drawing as an SVG element, for a page (no XML prolog), without
+        the title and caption drawn in it: the page has them as text."""
+        labels = [a for a in (self.fig._suptitle, *self.fig.texts) if a is not None]
+        for a in labels:
+            a.set_visible(False)
         buf = io.StringIO()
         self.fig.savefig(buf, format="svg", metadata={"Date": None})
+        for a in labels:
+            a.set_visible(True)
         text = buf.getvalue()
         return text[text.index("<svg"):]
 
