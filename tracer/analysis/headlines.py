@@ -15,8 +15,31 @@ def _pct(pairs, p):
     return next((v for q, v in pairs or [] if q == p), None)
 
 
+def read_groups(doc: dict) -> set:
+    """The (pid, group_id) of each KV-cache group's reads, counted once: vLLM's
+    engine core counts a group's reads from the plugin and its worker (a
+    child of it) from the op, the same block tables (at the end, the same
+    counts: tests/test_e2e_plugin.py), and the first of the two, by pid, stands
+    for both.  The same group: parent and child, the same group index,
+    blocks and block size (as views/panels.py's reads_panel tells them)."""
+    procs = sorted(doc["blocks"]["processes"], key=lambda p: p["pid"])
+    parent = {p["pid"]: p.get("parent") for p in procs}
+    kept, out = [], set()
+    for p in procs:
+        for g in p.get("groups") or []:
+            key = (g["group"], g.get("num_blocks"), g.get("block_size"))
+            if any(k == key and (parent.get(p["pid"]) == q or parent.get(q) == p["pid"])
+                   for k, q in kept):
+                continue
+            kept.append((key, p["pid"]))
+            out.add((p["pid"], g["group_id"]))
+    return out
+
+
 def _sum_group(doc, key):
-    return sum(g.get(key) or 0 for g in doc.get("access") or [])
+    keep = read_groups(doc)
+    return sum(g.get(key) or 0 for g in doc.get("access") or []
+               if (g["pid"], g["group_id"]) in keep)
 
 
 def dense(pairs, n: int = 0) -> np.ndarray:
@@ -29,9 +52,12 @@ def dense(pairs, n: int = 0) -> np.ndarray:
 
 def reads_per_block(doc: dict) -> np.ndarray:
     """Every group's reads per block (blocks.processes[].groups[]), one array:
-    blocks of different groups are different blocks."""
+    blocks of different groups are different blocks; a group two processes
+    count, once (read_groups)."""
+    keep = read_groups(doc)
     parts = [dense(g["reads_per_block"], g.get("num_blocks") or 0)
-             for p in doc["blocks"]["processes"] for g in p.get("groups") or []]
+             for p in doc["blocks"]["processes"] for g in p.get("groups") or []
+             if (p["pid"], g["group_id"]) in keep]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
@@ -74,7 +100,8 @@ def headlines(doc: dict) -> list:
     blocks = summary.get("blocks") or {}
     preempts = sum(1 for r in life.get("requests") or [] for e in r["events"]
                    if e[1] == "preempt") if life else None
-    acc = doc.get("access") or []
+    keep = read_groups(doc)
+    acc = [a for a in doc.get("access") or [] if (a["pid"], a["group_id"]) in keep]
     util = [_pct(a["utilization"], 50) for a in acc if a["utilization"]]
     wss = [_pct(a["wss_blocks"], 50) for a in acc if a["wss_blocks"]]
     wss_max = [_pct(a["wss_blocks"], 100) for a in acc if a["wss_blocks"]]

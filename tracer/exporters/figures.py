@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from ..analysis import access_counters  # noqa: E402
-from ..analysis.headlines import hottest_share, reads_per_block  # noqa: E402
+from ..analysis.headlines import hottest_share, read_groups, reads_per_block  # noqa: E402
 from ..files import open_private  # noqa: E402
 from .report_json import document, plain  # noqa: E402
 
@@ -283,7 +283,7 @@ def utilization_figure(runs) -> Figure:
               "hold, as vLLM's kv_cache_usage counts them (cached blocks no request holds "
               "are free to vLLM and not counted). The gap between the two lines is the "
               "internal fragmentation of the last, part-filled blocks.")
-    series = [(label, s) for label, d in runs for s in d.get("steps") or [] if s["steps"]]
+    series = step_series_of(runs)
     if not series:
         return _missing(name, title, caveat, "no block reads in this recording (no "
                         "block_table probe), so no per-step utilization")
@@ -313,6 +313,17 @@ def utilization_figure(runs) -> Figure:
     ax.legend(fontsize=7)
     f.resolution = ("Resolution: " + "; ".join(res) + ".") if res else ""
     return _finish(f, runs)
+
+
+def step_series_of(runs) -> list:
+    """[(label, series)] of each run's groups with steps, a group two
+    processes count once (headlines.read_groups)."""
+    out = []
+    for label, d in runs:
+        keep = read_groups(d)
+        out += [(label, s) for s in d.get("steps") or []
+                if s["steps"] and (s["pid"], s["group_id"]) in keep]
+    return out
 
 
 # -- access --------------------------------------------------------------------
@@ -373,7 +384,7 @@ def working_set_figure(runs) -> Figure:
     caveat = ("From the block tables read at each step (docs/access.md): the blocks the "
               "running requests' attention reads; a block shared by several requests "
               "counts once.")
-    series = [(label, s) for label, d in runs for s in d.get("steps") or [] if s["steps"]]
+    series = step_series_of(runs)
     if not series:
         return _missing(name, title, caveat, "no block reads in this recording (no "
                         "block_table probe), so no working set")
