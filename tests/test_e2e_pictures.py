@@ -5,7 +5,9 @@ ground truth (--truth), never against the tracer's code."""
 
 import argparse
 import json
+import os
 import re
+import subprocess
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -249,3 +251,26 @@ def test_user_mistakes_are_one_line(runs, tmp_path, args, words):
     args = [str(trace) if a == "X" else a for a in args]
     args = [tmp_path / a if a == "r.html" else a for a in args]
     assert_one_line_error(run_kvtrace("report", *args), 1, *words)
+
+
+@pytest.mark.vllm
+def test_make_findings(tmp_path):
+    """`make findings` as the README says, for one of its five workloads
+    (FINDINGS_RUNS=preempt: each is a real vLLM run of a minute or more):
+    the recording, its page, and the figures docs/findings.md shows of it.
+    vLLM's own preemption counter is the truth that the workload preempts."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = subprocess.run(["make", "-s", "findings", f"FINDINGS_OUT={out}",
+                        f"FINDINGS_WORK={work}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=1200, env={**os.environ, "FINDINGS_RUNS": "preempt",
+                                          "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for fig in ("fill", "access_frequency", "request_timeline", "heatmap_writes"):
+        assert (out / f"preempt-{fig}.png").read_bytes().startswith(PNG_MAGIC), fig
+    generated = json.loads((work / "preempt.out.json").read_text())
+    assert generated["preemptions"] > 0
+    doc = json.loads((work / "preempt.json").read_text())
+    preempts = sum(e[1] == "preempt" for q in doc["lifecycle"]["requests"] for e in q["events"])
+    assert preempts == generated["preemptions"]
+    assert_opens_clean(work / "preempt.html", tmp_path / "shot.png", want_drawn=(
+        "heatmap_writes", "heatmap_reads", "fill", "access_frequency", "request_timeline"))

@@ -292,7 +292,7 @@ def utilization_figure(runs) -> Figure:
     f = Figure(name, title, caveat, fig)
     res = []
     for i, (label, s) in enumerate(series):
-        t = np.asarray(s["t_s"])
+        t = _since_first(s)
         distinct = np.asarray(s["distinct"])
         held = np.asarray(s["held_tokens"])
         util = np.divide(held, distinct * s["block_size"], out=np.full(len(t), np.nan),
@@ -308,11 +308,18 @@ def utilization_figure(runs) -> Figure:
             res.append(f"{who}each point the mean of {s['per_point']} steps "
                        f"({s['steps']:,} steps)")
     ax.set_ylim(0, 105)
-    ax.set_xlabel("seconds since start")
+    ax.set_xlabel("seconds since the group's first step")
     ax.set_ylabel("%")
     ax.legend(fontsize=7)
     f.resolution = ("Resolution: " + "; ".join(res) + ".") if res else ""
     return _finish(f, runs)
+
+
+def _since_first(s: dict) -> np.ndarray:
+    """A series' times from its first step: two runs, overlaid, start
+    together (vLLM takes a minute or more to start, a different one a run)."""
+    t = np.asarray(s["t_s"], np.float64)
+    return t - t[0] if len(t) else t
 
 
 def step_series_of(runs) -> list:
@@ -395,13 +402,14 @@ def working_set_figure(runs) -> Figure:
     for i, (label, s) in enumerate(series):
         who = f"{label}: " if len(runs) > 1 else ""
         d = np.asarray(s["distinct"])
-        ax.plot(s["t_s"], d, color=COLORS[i % 2], lw=1,
+        t = _since_first(s)
+        ax.plot(t, d, color=COLORS[i % 2], lw=1,
                 label=f"{who}pid {s['pid']}, {s['num_blocks']:,} blocks")
-        f.data.setdefault(label, []).append({"t_s": np.asarray(s["t_s"]), "distinct": d,
+        f.data.setdefault(label, []).append({"t_s": t, "distinct": d,
                                              "steps": s["steps"]})
         if s["per_point"] > 1:
             res.append(f"{who}each point the mean of {s['per_point']} steps")
-    ax.set_xlabel("seconds since start")
+    ax.set_xlabel("seconds since the group's first step")
     ax.set_ylabel("blocks")
     ax.legend(fontsize=7)
     f.resolution = ("Resolution: " + "; ".join(res) + ".") if res else ""
