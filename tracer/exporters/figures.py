@@ -16,6 +16,7 @@ would hide the other).  docs/pictures.md describes each figure.
 
 import io
 import re
+import zlib
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -635,7 +636,8 @@ def _flame(ax, node, x: float, level: int, total: int, drawn: list):
     w = node["weight"] / total
     if w < FLAME_MIN_SHARE:
         return
-    hue = (hash(node["name"]) % 1000) / 1000
+    # a frame's colour from its name, the same every run (hash() is salted)
+    hue = (zlib.crc32(node["name"].encode()) % 1000) / 1000
     ax.add_patch(Rectangle((x, level), w, 0.92, facecolor=(0.95, 0.45 + 0.4 * hue, 0.2),
                            edgecolor="white", lw=0.3))
     label = f"{node['name']} ({100 * w:.1f}%)"
