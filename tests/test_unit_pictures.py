@@ -63,3 +63,13 @@ def test_a_figure_without_its_data_says_why():
         f = build([("run", doc)])
         f.close()
         assert f.missing and not f.data, f.name
+
+
+@pytest.mark.parametrize("paths,want", [
+    (["x/a.kvt", "y/b.kvt"], ["a.kvt", "b.kvt"]),
+    (["x/run.kvt", "y/run.kvt"], ["x/run.kvt", "y/run.kvt"]),
+    (["run.kvt", "run.kvt"], ["a: run.kvt", "b: run.kvt"]),
+])
+def test_each_run_has_a_name_of_its_own(paths, want):
+    from tracer.commands.pictures import labels_of
+    assert labels_of(paths) == want

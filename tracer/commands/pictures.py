@@ -57,9 +57,13 @@ def check_outputs(args):
 
 def labels_of(paths) -> list:
     """Each recording's name in the figures: its file name, or where two
-    have one name, its path."""
+    have one name, its path (a: and b: before one file given twice)."""
     names = [os.path.basename(p) for p in paths]
-    return list(paths) if len(set(names)) < len(names) else names
+    if len(set(names)) == len(names):
+        return names
+    if len(set(paths)) == len(paths):
+        return list(paths)
+    return [f"{'ab'[i]}: {p}" for i, p in enumerate(paths)]  # one file twice
 
 
 def document_of(path: str, label: str, args) -> dict:
