@@ -40,7 +40,7 @@ class Browser:
         os.close(from_child_w)
         self.buf = b""
         self.next_id = 0
-        self.events = []  # (session, method, params) of every event seen
+        self.events = []  # (the tab's id, method, params) of every event seen
 
     def _read(self, deadline: float) -> dict:
         while b"\0" not in self.buf:
@@ -54,12 +54,12 @@ class Browser:
         msg, _, self.buf = self.buf.partition(b"\0")
         return json.loads(msg)
 
-    def call(self, method: str, params: dict = None, session: str = None,
+    def call(self, method: str, params: dict = None, tab: str = None,
              timeout: float = 60) -> dict:
         self.next_id += 1
         msg = {"id": self.next_id, "method": method, "params": params or {}}
-        if session:
-            msg["sessionId"] = session
+        if tab:
+            msg["sessionId"] = tab
         os.write(self.to_child, json.dumps(msg).encode() + b"\0")
         deadline = time.monotonic() + timeout
         while True:
@@ -109,19 +109,19 @@ def open_page(path, screenshot) -> dict:
     b = Browser()
     try:
         target = b.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = b.call("Target.attachToTarget", {"targetId": target,
+        tab = b.call("Target.attachToTarget", {"targetId": target,
                                                     "flatten": True})["sessionId"]
         for domain in ("Runtime", "Log", "Network", "Page"):
-            b.call(f"{domain}.enable", session=session)
+            b.call(f"{domain}.enable", tab=tab)
         url = "file://" + os.path.abspath(path)
-        b.call("Page.navigate", {"url": url}, session=session)
+        b.call("Page.navigate", {"url": url}, tab=tab)
         b.wait_event("Page.loadEventFired")
         figures = json.loads(b.call("Runtime.evaluate", {"expression": FIGURES_JS,
                                                           "returnByValue": True},
-                                    session=session)["result"]["value"])
+                                    tab=tab)["result"]["value"])
         shot = b.call("Page.captureScreenshot", {"format": "png",
                                                  "captureBeyondViewport": True},
-                      session=session)
+                      tab=tab)
         with open(screenshot, "wb") as f:
             f.write(base64.b64decode(shot["data"]))
         ev = b.events

@@ -274,3 +274,19 @@ def test_make_findings(tmp_path):
     assert preempts == generated["preemptions"]
     assert_opens_clean(work / "preempt.html", tmp_path / "shot.png", want_drawn=(
         "heatmap_writes", "heatmap_reads", "fill", "access_frequency", "request_timeline"))
+
+
+def test_the_browser_sees_what_a_page_must_not_do(tmp_path):
+    """The checks above can fail: a page that logs an error, throws and
+    asks for a file over the network is caught by each."""
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!DOCTYPE html><html><body><figure id='x'><h2>x</h2></figure>"
+                   "<img src='http://127.0.0.1:9/x.png'>"
+                   "<script>console.error('boom'); undefined_function();</script>"
+                   "</body></html>")
+    got = open_page(bad, tmp_path / "bad.png")
+    assert (tmp_path / "bad.png").read_bytes().startswith(PNG_MAGIC)
+    assert any(c.get("type") == "error" for c in got["console"]), got["console"]
+    assert any("exceptionDetails" in c for c in got["console"]), got["console"]
+    assert "http://127.0.0.1:9/x.png" in got["requests"]
+    assert [f["id"] for f in got["figures"]] == ["x"]
