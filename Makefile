@@ -11,7 +11,7 @@ STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
 .PHONY: setup packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool test test-fast demo \
-	demo-vllm bench clean distclean
+	demo-vllm findings bench clean distclean
 
 setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool
 	@echo "setup: done"
@@ -32,7 +32,7 @@ venv: $(STAMPS)/venv
 $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 	$(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[test]'
-	$(VENV)/bin/python -c "import bcc, tracer, prometheus_client, orjson, zlib_ng"
+	$(VENV)/bin/python -c "import bcc, tracer, prometheus_client, orjson, zlib_ng, matplotlib"
 	@touch $@
 
 # The tracer's modules compiled to bytecode now, not at each start: where
@@ -122,6 +122,15 @@ demo-vllm: setup
 		$(VLLM_VENV)/bin/python scripts/vllm-workload.py --model $(TINY_MODEL) --repeat 200 \
 		--requests 160:16,128:16,96:16,200:16,64:16 --prefix-caching on --shared-prefix 64 \
 		--fresh-prompts --num-gpu-blocks 24 --max-model-len 256
+
+# docs/findings.md's figures made again: real vLLM on the CPU recorded under
+# five workloads (short and long prompts, prefix caching off and on, a cache
+# that preempts) and report's pictures of each and of two pairs (about
+# 10 minutes).  FINDINGS_RUNS=NAME... records only those (scripts/findings.sh).
+FINDINGS_OUT ?= docs/findings
+FINDINGS_WORK ?= build/findings
+findings: setup
+	scripts/findings.sh $(FINDINGS_OUT) $(FINDINGS_WORK)
 
 # What tracing costs the target and how much it carries, measured side by
 # side: one table, and bench/results.json (docs/bench.md).  About 15-25

@@ -5,10 +5,11 @@
 # run-time compile, the compilers (gcc for kvsim; g++ for the vLLM fork's CPU
 # op and probe sites that tests/fork builds: those tests need no nvcc), and
 # python3-venv; python3-dev (Python.h, for the vLLM plugin's C extension);
-# tmux, the real terminal that the live view is tested in.
+# tmux, the real terminal that the live view is tested in; chromium, the
+# headless browser that report --html's page is opened in by the tests.
 set -euo pipefail
 arch=$(dpkg --print-architecture)
-want=(bpfcc-tools python3-bpfcc systemtap-sdt-dev gcc g++ libc6-dev make python3-venv python3-dev tmux)
+want=(bpfcc-tools python3-bpfcc systemtap-sdt-dev gcc g++ libc6-dev make python3-venv python3-dev tmux chromium)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -117,6 +117,11 @@ def workdir(tmp_path_factory):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     os.rename(d / "run.kvt", d / "pristine.kvt")
+    # the README's second recording, which its comparison reads
+    r = subprocess.run(["bash", "-c", "kvtrace-bpf record -o prefix.kvt -- tests/target/kvsim "
+                        "--workload prefix"], cwd=d, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
     return d, env
 
 
@@ -178,7 +183,8 @@ def test_example_works_as_written(where, line, workdir, running_kvsim, tmp_path)
     assert "Traceback" not in err, err
     if piped:
         assert out and all(FOLDED.match(l) for l in out.splitlines()), out[:500]
-    for path in re.findall(r"(?:-o|--json|--folded|>) (\S+\.(?:kvt|json|folded|csv))", cmd):
+    for path in re.findall(r"(?:-o|--json|--folded|--html|>) (\S+\.(?:kvt|json|folded|csv|html))",
+                           cmd):
         assert (d / path).stat().st_size > 0, f"{line}: {path} is empty"
 
 
@@ -212,6 +218,7 @@ README_RUN_BY = [
     (r"make demo", "test_make_demo"),
     (r"make test", "the suite itself: .ci/run runs make test"),
     (r"make demo-vllm", "test_make_demo_vllm"),
+    (r"make findings", "test_make_findings (tests/test_e2e_pictures.py)"),
     (r"scripts/make-tiny-model\.py .*|\.venv-vllm/bin/python scripts/vllm-workload\.py .*|"
      r"sudo \.venv/bin/kvtrace-bpf attach -p \$!|kill -USR1 PID",
      "test_readme_attach_pid_recipe"),

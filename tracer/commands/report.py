@@ -34,6 +34,12 @@ examples:
   kvtrace-bpf report run.kvt --kind reads          # the read heatmap (temperature)
   kvtrace-bpf report run.kvt --format csv --table wss > wss.csv
   kvtrace-bpf report run.kvt --check              # figures agree? exit 4 if not
+  kvtrace-bpf report run.kvt --html run.html       # every figure, one page
+  kvtrace-bpf report run.kvt --svg figs --png figs # one file a figure
+
+Two trace files (report A B): their headline figures side by side with the
+differences (B - A); with --html/--svg/--png, every figure of both, paired or
+overlaid (docs/pictures.md).
 
 --check: the cross-figure invariants over the report's JSON, one line each
 (ok or FAIL, and what it compared); exit 0 when all hold, 4 when one fails
@@ -54,7 +60,8 @@ def add_parser(sub):
                     "columns), to a pipe or a file at 120 columns, or COLUMNS where set.\n"
                     "Definitions: docs/occupancy.md, docs/glossary.md.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", help="trace file")
+    p.add_argument("file", nargs="+", help="trace file; two: their headline figures side "
+                   "by side (and with --html/--svg/--png, their figures)")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
     p.add_argument("--table", choices=TABLES, default="blocks",
                    help="with --format csv: which table (default blocks)")
@@ -76,6 +83,10 @@ def add_parser(sub):
     p.add_argument("--check", action="store_true",
                    help="check that the report's figures agree with each other (one "
                    "line per invariant; exit 4 when one fails) instead of showing them")
+    p.add_argument("--html", metavar="FILE", help="write every figure to one self-contained "
+                   "page (inline SVG, no script, no network; docs/pictures.md)")
+    p.add_argument("--svg", metavar="DIR", help="write each figure to DIR/NAME.svg")
+    p.add_argument("--png", metavar="DIR", help="write each figure to DIR/NAME.png")
     p.add_argument("--partial", action="store_true",
                    help="read a damaged or cut-short trace up to the damage")
     p.set_defaults(run=run)
@@ -105,6 +116,14 @@ def check_args(args):
         raise UsageError("--check prints its own lines: no --format")
     if args.table != "blocks" and args.format != "csv":
         raise UsageError("--table goes with --format csv")
+    if len(args.file) > 2:
+        raise UsageError("report compares at most two trace files")
+    pictures = args.html or args.svg or args.png
+    if (pictures or len(args.file) == 2) and (args.format != "text" or args.check or
+                                               args.resol or args.time_range or
+                                               args.block_range or args.kind != "writes"):
+        raise UsageError("--html/--svg/--png and two trace files go with no --format, "
+                         "--check, --resol, --time-range, --block-range or --kind")
 
 
 @contextlib.contextmanager
@@ -132,6 +151,10 @@ def run(args) -> int:
 
 def _run(args) -> int:
     check_args(args)
+    if args.html or args.svg or args.png or len(args.file) == 2:
+        from . import pictures  # matplotlib only where pictures are drawn
+        return pictures.run(args)
+    args.file = args.file[0]
     trace = tracefile.load(args.file, partial=args.partial,
                            warn=lambda m: print(f"kvtrace-bpf: {m}", file=sys.stderr))
     if args.check:
