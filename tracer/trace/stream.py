@@ -342,3 +342,45 @@ def per_cache(o: np.ndarray, mapping: dict, default) -> np.ndarray:
     table = np.array([mapping.get((int(p), int(c)), default) for p in pids for c in caches]
                      or [default], np.int64)
     return table[key] if len(o) else np.zeros(0, np.int64)
+
+
+# -- step_rows: each step's rows as deltas (docs/design.md, "Row deltas: step_rows")
+
+STEP_ROWS_FIELDS = 5  # int64s a row record holds: req, seq_len, new_tokens, row_len, tail_from
+
+
+@dataclass
+class StepRows:
+    """The step_rows ops of an OpStream, decoded: per op, its place and
+    header; per row, its record; per row, its tail (the row's new entries).
+
+    Op k's rows are [lo[k], lo[k+1]); row i's tail is
+    tail[tail_lo[i]:tail_lo[i+1]]: req_to_blocks entries [tail_from[i],
+    row_len[i]) of that request in that group, block ids, 0 the null block.
+    An op that is not `complete` brought no rows (lo[k] == lo[k+1])."""
+
+    pos: np.ndarray         # int64 per op: its index in the OpStream's ops
+    pid: np.ndarray         # uint32 per op
+    ts_ns: np.ndarray       # uint64 per op
+    group: np.ndarray       # int64 per op: vLLM's kv_cache_group_id
+    block_size: np.ndarray  # int64 per op
+    num_blocks: np.ndarray  # int64 per op: blocks in the pool
+    complete: np.ndarray    # bool per op: every row and tail entry arrived
+    lo: np.ndarray          # int64, len(pos) + 1
+    req: np.ndarray         # uint64 per row: the request's FNV-1a hash
+    seq_len: np.ndarray     # int64 per row: tokens in the cache once the step has written
+    new_tokens: np.ndarray  # int64 per row: tokens computed at the step
+    row_len: np.ndarray     # int64 per row: len(req_to_blocks[req]) in the group now
+    tail_from: np.ndarray   # int64 per row: where this op's tail for the row starts
+    tail_lo: np.ndarray     # int64, len(req) + 1
+    tail: np.ndarray        # int32: the rows' new entries, concatenated
+
+
+def step_rows(ops: OpStream) -> StepRows:
+    """The step_rows ops of `ops` (docs/trace-format.md), decoded with numpy."""
+    z = np.zeros(0, np.int64)
+    return StepRows(pos=z, pid=np.zeros(0, np.uint32), ts_ns=np.zeros(0, np.uint64),
+                    group=z, block_size=z, num_blocks=z, complete=np.zeros(0, bool),
+                    lo=np.zeros(1, np.int64), req=np.zeros(0, np.uint64), seq_len=z,
+                    new_tokens=z, row_len=z, tail_from=z, tail_lo=np.zeros(1, np.int64),
+                    tail=np.zeros(0, np.int32))
