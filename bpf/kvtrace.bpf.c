@@ -1654,6 +1654,22 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->n = 2 * n;
 #endif
 		stage = KVTRACE_STAGE_HASHES;
+	} else if (op == KVTRACE_OP_PREFIX_HASHES) {
+		/* (req, hashes, num_hashes, tokens_per_hash, block_size,
+		 * domain): the hashes streamed as they are, nothing counted
+		 * (report's miss causes join them to the block events) */
+		u64 n = (s64)a[2] > 0 ? a[2] : 0;
+		w->ev.cache_id = a[0];
+		w->ev.cache_index = (u32)a[3];
+		/* the op's own two fields, summed nowhere (no block_table) */
+		w->ev.rows = a[4];
+		w->ev.held_tokens = a[5];
+		w->ev.items = n;
+#if STREAM_VALUES
+		w->arr = a[1];
+		w->n = n;
+#endif
+		stage = KVTRACE_STAGE_HASHES;
 	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {
 		/* (src_ptrs, dst_ptrs, sizes, count): no block numbers here */
 		u64 n = (s64)a[3] > 0 ? a[3] : 0;

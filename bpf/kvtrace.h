@@ -30,7 +30,9 @@ enum kvtrace_op {
 	KVTRACE_OP_REQ_PREEMPT = 14,
 	KVTRACE_OP_REQ_FINISH = 15,
 	KVTRACE_OP_STEP_REQS = 16, /* the requests of a step's block-table rows */
-	KVTRACE_NR_OPS = 17,
+	/* 17: the step_rows probe's */
+	KVTRACE_OP_PREFIX_HASHES = 18, /* a prompt's token hashes, finer than a block */
+	KVTRACE_NR_OPS = 19,
 };
 
 /* Per-block movement counters: the rows of block_moves for one process are
@@ -464,7 +466,10 @@ enum kvtrace_rec {
  * and req_finish have items = their token count and no stream; step_reqs
  * has items = the step's requests, and its index stream is the probe's
  * rows array as it is: the requests' hashes, then their new tokens (2 *
- * items values, only when the program streams values).
+ * items values, only when the program streams values); prefix_hashes has
+ * cache_id = the request, cache_index = tokens per hash, rows = the block
+ * size, held_tokens = the domain key, items = its hashes, and its index stream is
+ * the hashes (only when the program streams values).
  */
 struct kvtrace_event {
 	__u32 type; /* KVTRACE_REC_OP */
