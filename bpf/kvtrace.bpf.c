@@ -1176,7 +1176,10 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 }
 
 /* Stage: stream a block event's content hashes (int64 each), after its
- * ids, or step_reqs' rows; nothing is counted from them in the kernel. */
+ * ids, prefix_hashes' hashes, or step_reqs' rows; nothing is counted from
+ * them in the kernel.  Streamed with the block ids (--prometheus's stream
+ * too): step_reqs, whose rows only a recording uses, sets no values to
+ * stream without STREAM_VALUES. */
 int kvtrace_stage_hashes(struct pt_regs *ctx)
 {
 	struct work *w;
@@ -1193,9 +1196,9 @@ int kvtrace_stage_hashes(struct pt_regs *ctx)
 		if (next_chunk(w, buf, k) <= 0)
 			break;
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
+			lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	}
-	lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
+	lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	chunks_lost(w, lost);
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_HASHES);
 }
@@ -1619,9 +1622,10 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.bytes = a[4];
 		w->arr = a[2];
 		w->n = w->nids = n;
-#if STREAM_VALUES
+#if STREAM_BLOCK_IDS
 		/* the content hashes follow the ids in the stream (miss-ratio
-		 * curves, report); without the stream they are not read */
+		 * curves and miss causes: report, and --prometheus's); without
+		 * the stream they are not read */
 		if (a[5] && n) {
 			w->hashes = a[5];
 			w->n = 2 * n;
@@ -1665,7 +1669,7 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.rows = a[4];
 		w->ev.held_tokens = a[5];
 		w->ev.items = n;
-#if STREAM_VALUES
+#if STREAM_BLOCK_IDS
 		w->arr = a[1];
 		w->n = n;
 #endif

@@ -437,8 +437,9 @@ struct kvtrace_stack_key {
  * all from the CPU that then sends the op record; padding (-1) included.  A
  * chunk names its op by seq.  The exact counters never depend on either.
  * -DKVTRACE_WITH_BLOCK_ID_STREAM streams only the plugin tier's block
- * events' ids (no hashes, no slots, pairs or table rows): what attach
- * --prometheus's residency histograms need, at a fraction of the cost.
+ * events' ids and content hashes, and prefix_hashes' hashes (no slots,
+ * pairs, table rows nor step_reqs rows): what attach --prometheus's
+ * residency histograms and miss causes need, at a fraction of the cost.
  */
 enum kvtrace_rec {
 	KVTRACE_REC_OP = 1,

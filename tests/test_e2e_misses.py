@@ -11,7 +11,8 @@ import pytest
 
 import copy
 
-from conftest import KVSIM, run_kvtrace
+from conftest import KVSIM, Kvsim, Tracer, read_line, run_kvtrace
+from test_e2e_prometheus import free_port, promtool_check, scrape, value
 from test_e2e_record import report_json
 from tracer.analysis import invariants, misses
 
@@ -100,3 +101,35 @@ def test_report_miss_causes_match_truth(tmp_path):
         else:
             bm["optimal_curve"][-1][1] = lru[-1][1] - 0.01
         assert [n for n, _ in invariants.failures(bad)] == ["miss_causes"], breaking
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_prometheus_serves_the_miss_classes_live(tmp_path):
+    """attach --prometheus (no -o: the block ids' stream alone, hashes and
+    prefix_hashes with it) serves kvtrace_prefix_misses_total and
+    kvtrace_prefix_miss_tokens_total per cause, kvsim's truth exactly once
+    it exited (--prometheus-linger: the whole run)."""
+    port = free_port()
+    sim = Kvsim(tmp_path, "evict", "--seed", SEED)
+    tracer = None
+    try:
+        tracer = Tracer("-q", "-p", sim.pid, "-i", 600, "--prometheus", port,
+                        "--prometheus-linger", 120)
+        tracer.wait_attached()
+        sim.go()
+        assert sim.wait() == 0
+        read_line(tracer.proc.stderr, "serving the final metrics", 60)
+        m, text = scrape(port)
+        truth = sim.truth()
+        for cause, t in truth["totals"].items():
+            assert value(m, "kvtrace_prefix_misses_total", pid=sim.pid, cause=cause) == \
+                t["blocks"], cause
+            assert value(m, "kvtrace_prefix_miss_tokens_total", pid=sim.pid, cause=cause) == \
+                t["tokens"], cause
+        promtool_check(text)
+        rc, _, err = tracer.finish(timeout=60)
+        assert rc == 0, err
+    finally:
+        if tracer is not None:
+            tracer.kill()
+        sim.kill()

@@ -118,137 +118,212 @@ def _references(rows):
     return at, keys, dense, d
 
 
-def classify(ev: lifecycle.Events, req_events: list, prefixes: list = (),
-             block_size: int = None, names: dict = None) -> dict:
-    """Every prompt block a request computed at its first admission, in one
-    class (module doc), per request and in total.  block_size: the pool's
-    (else the one prefix_hashes said); without either, no request's prompt
-    blocks are told from its generated ones and tokens are not counted."""
-    names = names or {}
-    rows = _rows(ev)
-    hit, cache, evict = _kind("hit"), _kind("cache"), _kind("evict")
-    prompt = {}   # req -> prompt tokens
-    preempt_at = {}  # req -> first preemption ns
-    for ts, req, what, n in req_events:
-        if what == "arrive":
-            prompt.setdefault(req, n)
-        elif what == "preempt":
-            preempt_at.setdefault(req, ts)
-    bs_of = {p.req: p.block_size for p in prefixes if p.block_size > 0}
-    if block_size is None and bs_of:
-        block_size = max(set(bs_of.values()), key=list(bs_of.values()).count)
+class _History:
+    """What the cache held of each content (pid, group, hash), change by
+    change, in time order: per content a list of (seq, copies, evicted ns,
+    evicted for), seq the event's place in time order.  A cache adds a
+    copy, an eviction drops one, and a hit proves one lives (a content
+    cached before the trace began)."""
 
-    at, _, _, dist = _references(rows)
-    ref_dist = {i: int(dist[j]) for j, i in enumerate(at)}
+    def __init__(self):
+        self.by_key = {}
 
-    # the cache's history per content: in time order, (row index, what,
-    # request): "ref" (cached or hit), "evict"
-    history = {}
-    for i, (ts, kind, req, group, block, h, pid, _) in enumerate(rows):
+    def ref(self, key, seq, is_cache):
+        h = self.by_key.get(key)
+        copies, ets, by = h[-1][1:] if h else (0, None, None)
+        copies = copies + 1 if is_cache else max(copies, 1)
+        (h if h is not None else self.by_key.setdefault(key, [])).append(
+            (seq, copies, ets, by))
+
+    def evict(self, key, seq, ts, req):
+        h = self.by_key.get(key)
+        if not h:  # a content the trace never saw referenced: nothing to judge by
+            return
+        h.append((seq, max(0, h[-1][1] - 1), ts, req))
+
+    def at(self, key, seq):
+        """(copies, evicted ns, evicted for) just before seq; None if the
+        content was not referenced before it."""
+        h = self.by_key.get(key)
         if not h:
-            continue
-        if kind in (hit, cache):
-            history.setdefault(_key(pid, group, h), []).append((i, "ref", kind, req))
-        elif kind == evict:
-            history.setdefault(_key(pid, group, h), []).append((i, "evict", kind, req))
+            return None
+        k = bisect.bisect_left(h, (seq,))
+        return h[k - 1][1:] if k else None
 
-    # each request's first admission: its first block event (an eviction
-    # for its allocation comes before the allocation's own event)
-    first_at = {}
-    per_req = {}  # req -> [(row index, kind, group, hash, pid)] before any preemption
-    for i, (ts, kind, req, group, block, h, pid, _) in enumerate(rows):
-        if req == 0:
-            continue
-        first_at.setdefault(req, i)
-        if kind in (hit, cache) and ts < preempt_at.get(req, 1 << 63):
-            per_req.setdefault(req, []).append((i, kind, group, h, pid))
+    def prune(self, seq):
+        """Forgets the changes no admission at or after seq can ask for."""
+        for h in self.by_key.values():
+            k = bisect.bisect_left(h, (seq,))
+            if k > 1:
+                del h[:k - 1]
 
-    # earlier requests' token-only prefixes, for hash domain and below the
-    # block: chain hash -> the domains that had it, in arrival order
-    seen = {}
-    shared = {}  # req -> (tokens shared in its domain, tokens shared in another)
-    for p in prefixes:
+
+KINDS = tuple(abi.LIFE.index(k) for k in ("hit", "cache", "evict"))
+
+
+class Classifier:
+    """The miss classes, request by request, fed in time order: request
+    ops, prefix_hashes records and block events (classify() for a
+    recording, LiveMisses for attach --prometheus).  A request's prompt
+    blocks are judged by the cache as its first block event (its
+    admission) found it."""
+
+    def __init__(self, block_size: int = None, names: dict = None, detail: bool = True,
+                 max_prefix_hashes: int = None):
+        self.block_size = block_size
+        self.names = names or {}
+        self.detail = detail
+        self.history = _History()
+        self.totals = {c: {"blocks": 0, "tokens": 0, "requests": 0} for c in CAUSES}
+        self.reqs = {}   # req -> its state (_new_req)
+        self.seen = {}   # (pid, token chain hash) -> the domains that had it
+        self.max_prefix_hashes = max_prefix_hashes
+        self.any_prefix = False
+
+    def _req(self, req):
+        r = self.reqs.get(req)
+        if r is None:
+            r = self.reqs[req] = {
+                "prompt": None, "adm": None, "adm_ns": None, "preempted": False,
+                "shared": None, "bs": None, "hits": {}, "computed": {},
+                "missed": dict.fromkeys(CAUSES, 0), "tokens": dict.fromkeys(CAUSES, 0),
+                "misses": []}
+        return r
+
+    def request_op(self, req, what, n):
+        r = self._req(req)
+        if what == "arrive" and r["prompt"] is None:
+            r["prompt"] = n
+        elif what == "preempt":
+            r["preempted"] = True
+
+    def prefix(self, p: Prefix):
+        """A request's prefix_hashes: what it shares with the requests
+        before it, in its domain and in others."""
+        self.any_prefix = True
         g = p.tokens_per_hash
         same = other = 0
         for k, hv in enumerate(p.hashes):
-            doms = seen.get((p.pid, hv))
+            doms = self.seen.get((p.pid, hv))
             if not doms:
                 break
             if p.domain in doms:
                 same = (k + 1) * g
             if doms - {p.domain}:
                 other = (k + 1) * g
-        shared[p.req] = (same, other, g)
+        r = self._req(p.req)
+        r["shared"] = (same, other)
+        if p.block_size > 0:
+            r["bs"] = p.block_size
         for hv in p.hashes:
-            seen.setdefault((p.pid, hv), set()).add(p.domain)
+            self.seen.setdefault((p.pid, hv), set()).add(p.domain)
+        cap = self.max_prefix_hashes
+        if cap is not None and len(self.seen) > cap:  # the oldest prompts' first
+            for key in list(self.seen)[:len(self.seen) - cap]:
+                del self.seen[key]
 
-    totals = {c: {"blocks": 0, "tokens": 0, "requests": 0} for c in CAUSES}
-    requests = []
-    for req, evs in per_req.items():
-        adm = first_at[req]
-        groups = sorted({e[2] for e in evs})
-        missed = {c: 0 for c in CAUSES}
-        tokens = {c: 0 for c in CAUSES}
-        detail = []
-        hits_total = 0
-        for g in groups:
-            mine = [e for e in evs if e[2] == g]
-            nhit = sum(1 for e in mine if e[1] == hit)
-            hits_total += nhit
-            computed = [e for e in mine if e[1] == cache]
-            if req in prompt and block_size:
-                computed = computed[:max(0, prompt[req] // block_size - nhit)]
-            for pos, (i, _, group, h, pid) in enumerate(computed):
-                j = nhit + pos  # the block's place in the prompt
-                cause, info = _cause(history.get(_key(pid, group, h), ()), adm, rows,
-                                     shared.get(req), j, block_size, ref_dist.get(i), names)
-                missed[cause] += 1
-                t = info.pop("tokens", block_size or 0)
-                tokens[cause] += t
-                detail.append({"group": int(group), "block": j, "cause": cause,
-                               "tokens": t, **info})
-        if not detail and not hits_total:
-            continue
-        for c in CAUSES:
-            totals[c]["blocks"] += missed[c]
-            totals[c]["tokens"] += tokens[c]
-            totals[c]["requests"] += 1 if missed[c] else 0
-        requests.append({"req": f"{req:016x}", "id": names.get(req, ""),
-                         "prompt_tokens": prompt.get(req), "hit_blocks": hits_total,
-                         "missed_blocks": missed, "recomputed_tokens": tokens,
-                         "misses": detail, "admitted_s": rows[adm][0]})
-    requests.sort(key=lambda r: r["admitted_s"])
-    return {"block_size": block_size, "prefix_hashes": len(prefixes) > 0,
-            "totals": totals, "requests": requests}
+    def event(self, seq, ts, kind, req, group, h, pid, distance=None):
+        """One block of a block event, in time order (seq: its place)."""
+        hit, cache, evict = KINDS
+        key = _key(pid, group, h) if h else None
+        if req:
+            r = self._req(req)
+            if r["adm"] is None:  # its admission: an eviction for it comes first
+                r["adm"], r["adm_ns"] = seq, ts
+            if kind in (hit, cache) and key is not None and not r["preempted"]:
+                self._judge(r, kind, group, key, distance)
+        if key is None:
+            return
+        if kind in (hit, cache):
+            self.history.ref(key, seq, kind == cache)
+        elif kind == evict:
+            self.history.evict(key, seq, ts, req)
+
+    def _judge(self, r, kind, group, key, distance):
+        if kind == KINDS[0]:
+            r["hits"][group] = r["hits"].get(group, 0) + 1
+            return
+        bs = self.block_size or r["bs"]
+        nhit, pos = r["hits"].get(group, 0), r["computed"].get(group, 0)
+        if r["prompt"] is not None and bs and nhit + pos >= r["prompt"] // bs:
+            return  # a block of generated tokens, not of the prompt
+        r["computed"][group] = pos + 1
+        j = nhit + pos  # the block's place in the prompt
+        cause, info = self._cause(self.history.at(key, r["adm"]), r["shared"], j, bs,
+                                  distance)
+        t = info.pop("tokens", bs or 0)
+        if not r["missed"][cause]:
+            self.totals[cause]["requests"] += 1
+        r["missed"][cause] += 1
+        r["tokens"][cause] += t
+        self.totals[cause]["blocks"] += 1
+        self.totals[cause]["tokens"] += t
+        if self.detail:
+            r["misses"].append({"group": int(group), "block": j, "cause": cause,
+                                "tokens": t, **info})
+
+    def _cause(self, state, shared, j, bs, distance):
+        """The class of prompt block j, from its content's state when the
+        request came, and what the request shared (module doc)."""
+        if state is not None:
+            copies, ets, by = state
+            if copies == 0 and ets is not None:
+                return "capacity", {"evicted_s": ets, "evicted_for": f"{by:016x}",
+                                    "evicted_for_id": self.names.get(by, ""),
+                                    "reuse_distance": distance}
+            return "resident", {}
+        if shared and bs:
+            same, other = shared
+            lo, hi = j * bs, (j + 1) * bs
+            if other >= hi and same < hi:
+                return "hash_domain", {}
+            if lo < same < hi:
+                return "below_block", {"tokens": same - lo, "shareable_tokens": same - lo}
+        return "compulsory", {}
+
+    def requests(self) -> list:
+        """Every admitted request's figures, in admission order."""
+        out = []
+        for req, r in self.reqs.items():
+            if r["adm"] is None or not (r["hits"] or r["computed"]):
+                continue
+            out.append({"req": f"{req:016x}", "id": self.names.get(req, ""),
+                        "prompt_tokens": r["prompt"], "hit_blocks": sum(r["hits"].values()),
+                        "missed_blocks": r["missed"], "recomputed_tokens": r["tokens"],
+                        "misses": r["misses"], "admitted_s": r["adm_ns"]})
+        out.sort(key=lambda x: x["admitted_s"])
+        return out
 
 
-def _cause(hist, adm, rows, shared, j, bs, distance, names):
-    """The class of a prompt block (index j) computed by a request admitted
-    at row adm, from its content's history (module doc)."""
-    before = hist[:bisect.bisect_left(hist, (adm,))]  # in row order
-    if any(h[1] == "ref" for h in before):
-        copies, last_evict = 0, None
-        for i, what, kind, req in before:
-            if what == "ref":
-                # a hit proves a copy lives (one cached before the trace)
-                copies = copies + 1 if kind == _kind("cache") else max(copies, 1)
-            else:
-                copies = max(0, copies - 1)
-                last_evict = (i, req)
-        if copies == 0 and last_evict is not None:
-            i, by = last_evict
-            return "capacity", {"evicted_s": rows[i][0], "evicted_for": f"{by:016x}",
-                                "evicted_for_id": names.get(by, ""),
-                                "reuse_distance": distance}
-        return "resident", {}
-    if shared and bs:
-        same, other, _ = shared
-        lo, hi = j * bs, (j + 1) * bs
-        if other >= hi and same < hi:
-            return "hash_domain", {}
-        if lo < same < hi:
-            return "below_block", {"tokens": same - lo, "shareable_tokens": same - lo}
-    return "compulsory", {}
+def classify(ev: lifecycle.Events, req_events: list, prefixes: list = (),
+             block_size: int = None, names: dict = None) -> dict:
+    """Every prompt block a request computed at its first admission, in one
+    class (module doc), per request and in total.  block_size: the pool's
+    (else the one prefix_hashes said); without either, no request's prompt
+    blocks are told from its generated ones and tokens are not counted."""
+    rows = _rows(ev)
+    at, _, _, dist = _references(rows)
+    ref_dist = {i: int(dist[j]) for j, i in enumerate(at)}
+    sizes = [p.block_size for p in prefixes if p.block_size > 0]
+    if block_size is None and sizes:
+        block_size = max(set(sizes), key=sizes.count)
+    c = Classifier(block_size, names)
+    # in time order; at a tie request ops first (they precede their blocks'
+    # events), then prefix records, then block events in the scheduler's order
+    feed = [(ts, 0, k) for k, (ts, _, _, _) in enumerate(req_events)]
+    feed += [(p.ts_ns, 1, k) for k, p in enumerate(prefixes)]
+    feed += [(row[0], 2, i) for i, row in enumerate(rows)]
+    feed.sort()
+    for _, what, k in feed:
+        if what == 0:
+            c.request_op(*req_events[k][1:])
+        elif what == 1:
+            c.prefix(prefixes[k])
+        else:
+            ts, kind, req, group, _, h, pid, _ = rows[k]
+            c.event(k, ts, kind, req, group, h, pid, ref_dist.get(k))
+    return {"block_size": block_size, "prefix_hashes": c.any_prefix,
+            "totals": c.totals, "requests": c.requests()}
 
 
 def removals(ev: lifecycle.Events, req_events: list, names: dict = None) -> dict:
@@ -391,3 +466,73 @@ def figures(ev: lifecycle.Events, ops, names: dict = None, t0_ns: int = 0,
     if mrc:
         out["optimal_curve"] = optimal_curve(ev, [c for c, _ in mrc["curve"]])
     return out
+
+
+# -- live: attach --prometheus -------------------------------------------------
+
+class LiveMisses:
+    """attach --prometheus: the miss classes since attach, per process, fed
+    by lifecycle.LiveResidency with each batch of block events (in time
+    order: it holds recent ones back) and the request and prefix_hashes
+    records of the same span.  Totals only: a request's state is dropped
+    when it finishes, and each content keeps only the history an open
+    request's admission can still ask for."""
+
+    PRUNE_EVERY = 1 << 14  # events between two prunings of the history
+    MAX_PREFIX_HASHES = 1 << 20  # token chain hashes kept per process (oldest go)
+
+    def __init__(self):
+        self._by_pid = {}
+        self._seq = 0
+        self._since_prune = 0
+
+    def _classifier(self, pid):
+        c = self._by_pid.get(pid)
+        if c is None:
+            c = self._by_pid[pid] = Classifier(detail=False,
+                                               max_prefix_hashes=self.MAX_PREFIX_HASHES)
+        return c
+
+    def add(self, ops, ev: lifecycle.Events):
+        """One batch: ops, the decoded stream it came from (its request and
+        prefix_hashes records), ev its block events."""
+        o = ops.ops
+        req_op = np.isin(o["op"], list(lifecycle.REQUEST_OP_IDS))
+        feed = [(int(r["ts_ns"]), 0, ("op", int(r["pid"]), int(r["cache_id"]),
+                                      lifecycle.REQUEST_EVENT[
+                                          lifecycle.REQUEST_OP_IDS[int(r["op"])]],
+                                      int(r["items"])))
+                for r in o[req_op]]
+        feed += [(p.ts_ns, 1, ("prefix", p)) for p in prefix_records(ops)]
+        feed += [(row[0], 2, ("ev", row)) for row in _rows(ev)]
+        feed.sort(key=lambda x: x[:2])
+        free = _kind("free")
+        for _, _, item in feed:
+            if item[0] == "op":
+                _, pid, req, what, n = item
+                c = self._classifier(pid)
+                if what == "finish":
+                    c.reqs.pop(req, None)
+                else:
+                    c.request_op(req, what, n)
+            elif item[0] == "prefix":
+                self._classifier(item[1].pid).prefix(item[1])
+            else:
+                ts, kind, req, group, _, h, pid, _ = item[1]
+                if kind == free:
+                    continue  # a release: nothing to classify, nor to remember
+                self._seq += 1
+                self._classifier(pid).event(self._seq, ts, kind, req, group, h, pid)
+                self._since_prune += 1
+        if self._since_prune >= self.PRUNE_EVERY:
+            self._since_prune = 0
+            for c in self._by_pid.values():
+                open_adm = [r["adm"] for r in c.reqs.values() if r["adm"] is not None]
+                c.history.prune(min(open_adm, default=self._seq + 1))
+
+    def totals(self, pid: int) -> dict:
+        """{cause: {"blocks", "tokens", "requests"}} of one process, zero
+        before its first miss."""
+        c = self._by_pid.get(pid)
+        return {k: dict(v) for k, v in c.totals.items()} if c else \
+            {k: {"blocks": 0, "tokens": 0, "requests": 0} for k in CAUSES}
