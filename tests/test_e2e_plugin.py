@@ -169,9 +169,12 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
         assert r["prompt_tokens"] == req["prompt_len"]
         assert r["output_tokens"] == len(req["generated"])
         assert r["finish_ns"] >= r["first_ns"] > 0 and r["preemptions"] == 0
-    # prefix hits: vLLM's own counter, in tokens of whole blocks
+        # its prefix hits: vLLM's own num_cached_tokens for it, whole blocks
+        assert b["hit"] * bs == req["num_cached_tokens"], short
+    # and in all: vLLM's own counter
     hits = sum(r["blocks"]["hit"] for r in mine.values())
-    assert hits * bs == generated["prefix_cache"]["hits"] > 0
+    assert hits * bs == generated["prefix_cache"]["hits"] == \
+        sum(req["num_cached_tokens"] for req in generated["requests"]) > 0
     totals = plugin["lifecycle"]["totals"]
     assert totals["hit"] == hits
     # per block: the references requests took are the ones they dropped,
@@ -206,6 +209,7 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
         assert a["block_reads"] == sum(math.ceil(n / bs) for n in range(prompt, total + 1))
     assert lc["summary"]["incomplete_events"] == 0
     assert {t["id"] for t in lc["requests"]} == set(held)
+    check_miss_causes(lc["misses"], generated, by_short, bs)
     mrc = lc["miss_ratio_curve"]
     # every reference is a hit or a computed-and-cached block; the hits are
     # the observed ones, and a cache as large as the largest distance hits
@@ -213,6 +217,42 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
     assert mrc["observed_hits"] == hits
     assert mrc["references"] == totals["hit"] + totals["cache"]
     assert mrc["curve"][-1][1] == (mrc["references"] - mrc["compulsory"]) / mrc["references"]
+
+
+def check_miss_causes(m, generated, by_short, bs):
+    """report's miss causes (docs/misses.md) on REQUESTS_PREFIX run twice,
+    from vLLM's num_cached_tokens and the workload's construction: every
+    full prompt block is hit (num_cached_tokens) or missed; the cache is
+    large enough that nothing is evicted, so no miss is capacity; the
+    prompts share SHARED tokens, whole blocks, and are random after, so
+    none is below the block or hash domain (no salt). A second-round
+    prompt repeats a first-round one, so all it misses was cached (the
+    whole-block prompts' last block: vLLM computes the last token); in the
+    first round each shared block is computed first once (compulsory) and
+    every block past the shared ones is new."""
+    assert m["prefix_hashes"] and m["block_size"] == bs
+    assert m["removals"]["reasons"]["evicted"] == 0
+    got = {r["id"]: r for r in m["requests"]}
+    n = len(generated["requests"]) // 2
+    shared_compulsory = 0
+    for k, (short, req) in enumerate(zip(generated["request_ids"], generated["requests"])):
+        r = got[by_short[short]]
+        assert r["hit_blocks"] * bs == req["num_cached_tokens"], short
+        assert r["hit_blocks"] + len(r["misses"]) == req["prompt_len"] // bs, short
+        for x in r["misses"]:
+            if k >= n:
+                assert x["cause"] == "resident", (short, x)
+            elif x["block"] >= SHARED // bs:
+                assert x["cause"] == "compulsory", (short, x)
+            else:
+                assert x["cause"] in ("compulsory", "resident"), (short, x)
+                shared_compulsory += x["cause"] == "compulsory"
+    assert shared_compulsory == SHARED // bs
+    # the whole-block prompts of the second round recompute their last block
+    whole = sum(req["prompt_len"] % bs == 0 for req in generated["requests"][n:])
+    assert whole > 0 and m["totals"]["resident"]["blocks"] >= whole
+    for cause in ("capacity", "below_block", "hash_domain"):
+        assert m["totals"][cause]["blocks"] == 0, cause
 
 
 def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):
