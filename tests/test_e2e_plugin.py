@@ -255,6 +255,65 @@ def check_miss_causes(m, generated, by_short, bs):
         assert m["totals"][cause]["blocks"] == 0, cause
 
 
+# four distinct 200-token prompts (7 blocks each with their output), twice,
+# through a 16-block cache: the second round's prompts were cached in the
+# first and evicted since
+REQUESTS_EVICT = "200:4,200:4,200:4,200:4"
+
+
+def test_plugin_tier_eviction_and_capacity_misses(tmp_path, tiny_model, no_leftovers):
+    """A cache too small for the working set, prefix caching on: vLLM
+    evicts.  Every evicted block is one that a request had held when vLLM
+    freed it (its own record) before the eviction's allocation, and the
+    count of evictions is the kernel's.  Round one's prompts are random,
+    so its misses are compulsory; round two repeats them, so each of its
+    blocks that vLLM did not serve from the cache (num_cached_tokens) is a
+    capacity miss (evicted since: for a request of the run) or, behind
+    one, resident."""
+    generated, records, doc, trace = trace_run(
+        tmp_path, tiny_model, REQUESTS_EVICT, "--prefix-caching", "on", "--repeat", 2,
+        "--num-gpu-blocks", 16, "--max-model-len", 256)
+    assert doc["exact"], doc["inexact_reasons"]
+    plugin, _ = tiers(doc)
+    totals = plugin["lifecycle"]["totals"]
+    assert totals["evict"] > 0, "vLLM evicted no cached block: the cache is too large"
+    lc = report_json(trace)["lifecycle"]
+    m = lc["misses"]
+    bs = generated["block_size"]
+    assert m["removals"]["reasons"]["evicted"] == totals["evict"]
+    assert m["removals"]["reasons"]["finished"] == totals["free"] == \
+        sum(len(r["groups"][0]) for r in records)
+    # each eviction's blocks had been held by a request vLLM freed before it
+    held = set()
+    by_req = {}
+    for r in records:
+        by_req.setdefault(r["req"], set()).update(r["groups"][0])
+    for t in lc["requests"]:
+        for _, kind, _, blocks in t["events"]:
+            if kind == "free":
+                held.update(blocks)
+                assert set(blocks) == by_req[t["id"]], t["id"]
+            elif kind == "evict":
+                assert set(blocks) <= held, (t["id"], blocks)
+    by_short = by_short_id({r["req"] for r in records})
+    got = {r["id"]: r for r in m["requests"]}
+    n = len(generated["requests"]) // 2
+    ids = set(by_short.values())
+    for k, (short, req) in enumerate(zip(generated["request_ids"], generated["requests"])):
+        r = got[by_short[short]]
+        assert r["hit_blocks"] * bs == req["num_cached_tokens"], short
+        assert r["hit_blocks"] + len(r["misses"]) == req["prompt_len"] // bs, short
+        for x in r["misses"]:
+            if k < n:
+                assert x["cause"] == "compulsory", (short, x)
+            else:
+                assert x["cause"] in ("capacity", "resident"), (short, x)
+                if x["cause"] == "capacity":
+                    assert x["evicted_for_id"] in ids, (short, x)
+    assert m["totals"]["capacity"]["blocks"] > 0
+    assert m["regret"]["blocks"] == m["totals"]["capacity"]["blocks"]
+
+
 def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):
     generated, records, doc, trace = trace_run(
         tmp_path, tiny_model, REQUESTS_PREEMPT, "--num-gpu-blocks", 10, "--max-model-len", 256)
