@@ -1183,9 +1183,11 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 }
 
 /* Stage: stream a block event's content hashes (int64 each), after its
- * ids, or step_reqs' rows, or step_rows' rows and then its tail (the second
- * array, next_arr, read in int64 words); nothing is counted from them in
- * the kernel. */
+ * ids, prefix_hashes' hashes, step_reqs' rows, or step_rows' rows and then
+ * its tail (the second array, next_arr, read in int64 words); nothing is
+ * counted from them in the kernel.  Streamed with the block ids
+ * (--prometheus's stream too): step_reqs and step_rows, whose rows only a
+ * recording uses, set no values to stream without STREAM_VALUES. */
 int kvtrace_stage_hashes(struct pt_regs *ctx)
 {
 	struct work *w;
@@ -1202,9 +1204,9 @@ int kvtrace_stage_hashes(struct pt_regs *ctx)
 		if (next_chunk(w, buf, k) <= 0)
 			break;
 		if (k == KVTRACE_RECORD_CHUNKS - 1)
-			lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
+			lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	}
-	lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
+	lost += emit_chunk(ctx, w, buf, STREAM_BLOCK_IDS);
 	chunks_lost(w, lost);
 	if (w->done >= w->n && w->next_n > w->n && !w->err) {
 		/* the second array: value i of the stream is its word i - n */
@@ -1633,9 +1635,10 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.bytes = a[4];
 		w->arr = a[2];
 		w->n = w->nids = n;
-#if STREAM_VALUES
+#if STREAM_BLOCK_IDS
 		/* the content hashes follow the ids in the stream (miss-ratio
-		 * curves, report); without the stream they are not read */
+		 * curves and miss causes: report, and --prometheus's); without
+		 * the stream they are not read */
 		if (a[5] && n) {
 			w->hashes = a[5];
 			w->n = 2 * n;
@@ -1690,6 +1693,22 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 			w->arr = a[2];
 			w->n = w->next_n;
 		}
+#endif
+		stage = KVTRACE_STAGE_HASHES;
+	} else if (op == KVTRACE_OP_PREFIX_HASHES) {
+		/* (req, hashes, num_hashes, tokens_per_hash, block_size,
+		 * domain): the hashes streamed as they are, nothing counted
+		 * (report's miss causes join them to the block events) */
+		u64 n = (s64)a[2] > 0 ? a[2] : 0;
+		w->ev.cache_id = a[0];
+		w->ev.cache_index = (u32)a[3];
+		/* the op's own two fields, summed nowhere (no block_table) */
+		w->ev.rows = a[4];
+		w->ev.held_tokens = a[5];
+		w->ev.items = n;
+#if STREAM_BLOCK_IDS
+		w->arr = a[1];
+		w->n = n;
 #endif
 		stage = KVTRACE_STAGE_HASHES;
 	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {

@@ -31,7 +31,8 @@ enum kvtrace_op {
 	KVTRACE_OP_REQ_FINISH = 15,
 	KVTRACE_OP_STEP_REQS = 16, /* the requests of a step's block-table rows */
 	KVTRACE_OP_STEP_ROWS = 17, /* a step's rows as deltas (the plugin's default) */
-	KVTRACE_NR_OPS = 18,
+	KVTRACE_OP_PREFIX_HASHES = 18, /* a prompt's token hashes, finer than a block */
+	KVTRACE_NR_OPS = 19,
 };
 
 /* Per-block movement counters: the rows of block_moves for one process are
@@ -436,8 +437,9 @@ struct kvtrace_stack_key {
  * all from the CPU that then sends the op record; padding (-1) included.  A
  * chunk names its op by seq.  The exact counters never depend on either.
  * -DKVTRACE_WITH_BLOCK_ID_STREAM streams only the plugin tier's block
- * events' ids (no hashes, no slots, pairs or table rows): what attach
- * --prometheus's residency histograms need, at a fraction of the cost.
+ * events' ids and content hashes, and prefix_hashes' hashes (no slots,
+ * pairs, table rows nor step_reqs rows): what attach --prometheus's
+ * residency histograms and miss causes need, at a fraction of the cost.
  */
 enum kvtrace_rec {
 	KVTRACE_REC_OP = 1,
@@ -465,7 +467,10 @@ enum kvtrace_rec {
  * and req_finish have items = their token count and no stream; step_reqs
  * has items = the step's requests, and its index stream is the probe's
  * rows array as it is: the requests' hashes, then their new tokens (2 *
- * items values, only when the program streams values).
+ * items values, only when the program streams values); prefix_hashes has
+ * cache_id = the request, cache_index = tokens per hash, rows = the block
+ * size, held_tokens = the domain key, items = its hashes, and its index stream is
+ * the hashes (only when the program streams values).
  */
 struct kvtrace_event {
 	__u32 type; /* KVTRACE_REC_OP */

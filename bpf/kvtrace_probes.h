@@ -53,6 +53,7 @@
 #define KVTRACE_REQ_FINISH(...) do { } while (0)
 #define KVTRACE_STEP_REQS(...) do { } while (0)
 #define KVTRACE_STEP_ROWS(...) do { } while (0)
+#define KVTRACE_PREFIX_HASHES(...) do { } while (0)
 
 #else /* probes compiled in */
 
@@ -88,6 +89,7 @@ _KVTRACE_SEMAPHORE(req_preempt);
 _KVTRACE_SEMAPHORE(req_finish);
 _KVTRACE_SEMAPHORE(step_reqs);
 _KVTRACE_SEMAPHORE(step_rows);
+_KVTRACE_SEMAPHORE(prefix_hashes);
 
 /* Non-zero while at least one tracer has the probe attached. */
 #define KVTRACE_ENABLED(name) __builtin_expect(vllm_##name##_semaphore != 0, 0)
@@ -336,6 +338,33 @@ _KVTRACE_SEMAPHORE(step_rows);
 	STAP_PROBE7(vllm, step_rows, (const int64_t *)(rows), (int64_t)(nrows), \
 		    (const int32_t *)(tail), (int64_t)(ntail), (int64_t)(group),   \
 		    (int64_t)(bsize), (int64_t)(nblocks))
+
+/*
+ * prefix_hashes: why a prompt block missed the prefix cache (docs/misses.md).
+ * Fired once per request, when the scheduler first sees it (after request),
+ * with hashes of its prompt's tokens at a finer grain than the block, so
+ * that a prefix shared with an earlier request is seen even where it ends
+ * inside a block, and with the request's other hash inputs apart, so that
+ * the same tokens under another cache salt, LoRA or multimodal input are
+ * seen too.  Hashes only: the tokens never leave the target.
+ *   req              uint64_t         the request (hash above)
+ *   hashes           const uint64_t * HOST pointer to num_hashes chain
+ *                                     hashes: hashes[k] covers the prompt's
+ *                                     tokens [0, (k + 1) * tokens_per_hash)
+ *                                     and nothing else (no salt, no LoRA,
+ *                                     no multimodal key)
+ *   num_hashes       int64_t
+ *   tokens_per_hash  int64_t
+ *   block_size       int64_t          tokens per block of the pool
+ *   domain           uint64_t         a hash of the request's other hash
+ *                                     inputs (cache salt, LoRA, multimodal
+ *                                     keys); 0 where it has none
+ * Streamed only when recording; nothing is counted from it in the kernel.
+ */
+#define KVTRACE_PREFIX_HASHES(req, hashes, nhashes, per, bsize, domain)      \
+	STAP_PROBE6(vllm, prefix_hashes, (uint64_t)(req),                    \
+		    (const uint64_t *)(hashes), (int64_t)(nhashes),             \
+		    (int64_t)(per), (int64_t)(bsize), (uint64_t)(domain))
 
 #endif /* KVTRACE_DISABLE_PROBES */
 #endif /* KVTRACE_PROBES_H */

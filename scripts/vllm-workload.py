@@ -209,8 +209,11 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
         batch = args.draw() if args.fresh_prompts and batches else prompts
         for out in (converse(llm, batch[0], params[0], args) if args.conversation else
                     llm.generate(batch, params, use_tqdm=False)):
+            # num_cached_tokens: vLLM's own per-request prefix-cache hit, in
+            # tokens (the tests' truth for the tracer's per-request hits)
             results.append({"prompt_len": len(out.prompt_token_ids),
-                            "generated": list(out.outputs[0].token_ids)})
+                            "generated": list(out.outputs[0].token_ids),
+                            "num_cached_tokens": out.num_cached_tokens})
             request_ids.append(out.request_id)
         batches += 1
         if args.wait and args.until_stopped:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import dense
-from tracer.analysis import access_requests, access_stream, heatmap
+from tracer.analysis import access_requests, access_stream
 from tracer.analysis.report import Report
 from tracer.trace import tracefile
 from test_e2e_record import folded, record, report_json
@@ -65,20 +65,27 @@ def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
     # the read heatmap holds every read once
     assert doc["heatmap"]["what"].startswith("block reads")
     assert sum(map(sum, doc["heatmap"]["reads"])) == reads["reads"]
-    # the same map from every read on its own (each row's entries, at its
-    # step's time), and when the reads are counted 50 at a time
+    # the map's margins are kvsim's: a column sums kvsim's reads of its
+    # blocks (docs/report-json.md: column c covers blocks b0 + c*n//cols ..
+    # max(that, b0 + (c+1)*n//cols - 1)), a row the reads of kvsim's steps
+    # whose time falls in it (row k: (t - t0) * rows // (t1 - t0) == k, t
+    # the step's table probe time, kvsim's steps in order)
     rep = Report(tracefile.load(str(trace)))
     whole = rep.heatmap(9, 31, kind="reads")
-    (st,), (rows,) = rep.steps, rep.rows
-    t, block = [], []
-    for k in range(len(st)):
-        for r in range(rows.row_lo[k], rows.row_lo[k + 1]):
-            entries = rows.entries[rows.start[r]:rows.start[r] + rows.length[r]]
-            block += entries[entries > 0].tolist()
-            t += [int(st.ts_ns[k]) - rep.t0] * int(np.count_nonzero(entries > 0))
-    one_by_one = heatmap.compute(np.array(t, np.int64), np.array(block, np.int64), 9, 31,
-                                 rep.span_ns(), (whole.b0, whole.b1 - 1))
-    assert np.array_equal(whole.cells, one_by_one.cells)
+    n = whole.b1 - whole.b0
+    want_cols = []
+    for c in range(whole.cols):
+        lo = whole.b0 + c * n // whole.cols
+        hi = max(lo, whole.b0 + (c + 1) * n // whole.cols - 1)
+        want_cols.append(int(sum(per_block[lo:hi + 1])))
+    assert whole.cells.sum(axis=0).tolist() == want_cols
+    (st,) = rep.steps
+    assert len(st) == len(steps)
+    t = st.ts_ns.astype(np.int64) - rep.t0
+    row = (t - whole.t0_ns) * whole.rows // (whole.t1_ns - whole.t0_ns)
+    want_rows = np.bincount(row, [s["reads"] for s in steps], minlength=whole.rows)
+    assert whole.cells.sum(axis=1).tolist() == want_rows.astype(np.int64).tolist()
+    # and the same cells when the reads are counted 50 at a time
     monkeypatch.setattr(access_stream, "_CHUNK_READS", 50)
     chunked = rep.heatmap(9, 31, kind="reads")
     assert np.array_equal(whole.cells, chunked.cells) and whole.cells.sum() == reads["reads"]

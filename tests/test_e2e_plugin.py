@@ -174,9 +174,12 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
         assert r["prompt_tokens"] == req["prompt_len"]
         assert r["output_tokens"] == len(req["generated"])
         assert r["finish_ns"] >= r["first_ns"] > 0 and r["preemptions"] == 0
-    # prefix hits: vLLM's own counter, in tokens of whole blocks
+        # its prefix hits: vLLM's own num_cached_tokens for it, whole blocks
+        assert b["hit"] * bs == req["num_cached_tokens"], short
+    # and in all: vLLM's own counter
     hits = sum(r["blocks"]["hit"] for r in mine.values())
-    assert hits * bs == generated["prefix_cache"]["hits"] > 0
+    assert hits * bs == generated["prefix_cache"]["hits"] == \
+        sum(req["num_cached_tokens"] for req in generated["requests"]) > 0
     totals = plugin["lifecycle"]["totals"]
     assert totals["hit"] == hits
     # per block: the references requests took are the ones they dropped,
@@ -211,6 +214,7 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
         assert a["block_reads"] == sum(math.ceil(n / bs) for n in range(prompt, total + 1))
     assert lc["summary"]["incomplete_events"] == 0
     assert {t["id"] for t in lc["requests"]} == set(held)
+    check_miss_causes(lc["misses"], generated, by_short, bs)
     mrc = lc["miss_ratio_curve"]
     # every reference is a hit or a computed-and-cached block; the hits are
     # the observed ones, and a cache as large as the largest distance hits
@@ -218,6 +222,101 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
     assert mrc["observed_hits"] == hits
     assert mrc["references"] == totals["hit"] + totals["cache"]
     assert mrc["curve"][-1][1] == (mrc["references"] - mrc["compulsory"]) / mrc["references"]
+
+
+def check_miss_causes(m, generated, by_short, bs):
+    """report's miss causes (docs/misses.md) on REQUESTS_PREFIX run twice,
+    from vLLM's num_cached_tokens and the workload's construction: every
+    full prompt block is hit (num_cached_tokens) or missed; the cache is
+    large enough that nothing is evicted, so no miss is capacity; the
+    prompts share SHARED tokens, whole blocks, and are random after, so
+    none is below the block or hash domain (no salt). A second-round
+    prompt repeats a first-round one, so all it misses was cached (the
+    whole-block prompts' last block: vLLM computes the last token); in the
+    first round each shared block is computed first once (compulsory) and
+    every block past the shared ones is new."""
+    assert m["prefix_hashes"] and m["block_size"] == bs
+    assert m["removals"]["reasons"]["evicted"] == 0
+    got = {r["id"]: r for r in m["requests"]}
+    n = len(generated["requests"]) // 2
+    shared_compulsory = 0
+    for k, (short, req) in enumerate(zip(generated["request_ids"], generated["requests"])):
+        r = got[by_short[short]]
+        assert r["hit_blocks"] * bs == req["num_cached_tokens"], short
+        assert r["hit_blocks"] + len(r["misses"]) == req["prompt_len"] // bs, short
+        for x in r["misses"]:
+            if k >= n:
+                assert x["cause"] == "resident", (short, x)
+            elif x["block"] >= SHARED // bs:
+                assert x["cause"] == "compulsory", (short, x)
+            else:
+                assert x["cause"] in ("compulsory", "resident"), (short, x)
+                shared_compulsory += x["cause"] == "compulsory"
+    assert shared_compulsory == SHARED // bs
+    # the whole-block prompts of the second round recompute their last block
+    whole = sum(req["prompt_len"] % bs == 0 for req in generated["requests"][n:])
+    assert whole > 0 and m["totals"]["resident"]["blocks"] >= whole
+    for cause in ("capacity", "below_block", "hash_domain"):
+        assert m["totals"][cause]["blocks"] == 0, cause
+
+
+# four distinct 200-token prompts (7 blocks each with their output), twice,
+# through a 16-block cache: the second round's prompts were cached in the
+# first and evicted since
+REQUESTS_EVICT = "200:4,200:4,200:4,200:4"
+
+
+def test_plugin_tier_eviction_and_capacity_misses(tmp_path, tiny_model, no_leftovers):
+    """A cache too small for the working set, prefix caching on: vLLM
+    evicts.  Every evicted block is one that a request had held when vLLM
+    freed it (its own record) before the eviction's allocation, and the
+    count of evictions is the kernel's.  Round one's prompts are random,
+    so its misses are compulsory; round two repeats them, so each of its
+    blocks that vLLM did not serve from the cache (num_cached_tokens) is a
+    capacity miss (evicted since: for a request of the run) or, behind
+    one, resident."""
+    generated, records, doc, trace = trace_run(
+        tmp_path, tiny_model, REQUESTS_EVICT, "--prefix-caching", "on", "--repeat", 2,
+        "--num-gpu-blocks", 16, "--max-model-len", 256)
+    assert doc["exact"], doc["inexact_reasons"]
+    plugin, _ = tiers(doc)
+    totals = plugin["lifecycle"]["totals"]
+    assert totals["evict"] > 0, "vLLM evicted no cached block: the cache is too large"
+    lc = report_json(trace)["lifecycle"]
+    m = lc["misses"]
+    bs = generated["block_size"]
+    assert m["removals"]["reasons"]["evicted"] == totals["evict"]
+    assert m["removals"]["reasons"]["finished"] == totals["free"] == \
+        sum(len(r["groups"][0]) for r in records)
+    # each eviction's blocks had been held by a request vLLM freed before it
+    held = set()
+    by_req = {}
+    for r in records:
+        by_req.setdefault(r["req"], set()).update(r["groups"][0])
+    for t in lc["requests"]:
+        for _, kind, _, blocks in t["events"]:
+            if kind == "free":
+                held.update(blocks)
+                assert set(blocks) == by_req[t["id"]], t["id"]
+            elif kind == "evict":
+                assert set(blocks) <= held, (t["id"], blocks)
+    by_short = by_short_id({r["req"] for r in records})
+    got = {r["id"]: r for r in m["requests"]}
+    n = len(generated["requests"]) // 2
+    ids = set(by_short.values())
+    for k, (short, req) in enumerate(zip(generated["request_ids"], generated["requests"])):
+        r = got[by_short[short]]
+        assert r["hit_blocks"] * bs == req["num_cached_tokens"], short
+        assert r["hit_blocks"] + len(r["misses"]) == req["prompt_len"] // bs, short
+        for x in r["misses"]:
+            if k < n:
+                assert x["cause"] == "compulsory", (short, x)
+            else:
+                assert x["cause"] in ("capacity", "resident"), (short, x)
+                if x["cause"] == "capacity":
+                    assert x["evicted_for_id"] in ids, (short, x)
+    assert m["totals"]["capacity"]["blocks"] > 0
+    assert m["regret"]["blocks"] == m["totals"]["capacity"]["blocks"]
 
 
 def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):

@@ -337,6 +337,31 @@ def test_step_reqs_names_each_rows_request_and_its_new_tokens(runs):
     assert chunked  # some prompt took more than one step
 
 
+def test_prefix_hashes_see_the_shared_prefix(runs):
+    """prefix_hashes fires once per request, after its request probe: a
+    hash every BLOCK_SIZE / 16 tokens of the prompt's first 4 blocks.  The
+    workload's prompts share their first SHARED_PREFIX tokens and draw the
+    rest at random (scripts/vllm-workload.py), so their hashes are equal
+    exactly over the shared tokens; none has a salt, a LoRA or an image:
+    domain 0."""
+    fired = runs["fired"]
+    prompt = {f["req"]: f["prompt_tokens"] for f in fired if f["probe"] == "request"}
+    pre = [f for f in fired if f["probe"] == "prefix_hashes"]
+    assert sorted(p["req"] for p in pre) == sorted(prompt)
+    for p in pre:
+        at = fired.index(p)
+        assert [f["req"] for f in fired[:at] if f["probe"] == "request"].count(p["req"]) == 1
+    per = BLOCK_SIZE // 16
+    shared = SHARED_PREFIX // per
+    for p in pre:
+        assert (p["tokens_per_hash"], p["block_size"], p["domain"]) == (per, BLOCK_SIZE, 0)
+        assert len(p["hashes"]) == min(prompt[p["req"]] // per, 16 * 4)
+        assert p["hashes"][:shared] == pre[0]["hashes"][:shared]
+    longer = [p["hashes"][shared] for p in pre if len(p["hashes"]) > shared]
+    assert len(longer) == len(set(longer)) == \
+        sum(n >= SHARED_PREFIX + per for n in prompt.values()) > 1
+
+
 def test_preemption_and_eviction(tmp_path):
     """A KV cache of 20 blocks for 4 requests of 10 blocks each, prefix
     caching on: vLLM preempts, and evicts cached blocks to reuse them.

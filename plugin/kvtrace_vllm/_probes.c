@@ -187,6 +187,30 @@ static PyObject *probe_req_finish(PyObject *self, PyObject *const *args,
 	Py_RETURN_NONE;
 }
 
+/* prefix_hashes(req, hashes_uint64, tokens_per_hash, block_size, domain) */
+static PyObject *probe_prefix_hashes(PyObject *self, PyObject *const *args,
+				     Py_ssize_t nargs)
+{
+	uint64_t req, domain;
+	int64_t per, bsize;
+	Py_buffer v;
+	(void)self;
+	if (check_nargs("prefix_hashes", nargs, 5) < 0 || get_u64(args[0], &req) < 0 ||
+	    get_i64(args[2], &per) < 0 || get_i64(args[3], &bsize) < 0 ||
+	    get_u64(args[4], &domain) < 0)
+		return NULL;
+	if (PyObject_GetBuffer(args[1], &v, PyBUF_C_CONTIGUOUS) < 0)
+		return NULL;
+	if (v.itemsize != 8 || v.len % 8) {
+		PyErr_SetString(PyExc_TypeError, "prefix_hashes: hashes must be uint64");
+		PyBuffer_Release(&v);
+		return NULL;
+	}
+	KVTRACE_PREFIX_HASHES(req, (const uint64_t *)v.buf, v.len / 8, per, bsize, domain);
+	PyBuffer_Release(&v);
+	Py_RETURN_NONE;
+}
+
 /* ---- the step's tables: built here from vLLM's own lists ------------------
  *
  * The scheduler fires step_reqs and block_table once a step, with its CPU
@@ -585,6 +609,7 @@ static const struct sem plugin_sems[] = {
 	SEM(block_table), SEM(block_alloc), SEM(block_hit),  SEM(block_cache),
 	SEM(block_free),  SEM(block_evict), SEM(request),    SEM(req_preempt),
 	SEM(req_finish),  SEM(step_reqs),   SEM(step_rows),
+	SEM(prefix_hashes),
 };
 #define NSEMS (sizeof(plugin_sems) / sizeof(plugin_sems[0]))
 
@@ -662,6 +687,8 @@ static PyMethodDef methods[] = {
 			"reported[req_id], which it updates"),
 	{"last_rows", last_rows, METH_NOARGS,
 	 "last_rows() -> (rows_int64_bytes, tail_int32_bytes) of the last step_rows"},
+	FAST(prefix_hashes, "prefix_hashes(req, hashes_uint64, tokens_per_hash, "
+			    "block_size, domain): a prompt's token hashes"),
 	{"last_table", last_table, METH_NOARGS,
 	 "last_table() -> (rows, width, table_int32_bytes, seq_lens_int32_bytes)"},
 	{"req_hash", req_hash, METH_O, "req_hash(str) -> FNV-1a 64 of its UTF-8"},

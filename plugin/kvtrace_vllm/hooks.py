@@ -87,6 +87,9 @@ class _Recorder:
                 self._write(name, req=req, group=group, ids=list(ids), num_blocks=nblocks)
             elif name == "request":
                 self._write(name, req=args[0], id=args[1], prompt_tokens=args[2])
+            elif name == "prefix_hashes":
+                self._write(name, req=args[0], hashes=list(args[1]), tokens_per_hash=args[2],
+                            block_size=args[3], domain=args[4])
             elif name in ("req_preempt", "req_finish"):
                 self._write(name, req=args[0], tokens=args[1])
             elif name == "step_reqs":
@@ -528,10 +531,10 @@ def _reset_prefix_cache(orig):
 
 
 def _add_request(orig):
-    s = SEM["request"]
+    s, sp = SEM["request"], SEM["prefix_hashes"]
 
     def add_request(self, request):  # exact signature: checked at install
-        if not s[0]:
+        if not (s[0] or sp[0]):
             return orig(self, request)
         try:
             new = request.request_id not in self.requests
@@ -542,11 +545,68 @@ def _add_request(orig):
         if new:
             try:
                 rid = request.request_id
-                P.request(req_hash(rid), rid, request.num_prompt_tokens)
+                if s[0]:
+                    P.request(req_hash(rid), rid, request.num_prompt_tokens)
+                if sp[0]:
+                    _fire_prefix_hashes(self, request, req_hash(rid))
             except Exception:
                 _failed()
         return ret
     return add_request
+
+
+# prefix_hashes: a hash every block_size / PREFIX_PER_BLOCK tokens (at least
+# one token) of the prompt's first PREFIX_BLOCKS blocks: at most
+# PREFIX_PER_BLOCK * PREFIX_BLOCKS digests a request, whatever its length
+PREFIX_PER_BLOCK = 16
+PREFIX_BLOCKS = 4
+# the key of those hashes, this process's own, never sent: the tracer can
+# tell equal prefixes apart from unequal ones, and nobody can test a guessed
+# prompt against them (vLLM's own block hashes may be unkeyed, sha256)
+_PREFIX_KEY = os.urandom(16)
+
+
+def prefix_hashes(tokens, block_size, domain_inputs):
+    """(hashes, tokens per hash, domain) of a prompt (bpf/kvtrace_probes.h,
+    prefix_hashes): keyed BLAKE2b chain hashes of its tokens, 64 bits each,
+    hashes[k] covering tokens [0, (k + 1) * per); and a keyed hash of its
+    other hash inputs (0 where it has none).  Tokens never leave here."""
+    import hashlib
+
+    per = max(1, block_size // PREFIX_PER_BLOCK)
+    n = min(len(tokens) // per, PREFIX_PER_BLOCK * PREFIX_BLOCKS)
+    out = array("Q", bytes(8 * n))
+    if n:
+        data = memoryview(array("q", tokens[:n * per]).tobytes())
+        h = hashlib.blake2b(digest_size=8, key=_PREFIX_KEY)
+        step = 8 * per
+        for k in range(n):
+            h.update(data[k * step:(k + 1) * step])
+            out[k] = int.from_bytes(h.copy().digest(), "little")
+    domain = 0
+    if any(domain_inputs):
+        d = hashlib.blake2b(repr(domain_inputs).encode(), digest_size=8, key=_PREFIX_KEY)
+        domain = int.from_bytes(d.digest(), "little") or 1
+    return out, per, domain
+
+
+def _fire_prefix_hashes(scheduler, request, req):
+    """prefix_hashes for a new request: its prompt's token hashes and the
+    hash inputs vLLM adds to them (kv_cache_utils.generate_block_hash_extra_keys:
+    the cache salt, the LoRA adapter, the multimodal inputs' identifiers)."""
+    tokens = request.prompt_token_ids
+    if not tokens:
+        return  # prompt embeddings: no token ids to hash
+    lora = getattr(request, "lora_request", None)
+    domain_inputs = (getattr(request, "cache_salt", None) or "",
+                     (lora.lora_name, lora.lora_path) if lora else "",
+                     tuple(getattr(f, "identifier", "") for f in
+                           (getattr(request, "mm_features", None) or ())))
+    bs = int(getattr(scheduler, "block_size", 0) or 0)
+    if bs <= 0:
+        return
+    hashes, per, domain = prefix_hashes(tokens, bs, domain_inputs)
+    P.prefix_hashes(req, hashes, per, bs, domain)
 
 
 def _fire_before(probe, tokens):

@@ -166,6 +166,10 @@ static const struct workload workloads[] = {
 	 * so a run stays seconds; only the touched KV pages are memory */
 	{ "prod", 80, 16, 131072, 1024, 1, 16, 48, 2, 4, 65536,
 	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 2048, 1024 },
+	/* a prefix cache that evicts (kvsim_evict.c): requests, blocks and
+	 * block size are read; the rest is its own */
+	{ "evict", 1, 16, 24, 40, 1, 0, 0, 1, 24, 0,
+	  KV_OP_RESHAPE_AND_CACHE, false, 0, 0 },
 };
 #define NUM_WORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
 #define PROD_PREEMPT_EVERY 2 /* the prod workload's --preempt-every */
@@ -2149,7 +2153,7 @@ static void print_help(void)
 	       "A paged-KV-cache simulator that fires the kvtrace USDT probes.\n"
 	       "\n"
 	       "  --workload NAME      default | beam | swap | stress | mla | prefix |\n"
-	       "                       window | long | prod\n"
+	       "                       window | long | prod | evict\n"
 	       "  --seed N             RNG seed (default 1)\n"
 	       "  --truth FILE         write the ground-truth JSON to FILE\n"
 	       "  --truth-steps        include per-step read rows (reads.live_sets)\n"
@@ -2354,12 +2358,16 @@ static double now_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+#include "kvsim_evict.c"
+
 int main(int argc, char **argv)
 {
 	struct config cfg = { 0 };
 	static struct sim sim;
 
 	parse_args(argc, argv, &cfg);
+	if (!strcmp(cfg.w.name, "evict"))
+		return evict_main(&cfg);
 	struct sigaction sa = { .sa_handler = on_sigusr2 };
 	sigemptyset(&sa.sa_mask);
 	if (sigaction(SIGUSR2, &sa, NULL) != 0)

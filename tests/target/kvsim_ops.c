@@ -283,20 +283,24 @@ const char *kv_life_op_name(int kind)
 	return life_names[kind];
 }
 
-/* --ops-log of a block event: "NAME REQ ID...", as the tracer streams it. */
-static void log_ids(const char *name, uint64_t req, const int32_t *ids,
-		    int64_t n)
+/* --ops-log of a block event: "NAME REQ ID... [HASH...]", as the tracer
+ * streams it (the hashes only when the event passes them). */
+static void log_ids_hashes(const char *name, uint64_t req, const int32_t *ids,
+			   const uint64_t *hashes, int64_t n)
 {
 	if (!kv_ops_log)
 		return;
 	fprintf(kv_ops_log, "%s %llu", name, (unsigned long long)req);
 	for (int64_t i = 0; i < n; i++)
 		fprintf(kv_ops_log, " %d", ids[i]);
+	for (int64_t i = 0; hashes && i < n; i++)
+		fprintf(kv_ops_log, " %lld", (long long)hashes[i]);
 	fputc('\n', kv_ops_log);
 }
 
-void kv_block_event(int kind, uint64_t req, int64_t group_id,
-		    const int32_t *ids, int64_t n, int64_t num_blocks)
+void kv_block_event_hashed(int kind, uint64_t req, int64_t group_id,
+			   const int32_t *ids, int64_t n, int64_t num_blocks,
+			   const uint64_t *hashes)
 {
 	/* Unused when the probes are compiled out. */
 	(void)req;
@@ -304,37 +308,38 @@ void kv_block_event(int kind, uint64_t req, int64_t group_id,
 	(void)ids;
 	(void)n;
 	(void)num_blocks;
+	(void)hashes;
 
 	/* One site per probe, as for the write ops. */
 	switch (kind) {
 	case KV_LIFE_ALLOC:
 		if (KVTRACE_ENABLED(block_alloc)) {
-			log_ids("block_alloc", req, ids, n);
-			KVTRACE_BLOCK_ALLOC(req, group_id, ids, n, num_blocks, NULL);
+			log_ids_hashes("block_alloc", req, ids, hashes, n);
+			KVTRACE_BLOCK_ALLOC(req, group_id, ids, n, num_blocks, hashes);
 		}
 		break;
 	case KV_LIFE_HIT:
 		if (KVTRACE_ENABLED(block_hit)) {
-			log_ids("block_hit", req, ids, n);
-			KVTRACE_BLOCK_HIT(req, group_id, ids, n, num_blocks, NULL);
+			log_ids_hashes("block_hit", req, ids, hashes, n);
+			KVTRACE_BLOCK_HIT(req, group_id, ids, n, num_blocks, hashes);
 		}
 		break;
 	case KV_LIFE_CACHE:
 		if (KVTRACE_ENABLED(block_cache)) {
-			log_ids("block_cache", req, ids, n);
-			KVTRACE_BLOCK_CACHE(req, group_id, ids, n, num_blocks, NULL);
+			log_ids_hashes("block_cache", req, ids, hashes, n);
+			KVTRACE_BLOCK_CACHE(req, group_id, ids, n, num_blocks, hashes);
 		}
 		break;
 	case KV_LIFE_FREE:
 		if (KVTRACE_ENABLED(block_free)) {
-			log_ids("block_free", req, ids, n);
-			KVTRACE_BLOCK_FREE(req, group_id, ids, n, num_blocks, NULL);
+			log_ids_hashes("block_free", req, ids, hashes, n);
+			KVTRACE_BLOCK_FREE(req, group_id, ids, n, num_blocks, hashes);
 		}
 		break;
 	case KV_LIFE_EVICT:
 		if (KVTRACE_ENABLED(block_evict)) {
-			log_ids("block_evict", req, ids, n);
-			KVTRACE_BLOCK_EVICT(req, group_id, ids, n, num_blocks, NULL);
+			log_ids_hashes("block_evict", req, ids, hashes, n);
+			KVTRACE_BLOCK_EVICT(req, group_id, ids, n, num_blocks, hashes);
 		}
 		break;
 	default:
@@ -406,5 +411,27 @@ void kv_req_finish(uint64_t req, int64_t output_tokens)
 	if (KVTRACE_ENABLED(req_finish)) {
 		log_op("req_finish", req, NULL, 0);
 		KVTRACE_REQ_FINISH(req, output_tokens);
+	}
+}
+
+
+void kv_block_event(int kind, uint64_t req, int64_t group_id,
+		    const int32_t *ids, int64_t n, int64_t num_blocks)
+{
+	kv_block_event_hashed(kind, req, group_id, ids, n, num_blocks, NULL);
+}
+
+void kv_prefix_hashes(uint64_t req, const uint64_t *hashes, int64_t n,
+		      int64_t tokens_per_hash, int64_t block_size,
+		      uint64_t domain)
+{
+	(void)hashes;
+	(void)tokens_per_hash;
+	(void)block_size;
+	(void)domain;
+	if (KVTRACE_ENABLED(prefix_hashes)) {
+		log_op("prefix_hashes", req, (const int64_t *)hashes, n);
+		KVTRACE_PREFIX_HASHES(req, hashes, n, tokens_per_hash,
+				      block_size, domain);
 	}
 }

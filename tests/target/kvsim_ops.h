@@ -167,4 +167,22 @@ void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
 		  int64_t num_tail, int64_t group_id, int64_t block_size,
 		  int64_t num_blocks);
 
+/*
+ * A block event with its blocks' content hashes (block_hit, block_cache,
+ * block_evict; the other kinds as kv_block_event).  --ops-log: the ids,
+ * then the hashes.
+ */
+void kv_block_event_hashed(int kind, uint64_t req, int64_t group_id,
+			   const int32_t *ids, int64_t n, int64_t num_blocks,
+			   const uint64_t *hashes);
+
+/*
+ * prefix_hashes: a prompt's token-only chain hashes, one per
+ * tokens_per_hash tokens, and its domain key (bpf/kvtrace_probes.h).
+ * --ops-log: "prefix_hashes REQ" and the hashes.
+ */
+void kv_prefix_hashes(uint64_t req, const uint64_t *hashes, int64_t n,
+		      int64_t tokens_per_hash, int64_t block_size,
+		      uint64_t domain);
+
 #endif /* KVSIM_OPS_H */

@@ -228,9 +228,55 @@ def miss_ratio_curve(doc):
         f"the curve tops at {100 * top:.1f}%: all but the {comp:,} first references")
 
 
+def miss_causes(doc):
+    """The miss classes (docs/misses.md) add up: the requests' misses to the
+    totals, each request's hit and missed blocks to no more than its
+    prompt's full blocks; every removal has one reason (the reasons are the
+    summary's frees and evictions); the regret is the capacity misses; and
+    the optimal cache hits at least as much as LRU at every size."""
+    lc = doc.get("lifecycle") or {}
+    m = lc.get("misses")
+    if not m:
+        return None
+    bad = []
+    per = {}
+    for r in m["requests"]:
+        for x in r["misses"]:
+            b, t = per.get(x["cause"], (0, 0))
+            per[x["cause"]] = (b + 1, t + x["tokens"])
+        bs = m["block_size"]
+        if bs and r["prompt_tokens"] is not None and \
+                r["hit_blocks"] + len(r["misses"]) > r["prompt_tokens"] // bs * \
+                max(1, len({x["group"] for x in r["misses"]})):
+            bad.append(f"{r['id'] or r['req']}: {r['hit_blocks']} hit + {len(r['misses'])} "
+                       f"missed blocks, of a {r['prompt_tokens']}-token prompt")
+    for c, t in m["totals"].items():
+        if per.get(c, (0, 0)) != (t["blocks"], t["tokens"]):
+            bad.append(f"{c}: the requests' misses {per.get(c, (0, 0))}, the total "
+                       f"{(t['blocks'], t['tokens'])}")
+    rem, blocks = m["removals"]["reasons"], lc["summary"]["blocks"]
+    if rem["finished"] + rem["preempted"] + rem["window"] != blocks["free"] or \
+            rem["evicted"] + rem["reset"] != blocks["evict"]:
+        bad.append(f"removal reasons {rem} for {blocks['free']:,} frees and "
+                   f"{blocks['evict']:,} evictions")
+    if m["regret"]["blocks"] != m["totals"]["capacity"]["blocks"]:
+        bad.append(f"regret {m['regret']['blocks']:,} blocks, capacity misses "
+                   f"{m['totals']['capacity']['blocks']:,}")
+    mrc = lc.get("miss_ratio_curve")
+    if mrc and m.get("optimal_curve"):
+        low = [c for (c, lru), (_, opt) in zip(mrc["curve"], m["optimal_curve"])
+               if opt < lru - 1e-12]
+        if low:
+            bad.append(f"the optimal cache hits less than LRU at {low} blocks")
+    n = sum(t["blocks"] for t in m["totals"].values())
+    return not bad, "; ".join(bad) or (
+        f"{n:,} missed blocks in {len(m['requests']):,} requests add up; every removal "
+        "has a reason; optimal never below LRU")
+
+
 CHECKS = (panel_headers_agree, hottest_coldest_disjoint, working_set_within_cache,
           shares_within_0_1, layers_whole, process_names, lifecycle_per_process,
-          request_sums, residency_counts, miss_ratio_curve)
+          request_sums, residency_counts, miss_ratio_curve, miss_causes)
 
 
 def check(doc) -> list:

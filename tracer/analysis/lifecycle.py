@@ -442,6 +442,8 @@ def miss_ratio_curve(ev: Events, sizes=None) -> dict:
 
 # -- live: attach --prometheus ---------------------------------------------
 
+LIVE_OP_IDS = sorted(set(KIND_OF_OP) | {abi.OPS[o] for o in abi.REQUEST_OPS + abi.PREFIX_OPS})
+
 # polls a chunk may wait for its op record (an op takes microseconds; a poll
 # of the buffers reads for up to 100 ms)
 EARLY_POLLS = 3
@@ -483,7 +485,9 @@ class StreamTap(records.Collector):
 
     def _pick(self, batch):
         ops = np.frombuffer(batch.ops, dtype=records.EVENT)
-        life = ops[np.isin(ops["op"], list(KIND_OF_OP))]
+        # the block events, and for the live miss classes (misses.LiveMisses)
+        # the request ops and prefix_hashes of the same span
+        life = ops[np.isin(ops["op"], LIVE_OP_IDS)]
         parts = [(0, batch.chunk_hdrs, batch.values), *self._early]
         hdr = np.concatenate([np.frombuffer(h, dtype=records.CHUNK_HDR) for _, h, _ in parts])
         vals = np.concatenate([np.frombuffer(v, dtype=stream.VALUE) for _, _, v in parts])
@@ -535,6 +539,9 @@ class LiveResidency:
         self._next = 0.0
         self._counts = {}  # pid -> {name: [per-bucket counts (np.int64), sum in seconds]}
         self.incomplete = 0  # block events left out: some of their ids did not arrive
+        # misses.LiveMisses where attach serves the miss classes: fed the
+        # same events, with the request and prefix_hashes records beside them
+        self.misses = None
 
     def tick(self, now_ns: int = None, force: bool = False):
         """After a poll: take the stream, add the events older than HOLD_S.
@@ -562,9 +569,12 @@ class LiveResidency:
         self._held = held
         if not due:
             return
-        ev = events(_joined(due))
+        joined = _joined(due)
+        ev = events(joined)
         self.incomplete += ev.incomplete
         self.residency.add(ev)
+        if self.misses is not None:
+            self.misses.add(joined, ev)
         for pid, samples in self.residency.take().items():
             per = self._counts.setdefault(pid, {n: [np.zeros(len(self.bounds) + 1, np.int64), 0.0]
                                                 for n in RESIDENCY})

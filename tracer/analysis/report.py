@@ -14,7 +14,7 @@ import numpy as np
 from .. import abi
 from ..errors import UsageError
 from ..trace import stream, tracefile
-from . import access_counters, access_requests, access_stream, heatmap, lifecycle, occupancy
+from . import access_counters, access_requests, access_stream, heatmap, lifecycle, misses, occupancy
 from .aggregate import Aggregate
 
 
@@ -548,9 +548,18 @@ def lifecycle_figures(rep: Report, timelines: int = None, beside=None) -> dict:
         per_req, attributed = beside()
     for r in requests:
         r["access"] = per_req.get(int(r["req"], 16))
+    mrc = lifecycle.miss_ratio_curve(ev)
     return {"summary": {**lifecycle.summary(ev), "access_steps": attributed},
             "residency_buckets_s": list(lifecycle.RESIDENCY_BUCKETS),
             **{name: {"count": int(len(v)), "sum_s": float(v.sum()),
                       "buckets": lifecycle.histogram(v)} for name, v in res.items()},
-            "miss_ratio_curve": lifecycle.miss_ratio_curve(ev),
+            "miss_ratio_curve": mrc,
+            "misses": misses.figures(ev, rep.ops, names, rep.t0, mrc, _block_size(rep)),
             "requests": requests}
+
+
+def _block_size(rep: Report):
+    """The tokens per block the block tables said (None without them): the
+    miss classes count tokens with it where no prefix_hashes says it."""
+    sizes = {st.block_size for st in rep.steps if st.block_size > 0}
+    return sizes.pop() if len(sizes) == 1 else None

@@ -16,7 +16,7 @@ from rich.segment import Segment
 from rich.style import Style
 
 from .. import abi
-from ..analysis import lifecycle
+from ..analysis import lifecycle, misses
 from ..analysis.aggregate import Aggregate
 from ..errors import TargetError, UsageError
 from ..exporters import prometheus
@@ -242,6 +242,7 @@ def run(args) -> int:
         # --prometheus, everything with -o (the tap then drops the rest
         # after the Recorder took it)
         residency = lifecycle.LiveResidency(lifecycle.StreamTap(keep_all=bool(args.output)))
+        residency.misses = misses.LiveMisses()
         # bound before any BPF is loaded: a busy port fails in a second
         exporter = prometheus.Exporter(_model_name(args), residency)
         server = prometheus.start_server(*args.prometheus_at, exporter)

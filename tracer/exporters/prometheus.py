@@ -331,6 +331,8 @@ class Exporter:
                 # with the plugin tier only; zero counts until its first sample
                 residency=_residency(self.residency.histograms(p.pid))
                 if p.life and self.residency else None,
+                misses=self.residency.misses.totals(p.pid)
+                if p.life and self.residency and self.residency.misses else None,
                 groups=groups,
                 generation_fill=_generation_fill(p),
                 written=_buckets(written, WRITE_BUCKETS)))
@@ -475,6 +477,12 @@ class Exporter:
             "reuse_gap": fam(HistogramMetricFamily, "kvtrace_block_reuse_gap_seconds",
                              "time between consecutive prefix hits of one block life "
                              "(plugin tier)")}
+        miss = fam(CounterMetricFamily, "kvtrace_prefix_misses", "prompt blocks requests "
+                   "computed at their first admission, by why the prefix cache missed "
+                   "them (docs/misses.md; plugin tier, since attach)", ["cause"])
+        miss_tokens = fam(CounterMetricFamily, "kvtrace_prefix_miss_tokens", "tokens "
+                          "recomputed because of each cause (below_block: the shareable "
+                          "ones)", ["cause"])
         gen_fill = fam(HistogramMetricFamily, "kvtrace_block_generation_fill_ratio",
                        "block generations that ended (a write at offset 0, a copy or a "
                        "swap-in started the next), by the share of the block they held "
@@ -520,6 +528,9 @@ class Exporter:
                 recomp.add_metric(lv, life["recomputed"])
             for name, (buckets, total) in (p.get("residency") or {}).items():
                 residency[name].add_metric(lv, buckets, total)
+            for cause, t in (p.get("misses") or {}).items():
+                miss.add_metric([*lv, cause], t["blocks"])
+                miss_tokens.add_metric([*lv, cause], t["tokens"])
             for g in p["groups"]:
                 gl = [*lv, str(g["group"])]
                 reads.add_metric(gl, g["reads"])
@@ -538,4 +549,4 @@ class Exporter:
                     reads, steps, rows, live, held, layers, group_layers, blocks, bsize,
                     ws, tokens_held, util, frag, freq, wfill, gen_fill, gen_unseen, events,
                     held_blocks, req_seen,
-                    req_done, preempt, recomp, *residency.values())
+                    req_done, preempt, recomp, *residency.values(), miss, miss_tokens)

@@ -35,6 +35,7 @@ TABLE_OP_ID = abi.OPS["block_table"]
 LIFE_OP_IDS = frozenset(abi.OPS[o] for o in abi.LIFE_OPS)  # the plugin's block ids
 STEP_REQS_OP_ID = abi.OPS["step_reqs"]  # streams requests, then their new tokens
 STEP_ROWS_OP_ID = abi.OPS["step_rows"]  # streams row records, then the tails' int32 words
+PREFIX_OP_ID = abi.OPS["prefix_hashes"]  # streams its hashes
 _BAD_FLAGS = abi.EV_TRUNCATED | abi.EV_READ_ERROR | abi.EV_CHUNKS_LOST
 
 # the decoded op table: the op record's fields, then where its values are
@@ -81,7 +82,7 @@ def expected_values(ops: np.ndarray) -> np.ndarray:
     or not (bpf/kvtrace.h); trace files from before reads have no rows."""
     op = ops["op"]
     items = ops["items"].astype(np.int64)
-    per = np.where(np.isin(op, list(WRITE_OP_IDS | LIFE_OP_IDS)), 1,
+    per = np.where(np.isin(op, list(WRITE_OP_IDS | LIFE_OP_IDS | {PREFIX_OP_ID})), 1,
                    np.where(np.isin(op, list(PAIR_OP_IDS | {STEP_REQS_OP_ID})), 2, 0))
     want = items * per
     # block events with content hashes stream the ids, then as many hashes

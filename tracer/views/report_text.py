@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import abi
-from ..analysis import heatmap, occupancy
+from ..analysis import heatmap, misses, occupancy
 from ..analysis.report import Report, access_figures, log2_slot, value_counts
 from . import heatmap_text, panels
 
@@ -150,8 +150,64 @@ def lifecycle_view(figs: dict, width: int) -> list:
     parts.append(titled(reqs))
     if acc is not None:
         parts.append(titled(acc))
+    parts.extend(misses_view(figs.get("misses"), mrc))
     return [Panel(Group(*parts), title="block lifecycle (plugin tier)",
                   title_align="left", width=width)]
+
+
+MISS_WORDS = {"compulsory": "compulsory (new content)",
+              "capacity": "capacity (evicted before)",
+              "below_block": "below the block (prefix ended inside it)",
+              "hash_domain": "hash domain (same tokens, other salt/LoRA/mm)",
+              "resident": "resident (cached, not matched)"}
+
+
+def misses_view(m: dict, mrc: dict = None) -> list:
+    """Why the prefix cache missed (docs/misses.md): the classes, the worst
+    requests, removal reasons, regret and LRU's gap to optimal."""
+    if not m:
+        return []
+    parts = []
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+              title="prefix-cache misses: the prompt blocks requests computed, by cause" +
+                    ("" if m["prefix_hashes"] else
+                     " (no prefix_hashes: hash domain and below the block unseen)"))
+    for col in ("cause", "blocks", "tokens", "requests"):
+        t.add_column(col, justify="left" if col == "cause" else "right", no_wrap=True)
+    for c in misses.CAUSES:
+        x = m["totals"][c]
+        t.add_row(MISS_WORDS[c], f"{x['blocks']:,}", f"{x['tokens']:,}", f"{x['requests']:,}")
+    parts.append(titled(t))
+    worst = sorted((r for r in m["requests"] if any(r["missed_blocks"].values())),
+                   key=lambda r: -sum(r["recomputed_tokens"].values()))[:misses.WORST_SHOWN]
+    if worst:
+        w = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+                  title="the requests that recomputed the most (tokens per cause)")
+        w.add_column("request", no_wrap=True)
+        w.add_column("hit", justify="right")
+        for c in misses.CAUSES:
+            w.add_column(c.replace("_", " "), justify="right")
+        for r in worst:
+            w.add_row(r["id"] or r["req"], f"{r['hit_blocks']:,}",
+                      *(f"{r['recomputed_tokens'][c]:,}" for c in misses.CAUSES))
+        parts.append(titled(w))
+    rem = m["removals"]
+    line = "removals: " + ", ".join(f"{n:,} {k}" for k, n in rem["reasons"].items())
+    if rem["evicted_for"]:
+        e = rem["evicted_for"][0]
+        line += f"; most evictions were for {e['id'] or e['req']} ({e['blocks']:,} blocks)"
+    reg = m["regret"]
+    line += (f"; regret: {reg['blocks']:,} evicted blocks asked for again, "
+             f"{reg['tokens']:,} tokens recomputed")
+    parts.append(Text(line))
+    opt = m.get("optimal_curve")
+    if opt and mrc:
+        gaps = [(c, o - lru) for (c, lru), (_, o) in zip(mrc["curve"], opt)]
+        c, gap = max(gaps, key=lambda x: x[1])
+        parts.append(Text("optimal (Belady) hit ratio at the curve's sizes: " + ", ".join(
+            f"{c}: {100 * o:.1f}%" for c, o in opt) +
+            f"; LRU's largest gap to it: {100 * gap:.1f} points at {c} blocks"))
+    return parts
 
 
 def access_view(figs: list, width: int) -> list:
