@@ -1,0 +1,310 @@
+"""tracer/analysis/derived_rows.py against a plain reading of the same row
+events: a scheduler simulated here emits step_rows rows (each request's
+new entries only) and block events, and the test expands every row at every
+step from the probe's definition (a request reads the entries j <
+ceil(seq_len / block_size) of its row, 0 never) to count what the derived
+figures must equal.  Fakes of StepRows and RowEvents: pure logic."""
+
+import random
+
+import numpy as np
+import pytest
+
+from tracer.analysis import access_stream, derived_rows
+from tracer.trace import stream
+
+PID, GROUP = 11, 0
+
+
+class Sim:
+    """A small scheduler: requests with rows of block ids, a pool with
+    reference counts (prefix hits share blocks), chunked prefill,
+    lookahead blocks beyond seq_len, sliding-window nulls, preemption,
+    finishing, requests left out of a step, and (shrink) seq_len going
+    back a few tokens within a row's life, as rejected draft tokens do.  It records step_rows ops and
+    block events in one op order, as the plugin fires them."""
+
+    def __init__(self, rng, bs, nblocks=64, window=None, shrink=False):
+        self.rng, self.bs, self.window, self.shrink = rng, bs, window, shrink
+        self.free = list(range(1, nblocks))
+        self.ref = {}
+        self.rows = {}  # req -> row (block ids, 0 nulled)
+        self.reported = {}  # req -> the row length its last step_rows gave
+        self.computed = {}  # req -> tokens computed
+        self.prompt = {}
+        self.ops = []  # ("rows", [(req, seq, new, row_len, tail_from, tail)]) | ("free", req, [b]) | ("reset", req)
+        self.next_req = 1
+
+    def alloc(self):
+        if not self.free:
+            return None
+        b = self.free.pop(self.rng.randrange(len(self.free)))
+        self.ref[b] = 1
+        return b
+
+    def release(self, req, blocks):
+        blocks = [b for b in blocks if b > 0]
+        if not blocks:
+            return
+        self.ops.append(("free", req, blocks))
+        for b in blocks:
+            self.ref[b] -= 1
+            if not self.ref[b]:
+                del self.ref[b]
+                self.free.append(b)
+
+    def end(self, req):
+        self.ops.append(("reset", req))
+        self.release(req, self.rows.pop(req)[::-1])
+        self.reported.pop(req, None)
+
+    def step(self):
+        rng, bs = self.rng, self.bs
+        if rng.random() < 0.5 and len(self.rows) < 6:
+            req = self.next_req * 0x9E3779B97F4A7C15 % (1 << 64)
+            self.next_req += 1
+            self.prompt[req] = rng.randrange(1, 6 * bs)
+            self.computed[req] = 0
+            row = []
+            # a prefix hit: the full blocks of a running request's row
+            donors = [r for r in self.rows if self.computed[r] >= bs]
+            if donors and rng.random() < 0.5:
+                d = rng.choice(donors)
+                full = min(self.computed[d] // bs, self.prompt[req] // bs)
+                shared = [b for b in self.rows[d][:full] if b > 0]
+                if len(shared) == full and full:
+                    for b in shared:
+                        self.ref[b] += 1
+                    row = list(shared)
+                    self.computed[req] = full * bs
+            self.rows[req] = row
+        sched = []
+        for req in list(self.rows):
+            if rng.random() < 0.15:
+                continue  # left out of this step
+            row = self.rows[req]
+            c = self.computed[req]
+            if self.shrink and c > bs and rng.random() < 0.2:
+                c -= rng.randrange(1, bs + 1)  # tokens given back (a rejected draft)
+            new = min(self.prompt[req] - c, rng.choice([3, 5, 2 * bs])) if c < self.prompt[req] \
+                else 1
+            seq = c + new
+            want = -(-seq // bs) + (1 if rng.random() < 0.2 else 0)  # lookahead
+            ok = True
+            while len(row) < want:
+                b = self.alloc()
+                if b is None:
+                    ok = False
+                    break
+                row.append(b)
+            if not ok:  # preempted: the row ends, computed tokens lost
+                self.end(req)
+                self.rows[req] = []
+                self.computed[req] = 0
+                continue
+            if self.window and c > self.window * bs:
+                drop = [j for j in range((c - self.window * bs) // bs) if row[j] > 0]
+                if drop:
+                    self.release(req, [row[j] for j in drop])
+                    for j in drop:
+                        row[j] = 0
+            sched.append((req, seq, new))
+        recs = []
+        for req, seq, new in sched:
+            row = self.rows[req]
+            t = self.reported.get(req, 0)
+            recs.append((req, seq, new, len(row), t, list(row[t:])))
+            self.reported[req] = len(row)
+            self.computed[req] = seq
+        self.ops.append(("rows", recs))
+        for req, seq, new in sched:
+            if seq >= self.prompt[req] + rng.randrange(2, 12):
+                self.end(req)
+                del self.computed[req]
+
+
+def fakes(ops, bs, nblocks=64):
+    """(StepRows, RowEvents) of a Sim's ops: op i is at position i."""
+    pos, lo, req, seq, new, rl, tf, tail_lo, tail = [], [0], [], [], [], [], [], [0], []
+    fp, fr, fb, rp, rr = [], [], [], [], []
+    for i, op in enumerate(ops):
+        if op[0] == "rows":
+            pos.append(i)
+            for r, s, n, l, t, tl in op[1]:
+                req.append(r), seq.append(s), new.append(n), rl.append(l), tf.append(t)
+                tail += tl
+                tail_lo.append(len(tail))
+            lo.append(len(req))
+        elif op[0] == "free":
+            fp += [i] * len(op[2])
+            fr += [op[1]] * len(op[2])
+            fb += op[2]
+        else:
+            rp.append(i), rr.append(op[1])
+    K = len(pos)
+    i64 = lambda v: np.array(v, np.int64)  # noqa: E731
+    sr = stream.StepRows(
+        pos=i64(pos), pid=np.full(K, PID, np.uint32), ts_ns=(i64(pos) * 1000 + 5).astype(np.uint64),
+        group=np.full(K, GROUP, np.int64), block_size=np.full(K, bs, np.int64),
+        num_blocks=np.full(K, nblocks, np.int64), complete=np.ones(K, bool), lo=i64(lo),
+        req=np.array(req, np.uint64), seq_len=i64(seq), new_tokens=i64(new), row_len=i64(rl),
+        tail_from=i64(tf), tail_lo=i64(tail_lo), tail=np.array(tail, np.int32))
+    ev = derived_rows.RowEvents(i64(fp), np.full(len(fp), PID, np.int64),
+                                np.array(fr, np.uint64), np.full(len(fp), GROUP, np.int64),
+                                i64(fb), i64(rp), np.full(len(rp), PID, np.int64),
+                                np.array(rr, np.uint64))
+    return sr, ev
+
+
+def plain(ops, bs):
+    """Every row at every step, expanded, from the probe's definition."""
+    rows, steps, mismatches = {}, [], 0
+    for op in ops:
+        if op[0] == "free":
+            row = rows.get(op[1])
+            if row is not None:
+                for b in op[2]:
+                    rows[op[1]] = row = [0 if e == b else e for e in row]
+        elif op[0] == "reset":
+            rows.pop(op[1], None)
+        else:
+            step = []
+            for req, seq, new, row_len, tail_from, tail in op[1]:
+                cur = rows.get(req, [])
+                if tail_from != len(cur) or len(tail) != row_len - tail_from:
+                    mismatches += 1
+                cur = cur[:tail_from] + [-1] * (tail_from - len(cur)) + list(tail)
+                rows[req] = cur
+                n = -(-seq // bs)
+                read = [(j, cur[j], bs if j != n - 1 else seq - (n - 1) * bs)
+                        for j in range(min(n, len(cur))) if cur[j] > 0]
+                step.append((seq, read, [cur[j] if j < len(cur) and cur[j] > 0 else 0
+                                         for j in range(n)]))
+            steps.append(step)
+    return steps, mismatches
+
+
+def plain_figures(steps, bs):
+    out = {"reads": [], "distinct": [], "held": [], "tokens": [], "rows": []}
+    per_block, last, sharing = {}, {}, {}
+    step_of, block_of = [], []
+    for k, step in enumerate(steps):
+        fill, count = {}, {}
+        for seq, read, _ in step:
+            for j, b, f in read:
+                fill.setdefault(b, f)  # the first row that reads it
+                count[b] = count.get(b, 0) + 1
+                per_block[b] = per_block.get(b, 0) + 1
+                last[b] = k + 1
+                step_of.append(k)
+                block_of.append(b)
+        for b, c in count.items():
+            sharing[b] = max(sharing.get(b, 0), c)
+        out["reads"].append(sum(count.values()))
+        out["distinct"].append(len(count))
+        out["held"].append(sum(fill.values()))
+        out["tokens"].append(sum(s for s, _, _ in step))
+        out["rows"].append(len(step))
+    return out, per_block, last, sharing, np.array(step_of, np.int64), \
+        np.array(block_of, np.int64)
+
+
+def dense(d, n):
+    a = np.zeros(n, np.int64)
+    for k, v in d.items():
+        a[k] = v
+    return a
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_derived_figures_equal_every_row_expanded(seed):
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4, 16])
+    sim = Sim(rng, bs, nblocks=rng.choice([12, 40, 200]), window=rng.choice([None, None, 2, 3]),
+              shrink=seed % 4 == 3)
+    for _ in range(rng.randrange(5, 60)):
+        sim.step()
+    sr, ev = fakes(sim.ops, bs)
+    d = derived_rows.replay(sr, ev, PID, GROUP)
+    steps, mismatches = plain(sim.ops, bs)
+    fig, per_block, last, sharing, step_of, block_of = plain_figures(steps, bs)
+    assert d.mismatches == mismatches == 0 and d.exact
+    assert d.reads.tolist() == fig["reads"]
+    assert d.distinct.tolist() == fig["distinct"]
+    assert d.held_tokens.tolist() == fig["held"]
+    assert d.tokens.tolist() == fig["tokens"]
+    assert d.rows.tolist() == fig["rows"]
+    nb = max(per_block, default=-1) + 1
+    assert len(d.reads_per_block) == nb
+    assert d.reads_per_block.astype(np.int64).tolist() == dense(per_block, nb).tolist()
+    assert d.last_read_step.astype(np.int64).tolist() == dense(last, nb).tolist()
+    assert d.sharing.tolist() == dense(sharing, nb).tolist()
+    ts = d.ts_ns.astype(np.int64)
+    want_ns = np.where(dense(last, nb) > 0, ts[np.maximum(dense(last, nb) - 1, 0)], 0)
+    assert d.last_read_ns.tolist() == want_ns.tolist()
+    # idle before reuse: generations at random blocks and times
+    gb = np.array([rng.randrange(1, max(nb, 2)) for _ in range(30)], np.int64)
+    gs = np.array([rng.randrange(0, int(ts.max()) + 2000) for _ in range(30)], np.int64)
+    want = access_stream.idle_before_reuse(step_of, block_of, ts, gb, gs)
+    assert d.idle_before_reuse(gb, gs).tolist() == want.tolist()
+    # every row as the replay holds it
+    flat = [r for step in steps for r in step]
+    got = d.row_entries()
+    assert len(got) == len(flat)
+    for (_, seq, e), (pseq, _, pe) in zip(got, flat):
+        assert seq == pseq and e.tolist() == pe
+
+
+def test_a_shared_partial_block_is_filled_as_its_first_reader_sees_it():
+    # two forks of one request share its last, partial block: the first
+    # row in the step reads 3 tokens in it, the second 1 (it is behind)
+    bs = 4
+    ops = [("rows", [(1, 7, 7, 2, 0, [5, 6]), (2, 5, 5, 2, 0, [5, 6])])]
+    sr, ev = fakes(ops, bs)
+    d = derived_rows.replay(sr, ev, PID, GROUP)
+    assert d.distinct.tolist() == [2] and d.reads.tolist() == [4]
+    assert d.held_tokens.tolist() == [4 + 3]
+    assert d.sharing.tolist() == [0, 0, 0, 0, 0, 2, 2]
+    ops = [("rows", [(2, 5, 5, 2, 0, [5, 6]), (1, 7, 7, 2, 0, [5, 6])])]
+    d = derived_rows.replay(*fakes(ops, bs), PID, GROUP)
+    assert d.held_tokens.tolist() == [4 + 1]
+
+
+def test_a_row_that_does_not_continue_the_replay_is_counted():
+    bs = 4
+    ops = [("rows", [(1, 4, 4, 1, 0, [3])]),
+           ("rows", [(1, 9, 5, 3, 2, [8])]),  # the entry at 1 never came
+           ("rows", [(1, 10, 1, 3, 3, [])])]
+    d = derived_rows.replay(*fakes(ops, bs), PID, GROUP)
+    assert d.mismatches == 1 and not d.exact
+    assert "did not continue" in d.reasons[0]
+    # what came is still read: block 3 at every step, 8 at the last two
+    assert d.reads_per_block.astype(int).tolist()[3] == 3
+    assert d.reads_per_block.astype(int).tolist()[8] == 2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lost_events_show_as_mismatches(seed):
+    # a reset lost: the request's next row starts again at 0, which the
+    # replay, still holding its row, counts
+    rng = random.Random(1000 + seed)
+    sim = Sim(rng, 4, nblocks=16)
+    for _ in range(60):
+        sim.step()
+    # a reset of a reported row that held blocks (frees follow it), whose
+    # request comes back: its next row starts at 0 while the replay holds its old one
+    def comes_back(i, req, ops=None):  # its next row or reset after i is a row
+        for o in sim.ops[i + 1:] if ops is None else ops:
+            if o[0] == "reset" and o[1] == req:
+                return False
+            if o[0] == "rows" and any(r[0] == req for r in o[1]):
+                return True
+        return False
+
+    later = [i for i, op in enumerate(sim.ops[:-1]) if op[0] == "reset" and
+             sim.ops[i + 1][0] == "free" and sim.ops[i + 1][1] == op[1] and
+             comes_back(i, op[1]) and comes_back(0, op[1], sim.ops[i - 1::-1])]
+    assert later  # (the seeds are fixed: each of them preempts such a request)
+    ops = [op for i, op in enumerate(sim.ops) if i != later[0]]
+    d = derived_rows.replay(*fakes(ops, 4), PID, GROUP)
+    assert d.mismatches >= 1 and not d.exact

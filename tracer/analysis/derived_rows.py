@@ -1,0 +1,424 @@
+"""Reads derived from row events: the plugin tier's step_rows ops (each
+scheduled request's seq_len and its row's new entries) and block events
+(block_free nulls a block of a request's row; req_preempt and req_finish
+end the row) replayed into every row at every step, and from them the
+figures the counted path (block_table, docs/access.md) gives: reads per
+block, last read, sharing, and per step the rows, tokens, reads, working
+set and tokens held (docs/design.md, "Reads derived from row events").
+
+Nothing here expands every entry at every step.  A row's entry at
+position j holds its block from the request's k-th scheduled step until
+it is freed, nulled or its row ends, at the m-th (a *tenure*); it is read
+at each of the request's steps t in [k, m) whose seq_len covers it
+(ceil(seq_len / block_size) > j).  A request's coverage only grows
+within one life of its row, so the steps that read a tenure are one
+range [first, m), found by one search, and they fall into the request's
+runs of consecutive steps (a request scheduled at every step between its
+admission and its end: one run).  Every figure is then a sum over those
+(tenure, run) segments, by difference arrays and one sort of their ends:
+the cost is O(events + scheduled rows + segments), whatever the rows'
+lengths.
+
+A row whose record does not continue what was replayed (tail_from is not
+the replayed length, or the tail is not row_len - tail_from long), and a
+step_rows or block_free op whose values were lost, are counted, never
+guessed past: `Derived.exact` is then False, and `reasons` says why.
+Pure logic (numpy), no bcc.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import abi
+from ..trace import stream
+from ..trace.tracefile import MAX_BLOCKS
+
+FREE_OP_ID = abi.OPS["block_free"]
+RESET_OP_IDS = (abi.OPS["req_preempt"], abi.OPS["req_finish"])
+
+
+@dataclass
+class RowEvents:
+    """What changes a row between step_rows ops: block_free (per block:
+    op position, pid, request hash, group, block) and req_preempt /
+    req_finish (op position, pid, request hash), in the OpStream's order."""
+
+    free_pos: np.ndarray
+    free_pid: np.ndarray
+    free_req: np.ndarray
+    free_group: np.ndarray
+    free_block: np.ndarray
+    reset_pos: np.ndarray
+    reset_pid: np.ndarray
+    reset_req: np.ndarray
+    lost_frees: dict = field(default_factory=dict)  # pid -> block_free ops whose ids were lost
+
+
+def row_events(ops: stream.OpStream) -> RowEvents:
+    """The block_free and request-end ops of a decoded stream."""
+    o = ops.ops
+    is_free = o["op"] == FREE_OP_ID
+    idx = np.flatnonzero(is_free & o["complete"])
+    n = o["items"][idx].astype(np.int64)
+    block = ops.values[stream.ranges(o["start"][idx], n)].astype(np.int64)
+    lost = {}
+    for p in o["pid"][is_free & ~o["complete"]].tolist():
+        lost[int(p)] = lost.get(int(p), 0) + 1
+    r = np.flatnonzero(np.isin(o["op"], RESET_OP_IDS))
+    return RowEvents(np.repeat(idx, n), np.repeat(o["pid"][idx].astype(np.int64), n),
+                     np.repeat(o["cache_id"][idx].astype(np.uint64), n),
+                     np.repeat(o["cache_index"][idx].astype(np.int64), n), block,
+                     r.astype(np.int64), o["pid"][r].astype(np.int64),
+                     o["cache_id"][r].astype(np.uint64), lost)
+
+
+@dataclass
+class Derived:
+    """One (process, KV-cache group)'s rows replayed, and its figures.
+
+    Per step (each step_rows op of the group, in order): ts_ns, complete,
+    rows, tokens (sum of seq_len), reads ((request, block) pairs read),
+    distinct (blocks read: the step's working set), held_tokens (tokens in
+    them, each block's fill as its first row in the step sees it).  Per
+    block (0 .. highest read): reads_per_block, last_read_step (1 + the
+    step of its last read, 0: never), last_read_ns, sharing (the most rows
+    that read it at one step)."""
+
+    pid: int
+    group: int
+    block_size: int
+    num_blocks: int
+    ts_ns: np.ndarray
+    complete: np.ndarray
+    rows: np.ndarray
+    tokens: np.ndarray
+    reads: np.ndarray
+    distinct: np.ndarray
+    held_tokens: np.ndarray
+    reads_per_block: np.ndarray
+    last_read_step: np.ndarray
+    last_read_ns: np.ndarray
+    sharing: np.ndarray
+    out_of_range: int  # reads of blocks at or above max_blocks, not per block
+    mismatches: int  # rows whose record did not continue the replayed row
+    incomplete: int  # step_rows ops whose rows were lost
+    lost_frees: int  # block_free ops whose ids were lost
+    # the replay, for per-row questions (verify mode, per request)
+    _t: dict = None
+
+    def __len__(self):
+        return len(self.ts_ns)
+
+    @property
+    def exact(self) -> bool:
+        return not (self.mismatches or self.incomplete or self.lost_frees)
+
+    @property
+    def reasons(self) -> list:
+        out = []
+        if self.mismatches:
+            out.append(f"{self.mismatches} step_rows rows did not continue the replayed row "
+                       f"(pid {self.pid} group {self.group})")
+        if self.incomplete:
+            out.append(f"{self.incomplete} step_rows ops whose rows were lost "
+                       f"(pid {self.pid} group {self.group})")
+        if self.lost_frees:
+            out.append(f"{self.lost_frees} block_free ops whose ids were lost "
+                       f"(pid {self.pid}): derived reads may count freed blocks")
+        return out
+
+    @property
+    def utilization(self) -> np.ndarray:
+        cap = self.distinct.astype(np.float64) * self.block_size
+        return np.divide(self.held_tokens.astype(np.float64), cap,
+                         out=np.full(len(cap), np.nan), where=cap > 0)
+
+    def idle_before_reuse(self, gen_block, gen_start_ns) -> np.ndarray:
+        """For each block generation (block, start) that starts after its
+        block was read: start - the time of its last read strictly before
+        it, in the generations' order (access_stream.idle_before_reuse's
+        answer).  The steps' times are taken as they come (one scheduler's
+        ops, in order)."""
+        t = self._t
+        gen_block = np.asarray(gen_block, np.int64)
+        gen_start_ns = np.asarray(gen_start_ns, np.int64)
+        if not len(gen_block) or not len(t["seg_block"]):
+            return np.zeros(0, np.int64)
+        ts = self.ts_ns.astype(np.int64)
+        K = len(ts) + 2
+        b, s0, s1 = t["seg_block"], t["seg_s0"], t["seg_s1"]
+        order = stream.order_by(b, s0)
+        b, s0, s1 = b[order], s0[order], s1[order]
+        key = b * K + s0
+        # per segment, the latest end among its block's segments up to it
+        reach = np.maximum.accumulate(b * K + s1) - b * K
+        c = np.searchsorted(ts, gen_start_ns, side="left")  # steps before each start
+        at = np.searchsorted(key, gen_block * K + c, side="left") - 1
+        ok = (at >= 0) & (gen_block >= 0)
+        ok[ok] &= b[at[ok]] == gen_block[ok]
+        last = np.minimum(reach[at[ok]], c[ok]) - 1
+        return gen_start_ns[ok] - ts[last]
+
+    def row_entries(self):
+        """Every row at every step as the replay holds it: (row index in the
+        StepRows given to replay, seq_len, entries as a list of arrays: the
+        covered positions, 0 where nothing is read).  For the verify mode's
+        comparison with block_table: O(entries), which that mode pays anyway."""
+        t = self._t
+        n_rows = len(t["row_seq"])
+        cov = t["row_cov"]
+        out = [np.zeros(int(c), np.int64) for c in cov.tolist()]
+        row_t, gcov = t["G"], cov[t["G"]]
+        for ten in range(len(t["ten_pos"])):
+            k, m = int(t["ten_k"][ten]), int(t["ten_m"][ten])
+            p, blk = int(t["ten_pos"][ten]), int(t["ten_block"][ten])
+            for g in np.flatnonzero(gcov[k:m] > p).tolist():
+                out[int(row_t[k + g])][p] = blk
+        return [(r, int(t["row_seq"][r]), out[r]) for r in range(n_rows)]
+
+
+def _next_after(q_key, q_pos, d_key, d_pos) -> np.ndarray:
+    """For each query (key, pos): the index in d of the first item with the
+    same key and a greater pos, -1 where none."""
+    nq = len(q_key)
+    if not nq:
+        return np.zeros(0, np.int64)
+    if not len(d_key):
+        return np.full(nq, -1, np.int64)
+    key = np.concatenate([q_key, d_key]).astype(np.int64)
+    pos = np.concatenate([q_pos, d_pos]).astype(np.int64)
+    flag = np.concatenate([np.ones(nq, np.int64), np.zeros(len(d_key), np.int64)])
+    order = stream.order_by(key, pos, flag)  # at equal pos, data first: not after
+    is_d = flag[order] == 0
+    big = len(order)
+    nxt = np.where(is_d, np.arange(big), big)
+    nxt = np.minimum.accumulate(nxt[::-1])[::-1]
+    cand = np.r_[nxt[1:], big]
+    qs = np.flatnonzero(~is_d)
+    c = cand[qs]
+    ok = c < big
+    ok[ok] &= key[order][c[ok]] == key[order][qs[ok]]
+    out = np.full(nq, -1, np.int64)
+    out[order[qs[ok]]] = order[c[ok]] - nq
+    return out
+
+
+def select(sr: stream.StepRows, pid: int, group: int):
+    """(op indices, row indices) of sr's ops of one (pid, group)."""
+    ops = np.flatnonzero((sr.pid.astype(np.int64) == pid) & (sr.group.astype(np.int64) == group))
+    rows = stream.ranges(sr.lo[ops], sr.lo[ops + 1] - sr.lo[ops])
+    return ops, rows
+
+
+def groups_of(sr: stream.StepRows) -> list:
+    """The (pid, group) pairs that have step_rows ops, in order of first op."""
+    seen = {}
+    for p, g in zip(sr.pid.tolist(), sr.group.tolist()):
+        seen.setdefault((int(p), int(g)), None)
+    return list(seen)
+
+
+def replay(sr: stream.StepRows, ev: RowEvents, pid: int, group: int,
+           max_blocks: int = MAX_BLOCKS) -> Derived:
+    """Replays one (pid, group)'s step_rows ops and row events (module doc)
+    into its figures."""
+    ops, rows = select(sr, pid, group)
+    K = len(ops)
+    bs = int(sr.block_size[ops[0]]) if K else 0
+    nblocks = int(sr.num_blocks[ops].max()) if K else 0
+    ts = sr.ts_ns[ops].astype(np.int64)
+    complete = sr.complete[ops].astype(bool)
+    op_pos = sr.pos[ops].astype(np.int64)
+    R = len(rows)
+    row_step = np.repeat(np.arange(K), (sr.lo[ops + 1] - sr.lo[ops]).astype(np.int64))
+    row_pos = op_pos[row_step]
+    seq = sr.seq_len[rows].astype(np.int64)
+    tail_from = sr.tail_from[rows].astype(np.int64)
+    row_len = sr.row_len[rows].astype(np.int64)
+    t_lo = sr.tail_lo[rows].astype(np.int64)
+    ntail = sr.tail_lo[rows + 1].astype(np.int64) - t_lo
+    cov = np.maximum(-(-seq // bs), 0) if bs > 0 else np.zeros(R, np.int64)
+
+    # this process's events; frees of this group
+    fm = (ev.free_pid == pid) & (ev.free_group == group)
+    f_pos, f_req, f_block = ev.free_pos[fm], ev.free_req[fm], ev.free_block[fm]
+    rm = ev.reset_pid == pid
+    r_pos, r_req = ev.reset_pos[rm], ev.reset_req[rm]
+    ureq, inv = np.unique(np.concatenate([sr.req[rows].astype(np.uint64), f_req, r_req]),
+                          return_inverse=True)
+    inv = inv.reshape(-1)
+    rq, fq, resq = inv[:R], inv[R:R + len(f_req)], inv[R + len(f_req):]
+
+    # the rows request by request, each's in order: a request's t-th
+    # scheduled step is G[t] (rows are in op order, so a stable sort)
+    G = np.argsort(rq, kind="stable")
+    t_of = np.empty(R, np.int64)
+    t_of[G] = np.arange(R)
+    gq = rq[G]
+    first_of_req = np.r_[True, gq[1:] != gq[:-1]] if R else np.zeros(0, bool)
+
+    # what the replay held before each row: the request's row before it
+    # (its after-length), unless the row ended since (a reset between)
+    after = tail_from + ntail
+    before = np.zeros(R, np.int64)
+    cur = G[~first_of_req]  # each row that has one before it, and that one
+    prev = G[np.flatnonzero(~first_of_req) - 1]
+    nxt = _next_after(rq[prev], row_pos[prev], resq, r_pos)
+    reset_between = (nxt >= 0) & (r_pos[np.maximum(nxt, 0)] < row_pos[cur]) if len(r_pos) \
+        else np.zeros(len(cur), bool)
+    before[cur] = np.where(reset_between, 0, after[prev])
+    mismatch = (tail_from != before) | (ntail != row_len - tail_from)
+    cuts = np.flatnonzero(tail_from < before)  # rows that overwrite held positions
+
+    # tenures: every non-null tail entry
+    e_row = np.repeat(np.arange(R), ntail)
+    e_pos = stream.ranges(tail_from, ntail) if R else np.zeros(0, np.int64)
+    e_block = sr.tail[stream.ranges(t_lo, ntail)].astype(np.int64) if R else \
+        np.zeros(0, np.int64)
+    keep = e_block > 0
+    e_row, e_pos, e_block = e_row[keep], e_pos[keep], e_block[keep]
+    T = len(e_row)
+    ten_req = rq[e_row]
+    k = t_of[e_row]
+    open_pos = row_pos[e_row]
+    hi_block = int(max(e_block.max() if T else 0, f_block.max() if len(f_block) else 0)) + 1
+    free_at = _next_after(ten_req * hi_block + e_block, open_pos,
+                          fq * hi_block + np.clip(f_block, 0, None), f_pos)
+    reset_at = _next_after(ten_req, open_pos, resq, r_pos)
+    P = int(max(op_pos.max() if K else 0, f_pos.max() if len(f_pos) else 0,
+                r_pos.max() if len(r_pos) else 0)) + 2
+    close = np.full(T, P - 1, np.int64)
+    has = free_at >= 0
+    close[has] = f_pos[free_at[has]]
+    has = reset_at >= 0
+    close[has] = np.minimum(close[has], r_pos[reset_at[has]])
+    gkey = gq * P + row_pos[G]
+    m = np.searchsorted(gkey, ten_req * P + close, side="left")
+    for c in cuts.tolist():  # rare: only where a row did not continue
+        tc = t_of[c]
+        hit = (ten_req == rq[c]) & (k < tc) & (e_pos >= tail_from[c]) & (m > tc)
+        m[hit] = tc
+
+    # the steps that read each tenure: [first, m) where coverage grows
+    gcov = cov[G]
+    nd_brk = first_of_req | np.r_[False, gcov[1:] < gcov[:-1]] if R else np.zeros(0, bool)
+    nd_run = np.cumsum(nd_brk) - 1
+    CM = int(gcov.max()) + 2 if R else 2
+    nd_key = nd_run * CM + gcov
+    mono = np.ones(T, bool)
+    live = m > k
+    mono[live] = nd_run[m[live] - 1] == nd_run[k[live]]
+    first = np.maximum(np.searchsorted(nd_key, nd_run[k] * CM + e_pos, side="right"), k) \
+        if T else np.zeros(0, np.int64)
+    first = np.where(mono, np.minimum(first, m), m)
+    # the requests' runs of consecutive steps
+    gstep = row_step[G]
+    run_brk = first_of_req | np.r_[False, gstep[1:] != gstep[:-1] + 1] if R else \
+        np.zeros(0, bool)
+    run_id = np.cumsum(run_brk) - 1
+    run_start = np.flatnonzero(run_brk)
+    run_end = np.r_[run_start[1:], R]
+    readt = np.flatnonzero(m > first)
+    r0, r1 = run_id[first[readt]], run_id[m[readt] - 1]
+    nseg = r1 - r0 + 1
+    seg_run = stream.ranges(r0, nseg)
+    seg_ten = np.repeat(readt, nseg)
+    lo = np.maximum(run_start[seg_run], first[seg_ten])
+    hi = np.minimum(run_end[seg_run], m[seg_ten])
+    seg_s0, seg_s1 = gstep[lo], gstep[hi - 1] + 1
+    # tenures whose coverage shrank within their life: step by step (rare)
+    odd_ten, odd_s = [], []
+    for ten in np.flatnonzero(~mono & (m > k)).tolist():
+        ts_ = np.arange(k[ten], m[ten])
+        ts_ = ts_[gcov[ts_] > e_pos[ten]]
+        odd_ten.append(np.full(len(ts_), ten))
+        odd_s.append(gstep[ts_])
+    if odd_ten:
+        o_ten, o_s = np.concatenate(odd_ten), np.concatenate(odd_s)
+        seg_ten = np.concatenate([seg_ten, o_ten])
+        seg_s0 = np.concatenate([seg_s0, o_s])
+        seg_s1 = np.concatenate([seg_s1, o_s + 1])
+    seg_block = e_block[seg_ten]
+    inside = seg_block < max_blocks
+    out_of_range = int((seg_s1 - seg_s0)[~inside].sum())
+    seg_ten, seg_block = seg_ten[inside], seg_block[inside]
+    seg_s0, seg_s1 = seg_s0[inside], seg_s1[inside]
+
+    # per block
+    nb = int(seg_block.max()) + 1 if len(seg_block) else 0
+    span = seg_s1 - seg_s0
+    reads_per_block = np.bincount(seg_block, weights=span, minlength=nb).astype(np.int64)
+    last_step = np.zeros(nb, np.int64)
+    np.maximum.at(last_step, seg_block, seg_s1)
+    last_ns = np.where(last_step > 0, ts[np.maximum(last_step - 1, 0)] if K else 0, 0)
+    # per step: reads, and from the segments' ends in block order, each
+    # block's readers at each step: distinct blocks and sharing
+    reads = np.cumsum(np.bincount(seg_s0, minlength=K + 1) -
+                      np.bincount(seg_s1, minlength=K + 1))[:K]
+    eb = np.concatenate([seg_block, seg_block])
+    es = np.concatenate([seg_s0, seg_s1])
+    ed = np.concatenate([np.ones(len(seg_s0), np.int64), -np.ones(len(seg_s1), np.int64)])
+    order = stream.order_by(eb, es, (ed + 1) // 2)  # at one step, ends first
+    eb, es, ed = eb[order], es[order], ed[order]
+    cnt = np.cumsum(ed)  # each block's ends sum to 0: the running count is per block
+    sharing = np.zeros(nb, np.int64)
+    np.maximum.at(sharing, eb, cnt)
+    g = (cnt > 0).astype(np.int64)
+    dg = g - np.r_[0, g[:-1]]
+    distinct = np.cumsum(np.bincount(es, weights=dg, minlength=K + 1))[:K].astype(np.int64)
+    tokens = np.bincount(row_step, weights=seq, minlength=K).astype(np.int64)
+    nrows = np.bincount(row_step, minlength=K).astype(np.int64)
+
+    # tokens held: block_size a block read, but a row's last block, which
+    # holds seq_len - (n - 1) x block_size, as its first row at the step sees it
+    held = distinct * bs
+    rem = seq - (cov - 1) * bs
+    part = np.flatnonzero((cov >= 1) & (rem < bs))
+    if len(part) and T:
+        ten_order = stream.order_by(ten_req, e_pos, k)
+        tk_req, tk_pos, tk_k = ten_req[ten_order], e_pos[ten_order], k[ten_order]
+        W = int(max(e_pos.max(), cov.max())) + 1
+        tkey = (tk_req * W + tk_pos) * (R + 1) + tk_k
+        q = (rq[part] * W + cov[part] - 1) * (R + 1) + t_of[part]
+        at = np.searchsorted(tkey, q, side="right") - 1
+        ok = at >= 0
+        ok[ok] &= (tk_req[at[ok]] == rq[part][ok]) & (tk_pos[at[ok]] == cov[part][ok] - 1)
+        ten = np.where(ok, ten_order[np.maximum(at, 0)], -1)
+        ok[ok] &= (m[ten[ok]] > t_of[part][ok]) & (e_block[ten[ok]] < max_blocks)
+        part, ten = part[ok], ten[ok]
+        blk, s = e_block[ten], row_step[part]
+        alone = sharing[blk] == 1
+        # else the count of its readers at that step, from the ends above
+        ekey = (eb * (K + 2) + es) * 2 + (ed + 1) // 2
+        at = np.searchsorted(ekey, (blk * (K + 2) + s) * 2 + 1, side="right") - 1
+        here = np.where((at >= 0) & (eb[np.maximum(at, 0)] == blk), cnt[np.maximum(at, 0)], 0)
+        alone |= here == 1
+        deficit = np.zeros(K, np.int64)
+        np.add.at(deficit, s[alone], bs - rem[part][alone])
+        for i, b, st in zip(part[~alone].tolist(), blk[~alone].tolist(), s[~alone].tolist()):
+            # shared at that step: the first row of the step that reads it
+            readers = seg_ten[(seg_block == b) & (seg_s0 <= st) & (seg_s1 > st)]
+            reqs = ten_req[readers]
+            at_step = np.flatnonzero((row_step == st) & np.isin(rq, reqs))
+            if len(at_step) and int(at_step.min()) == i:
+                deficit[st] += bs - int(rem[i])
+        held = held - deficit
+
+    return Derived(
+        pid=pid, group=group, block_size=bs, num_blocks=nblocks, ts_ns=ts, complete=complete,
+        rows=nrows, tokens=tokens, reads=reads.astype(np.int64), distinct=distinct,
+        held_tokens=held.astype(np.int64), reads_per_block=reads_per_block.astype(np.uint64),
+        last_read_step=last_step.astype(np.uint64), last_read_ns=last_ns.astype(np.int64),
+        sharing=sharing, out_of_range=out_of_range, mismatches=int(mismatch.sum()),
+        incomplete=int(np.count_nonzero(~complete)), lost_frees=int(ev.lost_frees.get(pid, 0)),
+        _t={"G": G, "row_seq": seq, "row_cov": cov, "ten_pos": e_pos, "ten_block": e_block,
+            "ten_first": first, "ten_m": m, "ten_k": k, "ten_req": ten_req, "ureq": ureq,
+            "rq": rq, "row_step": row_step, "seg_ten": seg_ten, "seg_block": seg_block,
+            "seg_s0": seg_s0, "seg_s1": seg_s1, "rows": rows, "new": sr.new_tokens[rows]})
+
+
+def replay_all(sr: stream.StepRows, ev: RowEvents, max_blocks: int = MAX_BLOCKS) -> list:
+    """replay() of every (pid, group) with step_rows ops: what `make bench`
+    times for the derived path."""
+    return [replay(sr, ev, p, g, max_blocks) for p, g in groups_of(sr)]
