@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..trace import stream
-from . import access_stream
+from . import access_stream, derived_rows
 from .access_stream import Rows
 
 
@@ -104,7 +104,10 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests: StepRequest
     plugin tier's step_reqs (requests: step_requests()) names every complete
     step of the group, the requests are known by name and the figure is
     exact (_prefix_reuse_by_name); otherwise it is inferred from the rows
-    and the leader layer's writes."""
+    and the leader layer's writes.  A group whose reads are derived from
+    step_rows (derived_rows.DerivedRows) knows its requests by name."""
+    if isinstance(rows, derived_rows.DerivedRows):
+        return rows.prefix_reuse()
     if requests is not None:
         named = _prefix_reuse_by_name(rows, requests)
         if named is not None:
@@ -155,6 +158,8 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
                                      [r.steps.ts_ns for r in all_rows]))
     parts = []
     for rows in all_rows:
+        if isinstance(rows, derived_rows.DerivedRows):
+            continue  # (a derived group's per-request access: not yet made)
         st = rows.steps
         named = name_rows(sr, rows)
         if named is None:

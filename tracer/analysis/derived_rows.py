@@ -33,6 +33,7 @@ import numpy as np
 from .. import abi
 from ..trace import stream
 from ..trace.tracefile import MAX_BLOCKS
+from . import access_stream
 
 FREE_OP_ID = abi.OPS["block_free"]
 RESET_OP_IDS = (abi.OPS["req_preempt"], abi.OPS["req_finish"])
@@ -161,21 +162,27 @@ class Derived:
         return gen_start_ns[ok] - ts[last]
 
     def row_entries(self):
-        """Every row at every step as the replay holds it: (row index in the
-        StepRows given to replay, seq_len, entries as a list of arrays: the
-        covered positions, 0 where nothing is read).  For the verify mode's
-        comparison with block_table: O(entries), which that mode pays anyway."""
+        """Every row at every step as the replay holds it, for the verify
+        mode's comparison with block_table (O(entries), which that mode
+        pays anyway): (seq_len per row, first per row, entries), row r's
+        covered positions being entries[first[r]:first[r] + ceil(seq_len /
+        block_size)], 0 where nothing is read (null, or never reported).
+        Rows are those of this (pid, group) in the StepRows, in order."""
         t = self._t
-        n_rows = len(t["row_seq"])
-        cov = t["row_cov"]
-        out = [np.zeros(int(c), np.int64) for c in cov.tolist()]
-        row_t, gcov = t["G"], cov[t["G"]]
-        for ten in range(len(t["ten_pos"])):
-            k, m = int(t["ten_k"][ten]), int(t["ten_m"][ten])
-            p, blk = int(t["ten_pos"][ten]), int(t["ten_block"][ten])
-            for g in np.flatnonzero(gcov[k:m] > p).tolist():
-                out[int(row_t[k + g])][p] = blk
-        return [(r, int(t["row_seq"][r]), out[r]) for r in range(n_rows)]
+        cov, G = t["row_cov"], t["G"]
+        first = np.cumsum(cov) - cov
+        flat = np.zeros(int(cov.sum()), np.int64)
+        a, m = t["ten_first"], t["ten_m"]
+        n = np.maximum(m - a, 0)  # a tenure read at all its steps from a on
+        g = stream.ranges(a, n)
+        r = G[g]
+        flat[first[r] + np.repeat(t["ten_pos"], n)] = np.repeat(t["ten_block"], n)
+        gcov = cov[G]
+        for ten in np.flatnonzero(t["ten_odd"]).tolist():  # coverage went back: step by step
+            k, e, p = int(t["ten_k"][ten]), int(m[ten]), int(t["ten_pos"][ten])
+            for j in np.flatnonzero(gcov[k:e] > p).tolist():
+                flat[first[G[k + j]] + p] = t["ten_block"][ten]
+        return t["row_seq"], first, flat
 
 
 def _next_after(q_key, q_pos, d_key, d_pos) -> np.ndarray:
@@ -413,12 +420,143 @@ def replay(sr: stream.StepRows, ev: RowEvents, pid: int, group: int,
         sharing=sharing, out_of_range=out_of_range, mismatches=int(mismatch.sum()),
         incomplete=int(np.count_nonzero(~complete)), lost_frees=int(ev.lost_frees.get(pid, 0)),
         _t={"G": G, "row_seq": seq, "row_cov": cov, "ten_pos": e_pos, "ten_block": e_block,
-            "ten_first": first, "ten_m": m, "ten_k": k, "ten_req": ten_req, "ureq": ureq,
+            "ten_first": first, "ten_m": m, "ten_k": k, "ten_odd": ~mono & (m > k), "ten_req": ten_req, "ureq": ureq,
             "rq": rq, "row_step": row_step, "seg_ten": seg_ten, "seg_block": seg_block,
-            "seg_s0": seg_s0, "seg_s1": seg_s1, "rows": rows, "new": sr.new_tokens[rows]})
+            "seg_s0": seg_s0, "seg_s1": seg_s1, "rows": rows, "new": sr.new_tokens[rows], "pos": op_pos})
 
 
 def replay_all(sr: stream.StepRows, ev: RowEvents, max_blocks: int = MAX_BLOCKS) -> list:
     """replay() of every (pid, group) with step_rows ops: what `make bench`
     times for the derived path."""
     return [replay(sr, ev, p, g, max_blocks) for p, g in groups_of(sr)]
+
+
+class DerivedRows:
+    """A derived group where the report has a counted group's Rows: the
+    same questions (its steps, the reads per block over runs of steps, the
+    per-block scan, prefix reuse), answered from the replay's segments."""
+
+    def __init__(self, d: Derived):
+        self.derived = d
+        self.steps = access_stream.Steps(
+            d.pid, d.group, d.block_size, d.ts_ns, d.rows, d.reads, d.distinct, d.tokens,
+            d.held_tokens, d.complete, d._t["pos"])
+
+    def block_counts(self, spans, nb: int):
+        """Rows.block_counts: per span (k0, k1) of steps, the reads per
+        block 0 .. nb - 1; each segment split at the spans' edges."""
+        t = self.derived._t
+        b, s0, s1 = t["seg_block"], t["seg_s0"], t["seg_s1"]
+        spans = list(spans)
+        if not spans:
+            return
+        edges = np.array([k0 for k0, _ in spans] + [spans[-1][1]], np.int64)
+        keep = (s1 > edges[0]) & (s0 < edges[-1]) & (b < nb)
+        b, s0, s1 = b[keep], np.maximum(s0[keep], edges[0]), np.minimum(s1[keep], edges[-1])
+        i0 = np.searchsorted(edges, s0, side="right") - 1
+        i1 = np.searchsorted(edges, s1 - 1, side="right") - 1
+        n = i1 - i0 + 1
+        span = stream.ranges(i0, n)
+        seg = np.repeat(np.arange(len(b)), n)
+        w = np.minimum(s1[seg], edges[span + 1]) - np.maximum(s0[seg], edges[span])
+        order = np.argsort(span, kind="stable")
+        span, blk, w = span[order], b[seg][order], w[order]
+        at = np.searchsorted(span, np.arange(len(spans) + 1))
+        for i in range(len(spans)):
+            yield np.bincount(blk[at[i]:at[i + 1]], weights=w[at[i]:at[i + 1]],
+                              minlength=nb).astype(np.int64)[:nb]
+
+    def scan(self, gen_block=(), gen_start_ns=(), max_blocks: int = MAX_BLOCKS):
+        """Rows.scan's ReadScan, from the replay."""
+        d = self.derived
+        return access_stream.ReadScan(d.reads_per_block, d.last_read_step, d.last_read_ns,
+                                      d.sharing, d.out_of_range,
+                                      d.idle_before_reuse(gen_block, gen_start_ns))
+
+    def prefix_reuse(self) -> dict:
+        """access_requests' prefix reuse by request id: at a request's first
+        row, the blocks it holds below seq_len - new tokens (whole blocks)."""
+        d = self.derived
+        t = d._t
+        G, rq = t["G"], t["rq"]
+        if not len(G) or d.block_size <= 0:
+            return {"requests": 0, "blocks": 0, "per_block": {}, "steps_without_writes": 0,
+                    "by": "request ids"}
+        gq = rq[G]
+        firsts = np.flatnonzero(np.r_[True, gq[1:] != gq[:-1]])  # each request's first row
+        first_t = np.full(len(t["ureq"]), -1, np.int64)
+        first_t[gq[firsts]] = firsts
+        row = G[firsts]
+        cached = np.zeros(len(t["ureq"]), np.int64)
+        cached[gq[firsts]] = np.minimum(
+            np.clip(t["row_seq"][row] - t["new"][row], 0, None) // d.block_size,
+            t["row_cov"][row])
+        req = t["ten_req"]
+        hit = (t["ten_k"] == first_t[req]) & (t["ten_pos"] < cached[req])
+        blocks, n = np.unique(t["ten_block"][hit], return_counts=True)
+        return {"requests": int(len(firsts)), "blocks": int(n.sum()),
+                "per_block": dict(zip(blocks.tolist(), n.tolist())),
+                "steps_without_writes": 0, "by": "request ids"}
+
+
+def verify(d: Derived, sr_pos: np.ndarray, st: "access_stream.Steps",
+           rows: "access_stream.Rows", scan: "access_stream.ReadScan") -> dict:
+    """The verify mode's check (recordings with both step_rows and
+    block_table for a group): each table matched to the group's latest
+    step_rows op before it (none of the group's tables between), and,
+    step by step, the rows it held (seq_len and the entries read) and the
+    step's figures (rows, tokens, reads, working set, tokens held) equal to
+    the replay's; where every step matched whole, the reads per block too.
+    Returns {"steps", "rows", "steps_differ", "rows_differ",
+    "blocks_differ", "unmatched", "first": a line on the first difference
+    or None}."""
+    out = {"steps": 0, "rows": 0, "steps_differ": 0, "rows_differ": 0, "blocks_differ": 0,
+           "unmatched": 0, "first": None}
+    if not len(st):
+        return out
+    at = np.searchsorted(sr_pos, st.index) - 1
+    prev_table = np.r_[-1, st.index[:-1]]
+    ok = (at >= 0)
+    ok[ok] &= sr_pos[at[ok]] > prev_table[ok]
+    ok &= st.complete
+    ok[ok] &= d.complete[at[ok]]
+    out["unmatched"] = int(np.count_nonzero(~ok))
+    seqs, first, flat = d.row_entries()
+    d_lo = np.r_[0, np.cumsum(d.rows)]
+    fields = ("rows", "tokens", "reads", "distinct", "held_tokens")
+
+    def note(what):
+        if out["first"] is None:
+            out["first"] = what
+    for k in np.flatnonzero(ok).tolist():
+        j = int(at[k])
+        out["steps"] += 1
+        diff = [f for f in fields if int(getattr(st, f)[k]) != int(getattr(d, f)[j])]
+        if diff:
+            out["steps_differ"] += 1
+            note(f"step {k}: " + ", ".join(f"{f} {int(getattr(st, f)[k])} counted, "
+                                           f"{int(getattr(d, f)[j])} derived" for f in diff))
+        r0, r1 = int(rows.row_lo[k]), int(rows.row_lo[k + 1])
+        q0, q1 = int(d_lo[j]), int(d_lo[j + 1])
+        if r1 - r0 != q1 - q0:
+            out["rows_differ"] += max(r1 - r0, q1 - q0)
+            note(f"step {k}: {r1 - r0} rows counted, {q1 - q0} derived")
+            continue
+        for r, q in zip(range(r0, r1), range(q0, q1)):
+            out["rows"] += 1
+            a = rows.entries[int(rows.start[r]):int(rows.start[r]) + int(rows.length[r])]
+            b = flat[int(first[q]):int(first[q]) + int(rows.length[r])]
+            if int(rows.seq[r]) != int(seqs[q]) or len(a) != len(b) or \
+                    not np.array_equal(np.where(a > 0, a, 0), b):
+                out["rows_differ"] += 1
+                note(f"step {k} row {r - r0}: seq_len {int(rows.seq[r])} and "
+                     f"{a.tolist()[:8]} counted, {int(seqs[q])} and {b.tolist()[:8]} derived")
+    if not out["unmatched"] and len(st) == len(d) and d.exact:
+        a, b = scan.reads_per_block.astype(np.int64), d.reads_per_block.astype(np.int64)
+        n = max(len(a), len(b))
+        a, b = np.r_[a, np.zeros(n - len(a), np.int64)], np.r_[b, np.zeros(n - len(b), np.int64)]
+        out["blocks_differ"] = int(np.count_nonzero(a != b))
+        if out["blocks_differ"]:
+            w = int(np.flatnonzero(a != b)[0])
+            note(f"block {w}: {a[w]} reads counted, {b[w]} derived")
+    return out
