@@ -502,23 +502,42 @@ class DerivedRows:
 def verify(d: Derived, sr_pos: np.ndarray, st: "access_stream.Steps",
            rows: "access_stream.Rows", scan: "access_stream.ReadScan") -> dict:
     """The verify mode's check (recordings with both step_rows and
-    block_table for a group): each table matched to the group's latest
-    step_rows op before it (none of the group's tables between), and,
-    step by step, the rows it held (seq_len and the entries read) and the
-    step's figures (rows, tokens, reads, working set, tokens held) equal to
-    the replay's; where every step matched whole, the reads per block too.
-    Returns {"steps", "rows", "steps_differ", "rows_differ",
+    block_table for a group): each table matched to the group's step_rows
+    op of the same step, and, step by step, the rows it held (seq_len and
+    the entries read) and the step's figures (rows, tokens, reads, working
+    set, tokens held) equal to the replay's; where every step matched
+    whole, the reads per block too.  A table's step_rows op is its
+    neighbour among the group's tables and step_rows ops in stream order,
+    on the side that pairs the most tables (the plugin fires a step's
+    tables, then its step_rows), where the two agree on rows and tokens; a
+    table with none is counted as unmatched.  Returns {"steps", "rows", "steps_differ", "rows_differ",
     "blocks_differ", "unmatched", "first": a line on the first difference
     or None}."""
     out = {"steps": 0, "rows": 0, "steps_differ": 0, "rows_differ": 0, "blocks_differ": 0,
            "unmatched": 0, "first": None}
     if not len(st):
         return out
-    at = np.searchsorted(sr_pos, st.index) - 1
-    prev_table = np.r_[-1, st.index[:-1]]
-    ok = (at >= 0)
-    ok[ok] &= sr_pos[at[ok]] > prev_table[ok]
-    ok &= st.complete
+    # the group's tables and step_rows ops in stream order; a table's
+    # neighbours there, after it first
+    kind = np.r_[np.zeros(len(st), np.int64), np.ones(len(sr_pos), np.int64)]
+    where = np.r_[st.index, sr_pos].astype(np.int64)
+    idx = np.r_[np.arange(len(st)), np.arange(len(sr_pos))]
+    order = np.argsort(where, kind="stable")
+    kind, idx = kind[order], idx[order]
+    tables = np.flatnonzero(kind == 0)
+
+    def pairs(side):  # each table with its neighbour on one side, where they agree
+        at = np.full(len(st), -1, np.int64)
+        nb = tables + side
+        ok = (nb >= 0) & (nb < len(kind))
+        ok[ok] &= kind[nb[ok]] == 1
+        t, j = idx[tables[ok]], idx[nb[ok]]
+        same = (st.rows[t] == d.rows[j]) & (st.tokens[t] == d.tokens[j])
+        at[t[same]] = j[same]
+        return at
+    # the side the producer fires them on: the one that pairs more
+    at = max((pairs(1), pairs(-1)), key=lambda a: int(np.count_nonzero(a >= 0)))
+    ok = (at >= 0) & st.complete
     ok[ok] &= d.complete[at[ok]]
     out["unmatched"] = int(np.count_nonzero(~ok))
     seqs, first, flat = d.row_entries()
