@@ -394,3 +394,106 @@ def test_verify_of_a_table_whose_step_rows_was_lost():
     d = derived_rows.replay(sr, ev, PID, GROUP)
     v = derived_rows.verify(d, sr.pos, st, rows, scan)
     assert v["unmatched"] >= 1 and v["steps"] + v["unmatched"] == len(st)
+
+
+def plain_request_access(ops, bs, ts):
+    """Per (request, block): [reads, first read, last read, tokens written,
+    first write, last write] (times: the step's), every row expanded."""
+    rows, out, k = {}, {}, -1
+    for op in ops:
+        if op[0] == "free":
+            if op[1] in rows:
+                rows[op[1]] = [0 if e in op[2] else e for e in rows[op[1]]]
+        elif op[0] == "reset":
+            rows.pop(op[1], None)
+        elif op[0] == "rows":
+            k += 1
+            for req, seq, new, row_len, tail_from, tail in op[1]:
+                cur = rows.get(req, [])
+                cur = cur[:tail_from] + [-1] * (tail_from - len(cur)) + list(tail)
+                rows[req] = cur
+                n = -(-seq // bs)
+                for j in range(min(n, len(cur))):
+                    if cur[j] > 0:
+                        f = out.setdefault((req, cur[j]), [0, None, None, 0, None, None])
+                        f[0] += 1
+                        f[1] = ts[k] if f[1] is None else f[1]
+                        f[2] = ts[k]
+                lo = max(seq - new, 0)
+                for p in range(lo // bs, min((seq - 1) // bs, n - 1) + 1):
+                    if new > 0 and p < len(cur) and cur[p] > 0:
+                        f = out.setdefault((req, cur[p]), [0, None, None, 0, None, None])
+                        f[3] += min(seq, (p + 1) * bs) - max(lo, p * bs)
+                        f[4] = ts[k] if f[4] is None else f[4]
+                        f[5] = ts[k]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_request_access_of_a_derived_group(seed):
+    from tracer.analysis import access_requests
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4])
+    sim = Sim(rng, bs, nblocks=40, window=rng.choice([None, 2]))
+    for _ in range(40):
+        sim.step()
+    sr, ev = fakes(sim.ops, bs)
+    d = derived_rows.replay(sr, ev, PID, GROUP)
+    z = np.zeros(0, np.int64)
+    none = access_requests.StepRequests(z, z, np.zeros(1, np.int64), np.zeros(0, np.uint64), z,
+                                        np.zeros(0, np.uint64), z)
+    ops = stream.OpStream(np.zeros(0, stream.OP_TABLE), z)
+    got, stats = access_requests.request_access(ops, [derived_rows.DerivedRows(d)], 0, sr=none)
+    # (the columns' seconds are rounded to the microsecond)
+    us = [round(t / 1000) for t in d.ts_ns.astype(np.int64).tolist()]
+    want = plain_request_access(sim.ops, bs, us)
+    flat = {}
+    sec = lambda v: None if np.isnan(v) else round(v * 1e6)  # noqa: E731
+    for req, fig in got.items():
+        b = fig["blocks"]
+        for i in range(len(b["block"])):
+            flat[(req, int(b["block"][i]))] = [
+                int(b["reads"][i]), sec(b["first_read_s"][i]), sec(b["last_read_s"][i]),
+                int(b["tokens_written"][i]), sec(b["first_write_s"][i]),
+                sec(b["last_write_s"][i])]
+        assert fig["block_reads"] == sum(v[0] for k, v in want.items() if k[0] == req)
+    assert flat == want
+    scheduled = {}
+    for op in sim.ops:
+        if op[0] == "rows":
+            for r in op[1]:
+                s = scheduled.setdefault(r[0], [0, 0])
+                s[0] += 1
+                s[1] += r[2]
+    assert {r: [f["steps"], f["tokens_written"]] for r, f in got.items()} == scheduled
+    assert stats["steps"] == len(d)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefix_reuse_of_a_derived_group(seed):
+    # a request's first row: the blocks it holds below seq_len - new tokens
+    rng = random.Random(seed)
+    sim = Sim(rng, 4, nblocks=60)
+    for _ in range(40):
+        sim.step()
+    d = derived_rows.replay(*fakes(sim.ops, 4), PID, GROUP)
+    rows, seen, per_block = {}, set(), {}
+    for op in sim.ops:
+        if op[0] == "reset":
+            rows.pop(op[1], None)
+        elif op[0] == "free":
+            if op[1] in rows:
+                rows[op[1]] = [0 if e in op[2] else e for e in rows[op[1]]]
+        elif op[0] == "rows":
+            for req, seq, new, _, tail_from, tail in op[1]:
+                cur = rows.get(req, [])[:tail_from] + list(tail)
+                rows[req] = cur
+                if req in seen:
+                    continue
+                seen.add(req)
+                for b in cur[:min(max(seq - new, 0) // 4, -(-seq // 4))]:
+                    if b > 0:
+                        per_block[b] = per_block.get(b, 0) + 1
+    got = derived_rows.DerivedRows(d).prefix_reuse()
+    assert got["requests"] == len(seen) and got["per_block"] == per_block
+    assert got["blocks"] == sum(per_block.values()) > 0

@@ -161,6 +161,46 @@ class Derived:
         last = np.minimum(reach[at[ok]], c[ok]) - 1
         return gen_start_ns[ok] - ts[last]
 
+    def request_reads(self):
+        """Per tenure read at all: (request index in requests(), block,
+        reads, first step read, last step read), blocks in range only."""
+        t = self._t
+        seg_ten, s0, s1 = t["seg_ten"], t["seg_s0"], t["seg_s1"]
+        n = len(t["ten_pos"])
+        reads = np.bincount(seg_ten, weights=s1 - s0, minlength=n).astype(np.int64)
+        first = np.full(n, len(self.ts_ns), np.int64)
+        last = np.full(n, -1, np.int64)
+        np.minimum.at(first, seg_ten, s0)
+        np.maximum.at(last, seg_ten, s1 - 1)
+        r = np.flatnonzero(reads)
+        return t["ten_req"][r], t["ten_block"][r], reads[r], first[r], last[r]
+
+    def request_writes(self):
+        """Per (row, block) its step writes: (request index, block, tokens,
+        step): the tokens [seq_len - new, seq_len) of each row, in the
+        blocks its row holds there (none where it holds no block)."""
+        t = self._t
+        bs = self.block_size
+        seq, new, cov = t["row_seq"], t["new"], t["row_cov"]
+        z = np.zeros(0, np.int64)
+        if bs <= 0 or not len(seq):
+            return z, z, z, z
+        first = np.clip(seq - new, 0, None)
+        b0 = first // bs
+        b1 = np.minimum((seq - 1) // bs, cov - 1)
+        nw = np.where((new > 0) & (seq > 0), np.clip(b1 - b0 + 1, 0, None), 0)
+        place = stream.ranges(b0, nw)
+        rr = np.repeat(np.arange(len(seq)), nw)
+        wrote = np.minimum(seq[rr], (place + 1) * bs) - np.maximum(first[rr], place * bs)
+        ten = _tenure_at(t, t["rq"][rr], place, t["t_of"][rr])
+        ok = ten >= 0
+        return (t["rq"][rr][ok], t["ten_block"][ten[ok]], wrote[ok],
+                t["row_step"][rr][ok])
+
+    def requests(self) -> np.ndarray:
+        """The request hashes the replay knows (request indices index it)."""
+        return self._t["ureq"]
+
     def row_entries(self):
         """Every row at every step as the replay holds it, for the verify
         mode's comparison with block_table (O(entries), which that mode
@@ -183,6 +223,23 @@ class Derived:
             for j in np.flatnonzero(gcov[k:e] > p).tolist():
                 flat[first[G[k + j]] + p] = t["ten_block"][ten]
         return t["row_seq"], first, flat
+
+
+def _tenure_at(t: dict, req, pos, g) -> np.ndarray:
+    """The tenure that holds (request index, row position) at the
+    request's g-th row (G index), -1 where none does."""
+    k, tr, tp = t["ten_k"], t["ten_req"], t["ten_pos"]
+    if not len(k) or not len(req):
+        return np.full(len(req), -1, np.int64)
+    order = stream.order_by(tr, tp, k)
+    W = int(max(tp.max(), np.max(pos))) + 1
+    R = len(t["G"]) + 1
+    key = (tr[order] * W + tp[order]) * R + k[order]
+    at = np.searchsorted(key, (req * W + pos) * R + g, side="right") - 1
+    ten = np.where(at >= 0, order[np.maximum(at, 0)], -1)
+    ok = ten >= 0
+    ok[ok] &= (tr[ten[ok]] == req[ok]) & (tp[ten[ok]] == pos[ok]) & (t["ten_m"][ten[ok]] > g[ok])
+    return np.where(ok, ten, -1)
 
 
 def _next_after(q_key, q_pos, d_key, d_pos) -> np.ndarray:
@@ -383,16 +440,10 @@ def replay(sr: stream.StepRows, ev: RowEvents, pid: int, group: int,
     rem = seq - (cov - 1) * bs
     part = np.flatnonzero((cov >= 1) & (rem < bs))
     if len(part) and T:
-        ten_order = stream.order_by(ten_req, e_pos, k)
-        tk_req, tk_pos, tk_k = ten_req[ten_order], e_pos[ten_order], k[ten_order]
-        W = int(max(e_pos.max(), cov.max())) + 1
-        tkey = (tk_req * W + tk_pos) * (R + 1) + tk_k
-        q = (rq[part] * W + cov[part] - 1) * (R + 1) + t_of[part]
-        at = np.searchsorted(tkey, q, side="right") - 1
-        ok = at >= 0
-        ok[ok] &= (tk_req[at[ok]] == rq[part][ok]) & (tk_pos[at[ok]] == cov[part][ok] - 1)
-        ten = np.where(ok, ten_order[np.maximum(at, 0)], -1)
-        ok[ok] &= (m[ten[ok]] > t_of[part][ok]) & (e_block[ten[ok]] < max_blocks)
+        ten = _tenure_at({"ten_k": k, "ten_req": ten_req, "ten_pos": e_pos, "ten_m": m, "G": G},
+                         rq[part], cov[part] - 1, t_of[part])
+        ok = ten >= 0
+        ok[ok] &= e_block[ten[ok]] < max_blocks
         part, ten = part[ok], ten[ok]
         blk, s = e_block[ten], row_step[part]
         alone = sharing[blk] == 1
@@ -419,10 +470,12 @@ def replay(sr: stream.StepRows, ev: RowEvents, pid: int, group: int,
         last_read_step=last_step.astype(np.uint64), last_read_ns=last_ns.astype(np.int64),
         sharing=sharing, out_of_range=out_of_range, mismatches=int(mismatch.sum()),
         incomplete=int(np.count_nonzero(~complete)), lost_frees=int(ev.lost_frees.get(pid, 0)),
-        _t={"G": G, "row_seq": seq, "row_cov": cov, "ten_pos": e_pos, "ten_block": e_block,
-            "ten_first": first, "ten_m": m, "ten_k": k, "ten_odd": ~mono & (m > k), "ten_req": ten_req, "ureq": ureq,
-            "rq": rq, "row_step": row_step, "seg_ten": seg_ten, "seg_block": seg_block,
-            "seg_s0": seg_s0, "seg_s1": seg_s1, "rows": rows, "new": sr.new_tokens[rows], "pos": op_pos})
+        _t={"G": G, "t_of": t_of, "row_seq": seq, "row_cov": cov, "ten_pos": e_pos,
+            "ten_block": e_block, "ten_first": first, "ten_m": m, "ten_k": k,
+            "ten_odd": ~mono & (m > k), "ten_req": ten_req, "ureq": ureq, "rq": rq,
+            "row_step": row_step, "seg_ten": seg_ten, "seg_block": seg_block,
+            "seg_s0": seg_s0, "seg_s1": seg_s1, "rows": rows,
+            "new": sr.new_tokens[rows].astype(np.int64), "pos": op_pos})
 
 
 def replay_all(sr: stream.StepRows, ev: RowEvents, max_blocks: int = MAX_BLOCKS) -> list:
