@@ -497,3 +497,35 @@ def test_prefix_reuse_of_a_derived_group(seed):
     got = derived_rows.DerivedRows(d).prefix_reuse()
     assert got["requests"] == len(seen) and got["per_block"] == per_block
     assert got["blocks"] == sum(per_block.values()) > 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_live_rows_equal_the_replay(seed):
+    # LiveRows, fed the same ops in batches, ends with the replay's figures
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4, 16])
+    sim = Sim(rng, bs, nblocks=rng.choice([12, 40]), window=rng.choice([None, 2]),
+              shrink=seed % 3 == 2)
+    for _ in range(rng.randrange(5, 50)):
+        sim.step()
+    ops = sim.ops
+    d = derived_rows.replay(*fakes(ops, bs), PID, GROUP)
+    live = derived_rows.LiveRows()
+    cut = sorted(rng.sample(range(len(ops) + 1), min(4, len(ops) + 1)))
+    for a, b in zip([0] + cut, cut + [len(ops)]):
+        batch = [op if a <= i < b else ("lost",) for i, op in enumerate(ops)]
+        live.add_rows(*fakes(batch, bs))
+    snap = live.snapshot()
+    if not len(d):
+        assert snap == []
+        return
+    g, = snap
+    assert (g["steps"], g["requests"], g["tokens"], g["reads"], g["distinct"],
+            g["held_tokens"]) == (len(d), int(d.rows.sum()), int(d.tokens.sum()),
+                                  int(d.reads.sum()), int(d.distinct.sum()),
+                                  int(d.held_tokens.sum()))
+    nb = len(d.reads_per_block)
+    assert g["reads_per_block"][:nb].tolist() == d.reads_per_block.tolist()
+    assert not g["reads_per_block"][nb:].any()
+    assert g["last_read_step"][:nb].tolist() == d.last_read_step.tolist()
+    assert g["mismatches"] == 0

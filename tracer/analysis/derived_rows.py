@@ -632,3 +632,248 @@ def verify(d: Derived, sr_pos: np.ndarray, st: "access_stream.Steps",
             w = int(np.flatnonzero(a != b)[0])
             note(f"block {w}: {a[w]} reads counted, {b[w]} derived")
     return out
+
+
+class _LiveReq:
+    """One request's row in LiveRows."""
+
+    __slots__ = ("row", "since", "pos_of", "cov", "n", "last_step", "active", "ncov")
+
+    def __init__(self):
+        self.row = []  # block ids (0: null, or never reported)
+        self.since = []  # per position: the request's step count when its reads began, -1: none
+        self.pos_of = {}  # block -> position
+        self.cov = 0  # positions [0, cov) are read at its steps
+        self.n = 0  # its scheduled steps so far
+        self.last_step = -1  # the group's step of its latest
+        self.active = False  # its covered blocks are in the group's readers
+        self.ncov = 0  # covered positions holding a block in range
+
+
+class _LiveGroup:
+    def __init__(self, pid, group, block_size, num_blocks, max_blocks):
+        self.pid, self.group, self.block_size, self.num_blocks = pid, group, block_size, num_blocks
+        self.max_blocks = max_blocks
+        self.reqs = {}
+        self.readers = {}  # block -> rows reading it at the latest step (active requests)
+        self.closed = np.zeros(0, np.int64)  # reads of ended tenures, per block
+        self.closed_last = np.zeros(0, np.int64)  # 1 + the step of their last read
+        self.steps = self.requests = self.tokens = self.reads = 0
+        self.distinct = self.held_tokens = 0
+        self.out_of_range = self.mismatches = self.incomplete = 0
+
+    def _grow(self, b):
+        if b >= len(self.closed):
+            n = max(b + 1, 2 * len(self.closed), 64)
+            self.closed = np.r_[self.closed, np.zeros(n - len(self.closed), np.int64)]
+            self.closed_last = np.r_[self.closed_last,
+                                     np.zeros(n - len(self.closed_last), np.int64)]
+
+    def _read(self, b, delta):
+        c = self.readers.get(b, 0) + delta
+        if c:
+            self.readers[b] = c
+        else:
+            del self.readers[b]
+
+    def _stop(self, r, j):
+        """Position j of r stops being read (freed, nulled, uncovered)."""
+        b, s = r.row[j], r.since[j]
+        if s < 0:
+            return
+        r.since[j] = -1
+        if b >= self.max_blocks:
+            self.out_of_range += r.n - s
+            return
+        r.ncov -= 1
+        if r.n > s:
+            self._grow(b)
+            self.closed[b] += r.n - s
+            self.closed_last[b] = max(self.closed_last[b], r.last_step + 1)
+        if r.active:
+            self._read(b, -1)
+
+    def _start(self, r, j):
+        b = r.row[j]
+        if b <= 0 or r.since[j] >= 0:
+            return
+        r.since[j] = r.n
+        if b < self.max_blocks:
+            r.ncov += 1
+            if r.active:
+                self._read(b, 1)
+
+    def free(self, req, blocks):
+        r = self.reqs.get(req)
+        if r is None:
+            return
+        for b in blocks:
+            j = r.pos_of.pop(b, None)
+            if j is not None:
+                self._stop(r, j)
+                r.row[j] = 0
+
+    def reset(self, req):
+        r = self.reqs.pop(req, None)
+        if r is None:
+            return
+        for j in range(len(r.row)):
+            self._stop(r, j)
+
+    def step(self, recs, complete=True):
+        """One step_rows op: recs [(req, seq_len, new, row_len, tail_from, tail)]."""
+        s = self.steps
+        self.steps += 1
+        if not complete:
+            self.incomplete += 1
+        bs = self.block_size
+        here = {rec[0] for rec in recs}
+        for req, r in self.reqs.items():  # left out of this step: not read at it
+            if r.active and req not in here:
+                for j in range(min(r.cov, len(r.row))):
+                    if r.since[j] >= 0 and r.row[j] < self.max_blocks:
+                        self._read(r.row[j], -1)
+                r.active = False
+        reads = tokens = 0
+        for req, seq, new, row_len, tail_from, tail in recs:
+            r = self.reqs.get(req)
+            if r is None:
+                r = self.reqs[req] = _LiveReq()
+            if tail_from != len(r.row) or len(tail) != row_len - tail_from:
+                self.mismatches += 1
+            if tail_from < len(r.row):  # overwritten: its tenures end
+                for j in range(tail_from, len(r.row)):
+                    self._stop(r, j)
+                    r.pos_of.pop(r.row[j], None)
+                del r.row[tail_from:], r.since[tail_from:]
+                r.cov = min(r.cov, tail_from)
+            elif tail_from > len(r.row):  # never reported: read as nothing
+                gap = tail_from - len(r.row)
+                r.row += [0] * gap
+                r.since += [-1] * gap
+            for b in tail:
+                b = int(b)
+                if b > 0:
+                    r.pos_of[b] = len(r.row)
+                r.row.append(b)
+                r.since.append(-1)
+            if not r.active:  # back in the step: its covered blocks are read again
+                r.active = True
+                for j in range(min(r.cov, len(r.row))):
+                    if r.since[j] >= 0 and r.row[j] < self.max_blocks:
+                        self._read(r.row[j], 1)
+            cov = max(-(-seq // bs), 0) if bs > 0 else 0
+            old = min(r.cov, len(r.row))
+            new_cov = min(cov, len(r.row))
+            for j in range(new_cov, old):
+                self._stop(r, j)
+            for j in range(old, new_cov):
+                self._start(r, j)
+            # (a position appended below the old coverage: overwritten above)
+            r.cov = cov
+            r.n += 1
+            r.last_step = s
+            reads += r.ncov
+            tokens += seq
+        distinct = len(self.readers)
+        held = distinct * bs
+        for i, (req, seq, *_rest) in enumerate(recs):
+            # a row's last block holds seq_len - (n - 1) x block_size, as its
+            # first row at the step sees it
+            r = self.reqs[req]
+            n = -(-seq // bs) if bs > 0 else 0
+            rem = seq - (n - 1) * bs
+            if n < 1 or rem >= bs or n > len(r.row):
+                continue
+            b = r.row[n - 1]
+            if b <= 0 or b >= self.max_blocks:
+                continue
+            if self.readers.get(b, 0) > 1:
+                first = next(k for k, rec in enumerate(recs)
+                             if self.reqs[rec[0]].pos_of.get(b, 1 << 62) <
+                             min(self.reqs[rec[0]].cov, len(self.reqs[rec[0]].row)))
+                if first != i:
+                    continue
+            held -= bs - rem
+        self.requests += len(recs)
+        self.tokens += tokens
+        self.reads += reads
+        self.distinct += distinct
+        self.held_tokens += held
+
+    def snapshot(self) -> dict:
+        """The group's figures as attach's maps have them (aggregate's raw
+        group, reads_per_block and last_read_step included): O(open entries)."""
+        reads = self.closed.copy()
+        last = self.closed_last.copy()
+        for r in self.reqs.values():
+            for j, (b, s) in enumerate(zip(r.row, r.since)):
+                if s >= 0 and r.n > s and b < self.max_blocks:
+                    if b >= len(reads):
+                        n = b + 1
+                        reads = np.r_[reads, np.zeros(n - len(reads), np.int64)]
+                        last = np.r_[last, np.zeros(n - len(last), np.int64)]
+                    reads[b] += r.n - s
+                    last[b] = max(last[b], r.last_step + 1)
+        hi = int(np.flatnonzero(reads)[-1]) + 1 if np.any(reads) else 0
+        nb = max(hi, self.num_blocks)
+        pad = max(0, nb - len(reads))
+        return dict(pid=self.pid, group_id=self.group, block_size=self.block_size,
+                    num_blocks=nb, steps=self.steps, layer_calls=self.steps,
+                    requests=self.requests, tokens=self.tokens, reads=self.reads,
+                    distinct=self.distinct, held_tokens=self.held_tokens, null_entries=0,
+                    out_of_range=self.out_of_range, truncated=0, read_errors=0,
+                    reads_per_block=np.r_[reads, np.zeros(pad, np.int64)][:nb].astype(np.uint64),
+                    last_read_step=np.r_[last, np.zeros(pad, np.int64)][:nb].astype(np.uint64),
+                    mismatches=self.mismatches, incomplete=self.incomplete)
+
+
+class LiveRows:
+    """Derived reads live (attach, --prometheus): step_rows ops and row
+    events fed in stream order, batch after batch; each step costs
+    O(rows + new entries + coverage gained or lost), and the entries of a
+    request left out of a step or back in it; a snapshot costs O(open
+    entries).  Same definitions as replay() (tests/test_unit_derived_rows.py
+    holds the two equal)."""
+
+    def __init__(self, max_blocks: int = MAX_BLOCKS):
+        self.max_blocks = max_blocks
+        self.groups = {}  # (pid, group) -> _LiveGroup
+
+    def add(self, ops: stream.OpStream):
+        """A decoded batch of ops, in seq order, after those added before."""
+        self.add_rows(stream.step_rows(ops), row_events(ops))
+
+    def add_rows(self, sr: stream.StepRows, ev: RowEvents):
+        # the batch's step_rows ops, frees and resets, merged by position
+        items = [(int(p), 0, k) for k, p in enumerate(sr.pos.tolist())]
+        items += [(int(p), 1, i) for i, p in enumerate(ev.free_pos.tolist())]
+        items += [(int(p), 2, i) for i, p in enumerate(ev.reset_pos.tolist())]
+        items.sort()
+        for pos, kind, i in items:
+            if kind == 0:
+                key = (int(sr.pid[i]), int(sr.group[i]))
+                g = self.groups.get(key)
+                if g is None:
+                    g = self.groups[key] = _LiveGroup(
+                        key[0], key[1], int(sr.block_size[i]), int(sr.num_blocks[i]),
+                        self.max_blocks)
+                lo, hi = int(sr.lo[i]), int(sr.lo[i + 1])
+                recs = [(int(sr.req[j]), int(sr.seq_len[j]), int(sr.new_tokens[j]),
+                         int(sr.row_len[j]), int(sr.tail_from[j]),
+                         sr.tail[int(sr.tail_lo[j]):int(sr.tail_lo[j + 1])].tolist())
+                        for j in range(lo, hi)]
+                g.step(recs, bool(sr.complete[i]))
+            elif kind == 1:
+                # a free op's blocks come one by one here: each is looked up
+                g = self.groups.get((int(ev.free_pid[i]), int(ev.free_group[i])))
+                if g is not None:
+                    g.free(int(ev.free_req[i]), (int(ev.free_block[i]),))
+            else:
+                pid, req = int(ev.reset_pid[i]), int(ev.reset_req[i])
+                for (p, _), g in self.groups.items():
+                    if p == pid:
+                        g.reset(req)
+
+    def snapshot(self) -> list:
+        return [g.snapshot() for g in self.groups.values()]
