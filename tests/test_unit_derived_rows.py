@@ -529,3 +529,21 @@ def test_live_rows_equal_the_replay(seed):
     assert not g["reads_per_block"][nb:].any()
     assert g["last_read_step"][:nb].tolist() == d.last_read_step.tolist()
     assert g["mismatches"] == 0
+
+
+def test_live_groups_merge_after_the_counted_ones():
+    rng = random.Random(3)
+    sim = Sim(rng, 4, nblocks=30)
+    for _ in range(20):
+        sim.step()
+    live = derived_rows.LiveRows()
+    live.add_rows(*fakes(sim.ops, 4))
+    counted = {"pid": PID, "group_id": 5, "index": 0}
+    raw = live.merge_into({"groups": [counted], "time": 1.0})
+    assert raw["groups"][0] is counted and len(raw["groups"]) == 2
+    g = raw["groups"][1]
+    assert (g["pid"], g["group_id"]) == (PID, GROUP) and g["index"] > 16
+    assert g["reads"] == int(g["reads_per_block"].sum()) > 0
+    # a group the kernel counts (--verify-rows) keeps its counted reads
+    counted = {"pid": PID, "group_id": GROUP, "index": 0}
+    assert live.merge_into({"groups": [counted]})["groups"] == [counted]

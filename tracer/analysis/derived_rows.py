@@ -877,3 +877,19 @@ class LiveRows:
 
     def snapshot(self) -> list:
         return [g.snapshot() for g in self.groups.values()]
+
+    def merge_into(self, raw: dict) -> dict:
+        """raw (Tracer.read_maps()'s maps) with a group of derived reads for
+        every (pid, group) that has step_rows and no counted group (the
+        kernel counts a group's reads only where block_table is attached:
+        --verify-rows), after the counted ones."""
+        counted = {(g["pid"], g["group_id"]) for g in raw.get("groups", [])}
+        extra = [dict(g, index=_LIVE_INDEX + i) for i, g in enumerate(self.snapshot())
+                 if (g["pid"], g["group_id"]) not in counted]
+        if extra:
+            raw = dict(raw, groups=list(raw.get("groups", [])) + extra)
+        return raw
+
+
+# derived groups' index, after the kernel's groups (KVTRACE_MAX_GROUPS rows)
+_LIVE_INDEX = 1 << 16
