@@ -19,8 +19,9 @@ admission and its end: one run).  Every figure is then a sum over those
 the cost is O(events + scheduled rows + segments), whatever the rows'
 lengths.
 
-A row whose record does not continue what was replayed (tail_from is not
-the replayed length, or the tail is not row_len - tail_from long), and a
+A row whose record does not continue what was replayed (tail_from, not 0,
+is not the replayed length, or the tail is not row_len - tail_from long:
+a row sent from 0 is whole, a fresh start), and a
 step_rows or block_free op whose values were lost, are counted, never
 guessed past: `Derived.exact` is then False, and `reasons` says why.
 Pure logic (numpy), no bcc.
@@ -332,7 +333,9 @@ def replay(sr: stream.StepRows, ev: RowEvents, pid: int, group: int,
     reset_between = (nxt >= 0) & (r_pos[np.maximum(nxt, 0)] < row_pos[cur]) if len(r_pos) \
         else np.zeros(len(cur), bool)
     before[cur] = np.where(reset_between, 0, after[prev])
-    mismatch = (tail_from != before) | (ntail != row_len - tail_from)
+    # a row sent from 0 is whole: a fresh start (after a preemption), never
+    # a guess, whatever was held before
+    mismatch = ((tail_from != before) & (tail_from != 0)) | (ntail != row_len - tail_from)
     cuts = np.flatnonzero(tail_from < before)  # rows that overwrite held positions
 
     # tenures: every non-null tail entry
@@ -739,7 +742,7 @@ class _LiveGroup:
             r = self.reqs.get(req)
             if r is None:
                 r = self.reqs[req] = _LiveReq()
-            if tail_from != len(r.row) or len(tail) != row_len - tail_from:
+            if (tail_from != len(r.row) and tail_from) or len(tail) != row_len - tail_from:
                 self.mismatches += 1
             if tail_from < len(r.row):  # overwritten: its tenures end
                 for j in range(tail_from, len(r.row)):
