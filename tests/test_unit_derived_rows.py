@@ -569,3 +569,17 @@ def test_live_groups_merge_after_the_counted_ones():
     # a group the kernel counts (--verify-rows) keeps its counted reads
     counted = {"pid": PID, "group_id": GROUP, "index": 0}
     assert live.merge_into({"groups": [counted]})["groups"] == [counted]
+
+
+def test_groups_pair_by_id_or_as_a_process_only_ones():
+    d = derived_rows.replay(*fakes(sim_ops(2, 10), 4), PID, GROUP)
+    n = len(d)
+    # the same id (the plugin's block_table and step_rows)
+    assert derived_rows.pair_groups([d], [(3, PID, GROUP, 4, n), (4, PID, 99, 4, n)]) == \
+        {(PID, GROUP): 3}
+    # the process's only ones, of one block size and as many steps (kvsim)
+    assert derived_rows.pair_groups([d], [(5, PID, 0xdead, 4, n)]) == {(PID, GROUP): 5}
+    assert derived_rows.pair_groups([d], [(5, PID, 0xdead, 8, n)]) == {}
+    assert derived_rows.pair_groups([d], [(5, PID, 0xdead, 4, n + 1)]) == {}
+    assert derived_rows.pair_groups([d], [(5, PID + 1, GROUP, 4, n)]) == {}
+    assert derived_rows.pair_groups([d], [(5, PID, 7, 4, n), (6, PID, 8, 4, n)]) == {}

@@ -481,6 +481,30 @@ def replay(sr: stream.StepRows, ev: RowEvents, pid: int, group: int,
             "new": sr.new_tokens[rows].astype(np.int64), "pos": op_pos})
 
 
+def pair_groups(derived: list, counted: list) -> dict:
+    """{(pid, group): the counted group's index} for each derived group that
+    has a counted one (block_table) for the same table: the same (pid,
+    group id), as the plugin fires both; else, in a process, the only
+    derived and the only counted group left, of one block size and as many
+    steps (kvsim names its table by its buffer's address, its step_rows
+    and block events by group 0).  counted: [(index, pid, group id, block
+    size, steps)]."""
+    out = {}
+    ids = {(pid, gid): i for i, pid, gid, _, _ in counted}
+    for d in derived:
+        if (d.pid, d.group) in ids:
+            out[(d.pid, d.group)] = ids[(d.pid, d.group)]
+    taken = set(out.values())
+    for pid in {d.pid for d in derived}:
+        left_d = [d for d in derived if d.pid == pid and (d.pid, d.group) not in out]
+        left_c = [c for c in counted if c[1] == pid and c[0] not in taken]
+        if len(left_d) == 1 and len(left_c) == 1:
+            (d,), (c,) = left_d, left_c
+            if c[3] == d.block_size and c[4] == len(d):
+                out[(d.pid, d.group)] = c[0]
+    return out
+
+
 def replay_all(sr: stream.StepRows, ev: RowEvents, max_blocks: int = MAX_BLOCKS) -> list:
     """replay() of every (pid, group) with step_rows ops: what `make bench`
     times for the derived path."""

@@ -58,8 +58,10 @@ class Report:
         o = ops.ops
         tables = o[o["op"] == stream.TABLE_OP_ID]
         with_tables = set(zip(tables["pid"].tolist(), tables["cache_id"].tolist()))
-        counted = {(g["pid"], g["group_id"]): i for i, g in enumerate(self.groups)
-                   if (g["pid"], g["group_id"]) in with_tables}
+        counted = derived_rows.pair_groups(
+            self.derived, [(i, g["pid"], g["group_id"], int(g["block_size"]), len(st))
+                           for i, (g, st) in enumerate(zip(self.groups, self.steps))
+                           if (g["pid"], g["group_id"]) in with_tables])
         derived_only = [derived_rows.DerivedRows(d) for d in self.derived
                         if (d.pid, d.group) not in counted]
         n_counted = len(self.steps)
