@@ -65,3 +65,18 @@ def test_derived_reads_equal_kvsims_truth_and_its_tables(tmp_path, workload):
     assert (g["steps"], g["reads"], g["distinct"], g["held_tokens"]) == \
         (len(d), int(d.reads.sum()), int(d.distinct.sum()), int(d.held_tokens.sum()))
     assert g["reads_per_block"][:len(d.reads_per_block)].tolist() == d.reads_per_block.tolist()
+
+
+def test_derived_reads_of_a_production_sized_cache(tmp_path):
+    """kvsim --workload prod: 131,072 blocks, 80 layers, 1,024 requests
+    sharing a prefix, a sliding window and a preemption every other step:
+    the derived reads equal kvsim's count, and the tables, step by step."""
+    ops, _raw, truth = trace_stream(tmp_path, "prod", perf_pages=1024)
+    d, st, rows = derived_and_counted(ops, truth)
+    assert truth["num_blocks"] == 131_072 and truth["preemptions"] > 0
+    assert truth["window_drops"] > 0 and truth["prefix_hits"] > 0
+    assert_derived_equal_truth(d, truth)
+    v = derived_rows.verify(d, d._t["pos"], st, rows, rows.scan())
+    assert (v["steps_differ"], v["rows_differ"], v["blocks_differ"], v["unmatched"]) == \
+        (0, 0, 0, 0), v["first"]
+    assert int(d.rows.max()) == 1024 and v["steps"] == len(st) > 0
