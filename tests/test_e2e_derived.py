@@ -80,3 +80,50 @@ def test_derived_reads_of_a_production_sized_cache(tmp_path):
     assert (v["steps_differ"], v["rows_differ"], v["blocks_differ"], v["unmatched"]) == \
         (0, 0, 0, 0), v["first"]
     assert int(d.rows.max()) == 1024 and v["steps"] == len(st) > 0
+
+
+@pytest.mark.parametrize("workload", ["prefix", "window", "swap"])
+def test_report_from_derived_reads_alone(tmp_path, workload, monkeypatch):
+    """A recording's report where the group's tables are left out (as
+    without --verify-rows): its reads come from step_rows and the block
+    events alone, and every access figure, the read heatmap and every
+    request's access equal the report from the tables, and kvsim's count."""
+    import numpy as np
+    from test_e2e_record import record
+    from tracer.analysis import report
+    from tracer.trace import tracefile
+    trace, truth = record(tmp_path, workload)
+    counted = report.Report(tracefile.load(str(trace)))
+    monkeypatch.setattr(tracefile.Trace, "groups", property(lambda self: []))
+    derived = report.Report(tracefile.load(str(trace)))
+    (dr,) = derived.derived_check
+    assert dr["used"] and dr["exact"] and dr["verified"] is None
+    (cr,) = counted.derived_check
+    assert not cr["used"] and cr["verified"]["rows_differ"] == 0
+    (a,), (b,) = report.access_figures(counted), report.access_figures(derived)
+    # (but the layers, which the plugin's group has not, and what is timed:
+    # a derived step's time is its step_rows op's, the scheduler's, before
+    # the step's writes and the table's op)
+    layered = ("group_id", "layers", "reads_all_layers", "layers_note", "age_s_at_end",
+               "idle_before_reuse_s")
+    assert {k: v for k, v in a.items() if k not in layered} == \
+        {k: v for k, v in b.items() if k not in layered}
+    reads = truth["reads"]
+    assert (b["steps"], b["reads"], b["distinct"], b["held_tokens"]) == \
+        (reads["steps"], reads["reads"], reads["distinct"], reads["held_tokens"])
+    assert b["prefix_reuse"]["blocks"] == truth["prefix_hits"]
+    assert derived.reasons == counted.reasons
+    h1, h2 = counted.heatmap(9, 31, kind="reads"), derived.heatmap(9, 31, kind="reads")
+    assert np.array_equal(h1.cells, h2.cells) and h2.cells.sum() == reads["reads"]
+    ra, sa = report.report_request_access(counted)
+    rb, sb = report.report_request_access(derived)
+    assert sorted(ra) == sorted(rb) and len(ra) == truth["requests"]
+    for req, fa in ra.items():
+        fb = rb[req]
+        assert (fa["steps"], fa["tokens_written"], fa["block_reads"]) == \
+            (fb["steps"], fb["tokens_written"], fb["block_reads"]), req
+        for col in ("block", "tokens_written", "reads"):
+            assert np.array_equal(fa["blocks"][col], fb["blocks"][col]), (req, col)
+        for col in ("first_write_s", "last_write_s", "first_read_s", "last_read_s"):
+            # the same steps, at the derived step's time
+            assert np.array_equal(np.isnan(fa["blocks"][col]), np.isnan(fb["blocks"][col]))

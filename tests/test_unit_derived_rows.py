@@ -251,8 +251,15 @@ def test_derived_figures_equal_every_row_expanded(seed):
     # idle before reuse: generations at random blocks and times
     gb = np.array([rng.randrange(1, max(nb, 2)) for _ in range(30)], np.int64)
     gs = np.array([rng.randrange(0, int(ts.max()) + 2000) for _ in range(30)], np.int64)
-    want = access_stream.idle_before_reuse(step_of, block_of, ts, gb, gs)
-    assert d.idle_before_reuse(gb, gs).tolist() == want.tolist()
+    # (a generation starts in the latest step at or before its start: the
+    # reads before it are those of the steps before that one)
+    want = []
+    for b, g in zip(gb.tolist(), gs.tolist()):
+        k = max([i for i, t in enumerate(ts.tolist()) if t <= g], default=0)
+        before = [s for s, x in zip(step_of.tolist(), block_of.tolist()) if x == b and s < k]
+        if before:
+            want.append(g - int(ts[max(before)]))
+    assert d.idle_before_reuse(gb, gs).tolist() == want
     # every row as the replay holds it
     flat = [r for step in steps for r in step]
     seqs, first, entries = d.row_entries()

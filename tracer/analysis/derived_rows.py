@@ -137,11 +137,15 @@ class Derived:
                          out=np.full(len(cap), np.nan), where=cap > 0)
 
     def idle_before_reuse(self, gen_block, gen_start_ns) -> np.ndarray:
-        """For each block generation (block, start) that starts after its
-        block was read: start - the time of its last read strictly before
-        it, in the generations' order (access_stream.idle_before_reuse's
-        answer).  The steps' times are taken as they come (one scheduler's
-        ops, in order)."""
+        """For each block generation (block, start: its first write) whose
+        block was read at a step before the one it starts in: start - the
+        time of that last read, in the generations' order (what
+        access_stream.idle_before_reuse answers from tables).  A step's
+        time here is its step_rows op's, the scheduler's, which comes
+        before the step's writes: so the step a generation starts in is
+        the latest one at or before its start, and its reads (the new
+        owner's) are not before it.  The steps' times are taken as they
+        come (one scheduler's ops, in order)."""
         t = self._t
         gen_block = np.asarray(gen_block, np.int64)
         gen_start_ns = np.asarray(gen_start_ns, np.int64)
@@ -155,7 +159,8 @@ class Derived:
         key = b * K + s0
         # per segment, the latest end among its block's segments up to it
         reach = np.maximum.accumulate(b * K + s1) - b * K
-        c = np.searchsorted(ts, gen_start_ns, side="left")  # steps before each start
+        # the steps before the one each generation starts in
+        c = np.maximum(np.searchsorted(ts, gen_start_ns, side="right") - 1, 0)
         at = np.searchsorted(key, gen_block * K + c, side="left") - 1
         ok = (at >= 0) & (gen_block >= 0)
         ok[ok] &= b[at[ok]] == gen_block[ok]
