@@ -127,3 +127,46 @@ def test_report_from_derived_reads_alone(tmp_path, workload, monkeypatch):
         for col in ("first_write_s", "last_write_s", "first_read_s", "last_read_s"):
             # the same steps, at the derived step's time
             assert np.array_equal(np.isnan(fa["blocks"][col]), np.isnan(fb["blocks"][col]))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["preemption", "prefix_chunked"])
+def test_vllm_derived_reads_equal_its_tables_and_the_worker(tmp_path, tiny_model, no_leftovers,
+                                                           case):
+    """Real vLLM on the CPU with the plugin, its whole tables attached
+    beside step_rows: the rows kept from step_rows and the block events
+    equal the tables the scheduler held, step by step and row by row; and
+    the reads derived from them equal what the worker's stock uprobe
+    counted on the attention op, another process reading its own tables.
+    Preemption (a 10-block cache), and prefix caching with chunked prefill
+    (a 96-token step budget)."""
+    from test_e2e_plugin import REQUESTS_PREEMPT, REQUESTS_PREFIX, SHARED, tiers, trace_run
+    import numpy as np
+    from tracer.analysis import report
+    from tracer.trace import tracefile
+    extra = ("--num-gpu-blocks", 10, "--max-model-len", 256) if case == "preemption" else \
+        ("--prefix-caching", "on", "--shared-prefix", SHARED, "--max-num-batched-tokens", 96)
+    requests = REQUESTS_PREEMPT if case == "preemption" else REQUESTS_PREFIX
+    generated, _records, doc, trace = trace_run(tmp_path, tiny_model, requests, *extra)
+    plugin, worker = tiers(doc)
+    rep = report.Report(tracefile.load(str(trace)))
+    (check,) = rep.derived_check
+    (d,) = rep.derived
+    if case == "preemption":
+        assert generated["preemptions"] > 0
+    else:  # some prompt prefilled in chunks of at most 96 tokens, over several steps
+        new, req = d._t["new"], d._t["rq"]
+        assert new.max() <= 96
+        assert max(np.bincount(req[new > 1])) > 1
+    assert check["pid"] == plugin["pid"] and check["exact"] and not check["used"]
+    v = check["verified"]
+    assert v["steps"] == plugin["groups"][0]["steps"] == len(d) > 0
+    assert (v["steps_differ"], v["rows_differ"], v["blocks_differ"], v["unmatched"]) == \
+        (0, 0, 0, 0), v["first"]
+    (wg,) = worker["groups"]
+    assert (len(d), int(d.rows.sum()), int(d.tokens.sum()), int(d.reads.sum()),
+            int(d.distinct.sum()), int(d.held_tokens.sum())) == \
+        (wg["steps"], wg["requests"], wg["tokens"], wg["reads"], wg["distinct"],
+         wg["held_tokens"])
+    assert [[b, int(n)] for b, n in enumerate(d.reads_per_block.tolist()) if n] == \
+        wg["reads_per_block"]
