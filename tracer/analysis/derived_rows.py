@@ -912,12 +912,14 @@ class LiveRows:
 
     def merge_into(self, raw: dict) -> dict:
         """raw (Tracer.read_maps()'s maps) with a group of derived reads for
-        every (pid, group) that has step_rows and no counted group (the
-        kernel counts a group's reads only where block_table is attached:
-        --verify-rows), after the counted ones."""
-        counted = {(g["pid"], g["group_id"]) for g in raw.get("groups", [])}
+        each (pid, group) with step_rows in a process whose reads the
+        kernel counts in no group (it counts them only where block_table
+        is attached: the plugin's with --verify-rows, kvsim's and a
+        worker's attention op), after the counted ones: the counted ones
+        are shown where there are any, as report does (pair_groups)."""
+        counted = {g["pid"] for g in raw.get("groups", [])}
         extra = [dict(g, index=_LIVE_INDEX + i) for i, g in enumerate(self.snapshot())
-                 if (g["pid"], g["group_id"]) not in counted]
+                 if g["pid"] not in counted]
         if extra:
             raw = dict(raw, groups=list(raw.get("groups", [])) + extra)
         return raw
