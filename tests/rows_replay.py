@@ -45,3 +45,45 @@ def replay(ops: stream.OpStream):
             got.append((req, int(sr.seq_len[r]), int(sr.new_tokens[r]), n, list(row)))
         out.append((int(sr.pid[k]), int(sr.group[k]), got))
     return out
+
+
+TABLE = abi.OPS["block_table"]
+ROWS = abi.OPS["step_rows"]
+
+
+def table_rows(ops: stream.OpStream, i: int, block_size: int) -> list:
+    """A block_table op's streamed rows: [(seq_len, entries)], each row's
+    seq_len then its ceil(seq_len / block_size) entries (bpf/kvtrace.h)."""
+    v, out, at = ops.values_of(i).tolist(), [], 0
+    while at < len(v):
+        seq = v[at]
+        n = -(-seq // block_size)
+        out.append((seq, v[at + 1:at + 1 + n]))
+        at += 1 + n
+    return out
+
+
+def assert_rows_equal_tables(ops: stream.OpStream) -> int:
+    """Verification mode (--verify-rows): each step_rows op's rows, kept
+    from the deltas, equal the rows of the block_table op the same process
+    fired for the same group just before it (the plugin fires step_reqs,
+    the step's tables, then its step_rows): the entries attention reads
+    (the first ceil(seq_len / block_size)) and the seq_lens; each row_len
+    at least that.  Returns the steps compared."""
+    kept = replay(ops)
+    o = ops.ops
+    pos = [int(p) for p in stream.step_rows(ops).pos]
+    compared = 0
+    for p, (pid, group, rows) in zip(pos, kept):
+        before = [i for i in range(p) if o["op"][i] == TABLE and int(o["pid"][i]) == pid
+                  and int(o["cache_id"][i]) == group]
+        assert before, f"no block_table before step_rows op {p}"
+        t = before[-1]
+        assert o["complete"][t]
+        table = table_rows(ops, t, int(o["rows"][p]))  # step_rows' record: its block size
+        assert len(table) == len(rows) == int(o["rows"][t])
+        for (req, seq, _new, n, row), (seq_t, entries) in zip(rows, table):
+            assert seq == seq_t and n >= len(entries), (p, req, seq, seq_t, n)
+            assert row[:len(entries)] == entries, (p, req, row, entries)
+        compared += 1
+    return compared

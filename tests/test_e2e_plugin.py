@@ -27,7 +27,9 @@ import time
 import pytest
 
 from conftest import ROOT, Tracer, kvtrace_cmd
+from rows_replay import assert_rows_equal_tables
 from test_e2e_record import report_json
+from tracer.trace import tracefile
 
 pytestmark = pytest.mark.vllm
 
@@ -63,7 +65,8 @@ def trace_run(tmp_path, model, requests, *extra):
             assert wl.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         js, trace = tmp_path / "kv.json", tmp_path / "run.kvt"
-        tracer = Tracer("-q", "-p", wl.pid, "--json", js, "-o", trace)
+        # --verify-rows: the plugin's whole tables too, beside step_rows
+        tracer = Tracer("-q", "-p", wl.pid, "--json", js, "-o", trace, "--verify-rows")
         tracer.wait_attached(timeout=180)
         assert "plugin USDT probes" in tracer.early_err, tracer.early_err
         os.kill(wl.pid, signal.SIGUSR1)
@@ -151,6 +154,8 @@ def test_plugin_tier_prefix_caching(tmp_path, tiny_model, no_leftovers):
     plugin, worker = tiers(doc)
     assert plugin["pid"] != worker["pid"]
     check_reads_equal(plugin, worker)
+    # step_rows' deltas, replayed, are the tables vLLM held, step by step
+    assert assert_rows_equal_tables(tracefile.load(str(trace)).ops) == plugin["groups"][0]["steps"]
 
     # every request, by vLLM's id, as the scheduler freed it
     assert not any(r["status"] == "RUNNING" for r in records)  # no preemption here
@@ -222,6 +227,7 @@ def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):
     plugin, worker = tiers(doc)
     # recomputation included, the two tiers saw the same reads
     check_reads_equal(plugin, worker)
+    assert assert_rows_equal_tables(tracefile.load(str(trace)).ops) == plugin["groups"][0]["steps"]
     mine = per_request(plugin)
     preempted = collections.Counter(r["req"] for r in records if r["status"] != "FINISHED_LENGTH_CAPPED")
     assert generated["preemptions"] > 0  # vLLM's own counter: the cache was too small
@@ -313,7 +319,10 @@ def test_an_untested_release_is_traced_and_labelled(tmp_path, tiny_model, no_lef
             doc["inexact_reasons"]
         assert not doc["exact"]
         # traced for real: the scheduler's allocations and steps were counted
-        assert doc["ops"]["block_alloc"]["calls"] > 0 and doc["ops"]["step_reqs"]["calls"] > 0
+        assert doc["ops"]["block_alloc"]["calls"] > 0 and doc["ops"]["step_rows"]["calls"] > 0
+        # no --verify-rows: the plugin's whole tables are not attached
+        assert not {"block_table", "step_reqs"} & {op for op, st in doc["ops"].items()
+                                                    if st["calls"]}, doc["ops"]
     finally:
         if tracer is not None:
             tracer.kill()

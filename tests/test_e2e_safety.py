@@ -63,6 +63,11 @@ def truth_counts(truth):
     out.update({"step_reqs calls": life["calls"]["step_reqs"], "step_reqs slots": 0,
                 "step_reqs padding": 0, "step_reqs bytes": 0,
                 "step_reqs items": rd["requests"]})
+    # step_rows: one call a step (one-sample workloads), its items the
+    # step's rows, its slots the tail entries it sent
+    out.update({"step_rows calls": life["calls"]["step_rows"], "step_rows padding": 0,
+                "step_rows slots": life["step_rows_tail"], "step_rows bytes": 0,
+                "step_rows items": life["step_rows_rows"]})
     return out
 
 

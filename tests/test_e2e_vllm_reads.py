@@ -302,7 +302,8 @@ def trace_round(tmp_path, model, requests, *extra, trace_file=None):
     out_json = tmp_path / "kv.json"
     failure = doc = tracer = None
     try:
-        tracer = Tracer("-q", "-p", wl.pid, "--json", out_json,
+        # --verify-rows: the plugin's whole tables, read here as a tier
+        tracer = Tracer("-q", "-p", wl.pid, "--json", out_json, "--verify-rows",
                         *(("-o", trace_file) if trace_file else ()))
         try:
             tracer.wait_attached(timeout=180)

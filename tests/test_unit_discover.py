@@ -351,3 +351,21 @@ def test_runtime_address():
     assert discover.runtime_address(maps, "/lib/b.so", 0x1004) == 0x7f0000010004
     assert discover.runtime_address(maps, "/lib/a.so", 0x3000) is None  # past the end
     assert discover.runtime_address(maps, "/lib/c.so", 0x1000) is None
+
+
+def test_the_plugins_whole_tables_wait_for_verify_rows():
+    """A probe file with step_rows and no op of its own (the plugin's)
+    gets block_table and step_reqs only with --verify-rows; a file with op
+    probes (kvsim, the fork) keeps its block_table; a plugin without
+    step_rows (an older one) keeps its tables."""
+    from types import SimpleNamespace
+    from tracer.kernel.session import held_back
+
+    def probes(*names):
+        return [SimpleNamespace(name=n) for n in names]
+
+    plugin = probes("block_alloc", "block_free", "step_reqs", "block_table", "step_rows")
+    assert held_back(plugin, False) == {"block_table", "step_reqs"}
+    assert held_back(plugin, True) == frozenset()
+    assert held_back(probes(*ALL_PROBES), False) == frozenset()
+    assert held_back(probes("block_alloc", "step_reqs", "block_table"), False) == frozenset()

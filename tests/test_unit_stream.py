@@ -26,7 +26,7 @@ class Wire:
         self.per = per  # values per chunk record
 
     def op(self, name, values=(), items=None, flags=0, drop_chunks=(), pid=7, cache_id=99,
-           send_op=True, ts=None):
+           send_op=True, ts=None, fields=None):
         values = np.asarray(values, dtype=np.int64)
         seq = self.seq
         self.seq += 1
@@ -48,6 +48,8 @@ class Wire:
         e["chunks"], e["flags"], e["pid"], e["cache_id"] = sent, flags, pid, cache_id
         e["ts_ns"] = 1000 * seq if ts is None else ts
         e["slots"] = int((values >= 0).sum()) if name in abi.WRITE_OPS else 0
+        for k, v in (fields or {}).items():  # the op's other fields (step_rows')
+            e[k] = v
         if send_op:
             self.ops.append(e.tobytes())
         return seq
@@ -286,3 +288,52 @@ def test_order_by_is_lexsorts_order():
         np.lexsort((np.arange(5000), big, b)).tolist()
     assert stream.order_by(address, address[:1].repeat(5000), stable=True).tolist() == \
         list(range(5000))
+
+
+def step_rows_values(rows, tail):
+    """A step_rows op's stream: the 5-int64 records, then the tail's int32
+    entries two to a word, padded to a whole word (bpf/kvtrace_probes.h)."""
+    t = np.asarray(list(tail) + [0] * (len(tail) % 2), dtype="<i4")
+    return np.concatenate([np.asarray(rows, dtype=np.int64).reshape(-1),
+                           t.view("<i8")]).astype(np.int64)
+
+
+def test_step_rows_decode_records_and_tails():
+    """Two steps of group 1 and one of another process: the records and
+    each row's tail, the ops' headers; an op with a lost chunk and one
+    whose tails do not add up to its tail count bring no rows."""
+    A, B = 0xFFFF_0000_0000_0001, 7  # a hash above 2^63 survives
+    w = Wire(per=4)
+    f = {"rows": 16, "held_tokens": 1000, "slots": 3}
+    w.op("reshape_and_cache", [1, 2])
+    w.op("step_rows", step_rows_values([[A - 2**64, 40, 40, 3, 0]], [5, 6, 7]),
+         items=1, cache_id=1, fields=f)
+    w.op("step_rows", step_rows_values([[A - 2**64, 41, 1, 3, 3], [B, 16, 16, 1, 0]], [9]),
+         items=2, cache_id=1, fields={**f, "slots": 1})
+    w.op("step_rows", step_rows_values([[B, 5, 5, 2, 0]], [3, 4]), items=1, cache_id=1,
+         pid=8, fields={**f, "slots": 2})
+    # a chunk lost; and tails of 2 entries where the record says 3
+    w.op("step_rows", step_rows_values([[B, 17, 1, 2, 1]] * 3, [8, 8]), items=3,
+         cache_id=1, drop_chunks=(1,), fields={**f, "slots": 2})
+    w.op("step_rows", step_rows_values([[B, 17, 1, 4, 1]], [8, 9]), items=1, cache_id=1,
+         fields={**f, "slots": 2})
+    s = stream.decode(w.batch())
+    sr = stream.step_rows(s)
+    assert list(sr.pos) == [1, 2, 3, 4, 5]
+    assert list(sr.complete) == [True, True, True, False, False]
+    assert list(sr.lo) == [0, 1, 3, 4, 4, 4]
+    assert list(sr.pid) == [7, 7, 8, 7, 7] and list(sr.group) == [1] * 5
+    assert list(sr.block_size) == [16] * 5 and list(sr.num_blocks) == [1000] * 5
+    assert list(sr.req) == [A, A, B, B] and sr.req.dtype == np.uint64
+    assert list(sr.seq_len) == [40, 41, 16, 5] and list(sr.new_tokens) == [40, 1, 16, 5]
+    assert list(sr.row_len) == [3, 3, 1, 2] and list(sr.tail_from) == [0, 3, 0, 0]
+    assert list(sr.tail_lo) == [0, 3, 3, 4, 6]
+    assert sr.tail.dtype == np.int32 and list(sr.tail) == [5, 6, 7, 9, 3, 4]
+
+
+def test_step_rows_of_a_stream_without_any():
+    w = Wire()
+    w.op("reshape_and_cache", [1, 2])
+    sr = stream.step_rows(stream.decode(w.batch()))
+    assert len(sr.pos) == len(sr.req) == len(sr.tail) == 0
+    assert list(sr.lo) == [0] and list(sr.tail_lo) == [0]

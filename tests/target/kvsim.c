@@ -278,6 +278,8 @@ struct truth {
 	uint64_t *life[KV_NUM_LIFE];
 	uint64_t life_calls[KV_NUM_LIFE];
 	uint64_t request_calls, preempt_calls, finish_calls, step_reqs_calls;
+	/* step_rows: calls, rows and tail entries sent */
+	uint64_t step_rows_calls, step_rows_rows, step_rows_tail;
 	struct req_truth *reqs;
 	int64_t nreqs, reqs_cap;
 	/* block residency (write_lifecycle()): per GPU block, by CLOCK_MONOTONIC
@@ -1525,6 +1527,9 @@ static void fire_step_rows(struct sim *s, uint64_t step)
 	s->delta_tail[nt] = 0; /* the padding to whole 8-byte words */
 	kv_step_rows(s->delta_rows, s->nrows, s->delta_tail, nt, 0, s->bs,
 		     s->nblocks);
+	s->t.step_rows_calls++;
+	s->t.step_rows_rows += (uint64_t)s->nrows;
+	s->t.step_rows_tail += (uint64_t)nt;
 	if (!f)
 		return;
 	fprintf(f, "{\"step\": %" PRIu64 ", \"rows\": [", step);
@@ -1961,7 +1966,11 @@ static void write_reads(FILE *f, const struct sim *s)
  *   group_id, num_blocks  what every block event passes (one KV-cache
  *                 group; the GPU pool's blocks, the null block included)
  *   calls         probe calls per op (one per request, kind and scheduler
- *                 action: the ids of one are batched into one call)
+ *                 action: the ids of one are batched into one call;
+ *                 step_reqs and step_rows once a step, step_rows only in
+ *                 workloads of one sample a request)
+ *   step_rows_rows, step_rows_tail  the rows and tail entries step_rows
+ *                 sent (fire_step_rows())
  *   blocks        {kind: [[block, count]]}: per GPU block, how many times
  *                 the event happened to it; kinds: alloc (taken from the
  *                 pool for a request: its new blocks at a prefill chunk,
@@ -1998,9 +2007,13 @@ static void write_lifecycle(FILE *f, const struct sim *s)
 			t->life_calls[k]);
 	fprintf(f,
 		"\"request\": %" PRIu64 ", \"req_preempt\": %" PRIu64
-		", \"req_finish\": %" PRIu64 ", \"step_reqs\": %" PRIu64 "},\n",
+		", \"req_finish\": %" PRIu64 ", \"step_reqs\": %" PRIu64
+		", \"step_rows\": %" PRIu64 "},\n",
 		t->request_calls, t->preempt_calls, t->finish_calls,
-		t->step_reqs_calls);
+		t->step_reqs_calls, t->step_rows_calls);
+	/* step_rows' rows and tail entries: its op totals' items and slots */
+	fprintf(f, "    \"step_rows_rows\": %" PRIu64 ", \"step_rows_tail\": %" PRIu64 ",\n",
+		t->step_rows_rows, t->step_rows_tail);
 	fprintf(f, "    \"blocks\": {");
 	for (int k = 0; k < KV_NUM_LIFE; k++) {
 		fprintf(f, "%s\"%s\": ", k ? ", " : "", kinds[k]);

@@ -385,7 +385,16 @@ void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
 	(void)block_size;
 	(void)num_blocks;
 	if (KVTRACE_ENABLED(step_rows)) {
-		log_op("step_rows", (uint64_t)group_id, rows, 5 * num_rows);
+		if (kv_ops_log) { /* the values as streamed: rows, then tail words */
+			int64_t words = (num_tail + 1) / 2;
+			int64_t *v = malloc((size_t)(5 * num_rows + words + 1) * sizeof(*v));
+			if (!v)
+				die("kv_step_rows", "out of memory", num_rows);
+			memcpy(v, rows, (size_t)(5 * num_rows) * sizeof(*v));
+			memcpy(v + 5 * num_rows, tail, (size_t)words * sizeof(*v));
+			log_op("step_rows", (uint64_t)group_id, v, 5 * num_rows + words);
+			free(v);
+		}
 		KVTRACE_STEP_ROWS(rows, num_rows, tail, num_tail, group_id,
 				  block_size, num_blocks);
 	}

@@ -81,3 +81,13 @@ def add_stack_storage_size(p):
                    f"{abi.STACK_BUCKETS >> 10} MiB of kernel memory); a stack it has no "
                    "room for, or whose hash bucket another holds, is kept in a second "
                    f"map of up to {abi.COLLIDED_STACKS}")
+
+
+def add_verify_rows(p):
+    """--verify-rows, on attach and record."""
+    p.add_argument("--verify-rows", action="store_true",
+                   help="plugin targets: also attach block_table and step_reqs, so that "
+                   "the plugin sends each step's whole tables beside their deltas "
+                   "(step_rows). It costs the scheduler 13-21 ns per table entry a step "
+                   "(a millisecond or more at 100k entries) and exists to check the rows "
+                   "kept from the deltas against the tables vLLM held (docs/design.md)")

@@ -27,8 +27,8 @@ from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT, TRANSPORTS
 from ..probes import activity, discover, follow, target as target_mod
 from ..trace.tracefile import Recorder
 from ..views import panels
-from .args import (MAX_STACK_BUCKETS, add_stack_storage_size, cpu_list, non_negative_float,
-                   positive_float, positive_int)
+from .args import (MAX_STACK_BUCKETS, add_stack_storage_size, add_verify_rows, cpu_list,
+                   non_negative_float, positive_float, positive_int)
 
 EXAMPLES = """\
 examples:
@@ -99,6 +99,7 @@ def add_parser(sub):
     p.add_argument("-o", "--output", metavar="FILE", help="also record a trace file "
                    "for `report` and `export` (docs/trace-format.md)")
     add_stack_storage_size(p)
+    add_verify_rows(p)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no live view: only the summary at the end")
     p.add_argument("--full", action="store_true",
@@ -282,7 +283,8 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
                         perf_pages=args.perf_pages, index_stream=index_stream(args),
                         transport=args.transport,
                         collector=residency.tap if residency else None,
-                        gen_fill=bool(args.prometheus_at))
+                        gen_fill=bool(args.prometheus_at),
+                        verify_rows=args.verify_rows)
         # the views' and the endpoint's reads of groups the kernel does not
         # count (step_rows without block_table), fed by the residency's tick
         tracer.live_rows = residency.rows if residency else None

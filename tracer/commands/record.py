@@ -9,7 +9,7 @@ import argparse
 from .. import abi
 from ..kernel.session import DEFAULT_MAX_PROCS, DEFAULT_TRANSPORT
 from . import attach
-from .args import add_stack_storage_size, positive_float, positive_int
+from .args import add_stack_storage_size, add_verify_rows, positive_float, positive_int
 
 EXAMPLES = """\
 examples:
@@ -43,6 +43,7 @@ def add_parser(sub):
                    metavar="N", help=f"layers counted in the maps (default "
                    f"{abi.DEFAULT_MAX_CACHES})")
     add_stack_storage_size(p)
+    add_verify_rows(p)
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD [ARG...]: start CMD and record it")
     p.set_defaults(run=run, quiet=True, summary=False, json=None, folded=None, interval=1.0,

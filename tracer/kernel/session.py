@@ -137,6 +137,8 @@ class TracedProcess:
     parent: int = 0  # the traced process it descends from (0: the root)
     # the kvtrace vLLM plugin's install outcome in it (discover.plugin_status)
     plugin_status: str = None
+    # (path, probe name) found and left unattached on purpose (held_back())
+    held_back: set = field(default_factory=set)
 
     @property
     def tier(self) -> str:
@@ -152,7 +154,8 @@ class TracedProcess:
         process's probed_ops (aggregate.Process.probed_ops)."""
         skipped = [probe for probe, _ in self.skipped]
         return sorted({probe.name for probes in self.probe_files.values() for probe in probes
-                       if probe.name in abi.OPS and probe not in skipped})
+                       if probe.name in abi.OPS and probe not in skipped
+                       and (probe.path, probe.name) not in self.held_back})
 
 
 def tier_of(probes) -> str:
@@ -166,6 +169,24 @@ def tier_of(probes) -> str:
     return "uprobe" if all(p.stock for p in probes) else "usdt"
 
 
+# The plugin's whole tables (block_table, with step_reqs naming their rows):
+# in a probe file that fires step_rows and no op of its own (the plugin's
+# scheduler probes, plugin/), attached only with --verify-rows.  The plugin
+# builds a step's table only while block_table is attached, at 13-21 ns an
+# entry (docs/design.md, "Row deltas: step_rows"); step_rows carries the
+# same rows as deltas.  A file with op probes (the fork, kvsim) fires its
+# block_table from the ops themselves: its own tier, always attached.
+VERIFY_ROWS_OPS = frozenset(("block_table", "step_reqs"))
+
+
+def held_back(probes, verify_rows: bool) -> frozenset:
+    """The probe names of one file left unattached (VERIFY_ROWS_OPS)."""
+    names = {p.name for p in probes}
+    if verify_rows or "step_rows" not in names or names & set(abi.WRITE_OPS):
+        return frozenset()
+    return VERIFY_ROWS_OPS & names
+
+
 class Tracer:
     """One BPF program instance tracing a set of processes."""
 
@@ -176,13 +197,14 @@ class Tracer:
                  perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  collector: records.Collector = None, gen_fill: bool = False,
-                 op_records: bool = None):
+                 op_records: bool = None, verify_rows: bool = False):
         check_privileges()
         discover.check_arch()
         if max_blocks & (max_blocks - 1):
             max_blocks = 1 << max_blocks.bit_length()  # the BPF side masks
         self.max_blocks, self.max_caches, self.max_procs = max_blocks, max_caches, max_procs
         self.max_groups = max_groups
+        self.verify_rows = verify_rows  # attach the plugin's tables too (held_back())
         cflags = [f"-I{abi.BPF_DIR}", f"-DKVTRACE_MAX_BLOCKS={max_blocks}",
                   f"-DKVTRACE_MAX_CACHES={max_caches}", f"-DKVTRACE_MAX_PROCS={max_procs}",
                   f"-DKVTRACE_MAX_GROUPS={max_groups}"]
@@ -427,7 +449,11 @@ class Tracer:
             proc.probe_files[path] = probes
             # (offset, semaphore offset, cookie, address) of the probes to attach
             live = []
+            held = held_back(probes, self.verify_rows)
             for probe in probes:
+                if probe.name in held:  # the plugin's tables: --verify-rows only
+                    proc.held_back.add((path, probe.name))
+                    continue
                 if probe.name not in abi.OPS:
                     proc.skipped.append((probe, "unknown probe name"))
                     continue
