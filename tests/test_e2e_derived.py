@@ -86,7 +86,7 @@ def test_derived_reads_of_a_production_sized_cache(tmp_path):
 def test_report_from_derived_reads_alone(tmp_path, workload, monkeypatch):
     """A recording's report where the group's tables are left out (as
     without --verify-rows): its reads come from step_rows and the block
-    events alone, and every access figure, the read heatmap and every
+    events alone, and every access figure, the read heatmap's blocks and every
     request's access equal the report from the tables, and kvsim's count."""
     import numpy as np
     from test_e2e_record import record
@@ -114,7 +114,10 @@ def test_report_from_derived_reads_alone(tmp_path, workload, monkeypatch):
     assert b["prefix_reuse"]["blocks"] == truth["prefix_hits"]
     assert derived.reasons == counted.reasons
     h1, h2 = counted.heatmap(9, 31, kind="reads"), derived.heatmap(9, 31, kind="reads")
-    assert np.array_equal(h1.cells, h2.cells) and h2.cells.sum() == reads["reads"]
+    # (per block: a derived step's time is the scheduler's, so a step near
+    # a row's edge may fall in the row before)
+    assert np.array_equal(h1.cells.sum(axis=0), h2.cells.sum(axis=0))
+    assert h2.cells.sum() == reads["reads"]
     ra, sa = report.report_request_access(counted)
     rb, sb = report.report_request_access(derived)
     assert sorted(ra) == sorted(rb) and len(ra) == truth["requests"]
