@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..trace import stream
-from . import access_stream
+from . import access_stream, derived_rows
 from .access_stream import Rows
 
 
@@ -104,7 +104,10 @@ def prefix_reuse(ops: stream.OpStream, rows: Rows, leader, requests: StepRequest
     plugin tier's step_reqs (requests: step_requests()) names every complete
     step of the group, the requests are known by name and the figure is
     exact (_prefix_reuse_by_name); otherwise it is inferred from the rows
-    and the leader layer's writes."""
+    and the leader layer's writes.  A group whose reads are derived from
+    step_rows (derived_rows.DerivedRows) knows its requests by name."""
+    if isinstance(rows, derived_rows.DerivedRows):
+        return rows.prefix_reuse()
     if requests is not None:
         named = _prefix_reuse_by_name(rows, requests)
         if named is not None:
@@ -127,12 +130,26 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
     if sr is None:
         sr = step_requests(ops)
     out, stats = {}, {"steps": 0, "unmatched": 0}
-    if not len(sr.pos):
+    derived = [r for r in all_rows if isinstance(r, derived_rows.DerivedRows)]
+    if not len(sr.pos) and not derived:
         return out, stats
-    # per request: steps scheduled and tokens written, from step_reqs alone
+    # per request: steps scheduled and tokens written, from step_reqs; a
+    # process without step_reqs (the plugin without --verify-rows) from its
+    # first derived group's step_rows, which name the same requests
     ureq, inv = sr.ureq, sr.req_index
+    if derived:
+        ureq = np.unique(np.concatenate([sr.ureq] + [r.derived.requests() for r in derived]))
+        inv = np.searchsorted(ureq, sr.ureq)[sr.req_index]
     steps = np.bincount(inv, minlength=len(ureq))
     toks = np.bincount(inv, weights=sr.tokens, minlength=len(ureq))
+    named_pids, by_pid = set(sr.pid.tolist()), {}
+    for r in sorted(derived, key=lambda r: r.derived.group):
+        if r.derived.pid not in named_pids:
+            by_pid.setdefault(r.derived.pid, r.derived)
+    for d in by_pid.values():
+        ri = np.searchsorted(ureq, d.requests())[d._t["rq"]]
+        steps = steps + np.bincount(ri, minlength=len(ureq))
+        toks = toks + np.bincount(ri, weights=d._t["new"], minlength=len(ureq))
     wanted = np.ones(len(ureq), bool) if only is None else \
         np.isin(ureq, np.fromiter(only, np.uint64))
     # a request that read and wrote no block: empty columns, made once and
@@ -155,6 +172,10 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
                                      [r.steps.ts_ns for r in all_rows]))
     parts = []
     for rows in all_rows:
+        if isinstance(rows, derived_rows.DerivedRows):
+            parts += _derived_parts(rows.derived, ureq, times, wanted)
+            stats["steps"] += int(np.count_nonzero(rows.derived.complete))
+            continue
         st = rows.steps
         named = name_rows(sr, rows)
         if named is None:
@@ -244,6 +265,27 @@ def request_access(ops: stream.OpStream, all_rows: list, t0_ns: int = 0,
             fig["block_reads"] = reads_of[i]
             fig["blocks"] = {k: v[a:b] for k, v in columns.items()}
     return out, stats
+
+
+def _derived_parts(d, ureq, times, wanted) -> list:
+    """request_access's partial figures of a derived group: per tenure read
+    (a block at a place of a request's row), its reads and first and last
+    read; per write, its tokens and time (derived_rows)."""
+    rmap = np.searchsorted(ureq, d.requests())
+    rank = np.searchsorted(times, d.ts_ns.astype(np.int64))  # each step's time's rank
+    req, blk, reads, first, last = d.request_reads()
+    ri = rmap[req]
+    keep = wanted[ri]
+    n = int(keep.sum())
+    parts = [(ri[keep], blk[keep], reads[keep], rank[first[keep]], rank[last[keep]],
+              np.zeros(n, np.int64), np.full(n, _NEVER), np.full(n, _EVER), d.group)]
+    req, blk, tokens, step = d.request_writes()
+    ri = rmap[req]
+    keep = wanted[ri] & (blk > 0)
+    n, t = int(keep.sum()), rank[step[keep]]
+    parts.append((ri[keep], blk[keep], np.zeros(n, np.int64), np.full(n, _NEVER),
+                  np.full(n, _EVER), tokens[keep], t, t, d.group))
+    return parts
 
 
 def _merged(cols: list) -> tuple:

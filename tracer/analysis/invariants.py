@@ -274,9 +274,38 @@ def miss_causes(doc):
         "has a reason; optimal never below LRU")
 
 
+def derived_equals_counted(doc):
+    """Where a recording has both step_rows and block_table for a group
+    (--verify-rows), the reads derived from row events equal the counted
+    ones: every step's rows (seq_len and the blocks read), its figures,
+    and the reads per block (docs/design.md, "Reads derived from row
+    events")."""
+    checked = [d for d in doc.get("derived_reads") or [] if d.get("verified")]
+    if not checked:
+        return None
+    bad = []
+    for d in checked:
+        v = d["verified"]
+        where = f"pid {d['pid']} group {d['group_id']}"
+        if not d["exact"]:
+            bad.append(f"{where}: the replay is not exact ({d['mismatches']} rows that did not "
+                       f"continue it, {d['incomplete_steps']} steps lost, {d['lost_frees']} "
+                       "frees lost)")
+        if v["unmatched"] or not v["steps"]:
+            bad.append(f"{where}: {v['unmatched']} of {v['unmatched'] + v['steps']} tables "
+                       "with no step_rows op to compare")
+        if v["steps_differ"] or v["rows_differ"] or v["blocks_differ"]:
+            bad.append(f"{where}: {v['steps_differ']} steps, {v['rows_differ']} rows and "
+                       f"{v['blocks_differ']} blocks differ; first: {v['first']}")
+    return not bad, "; ".join(bad) or (
+        f"{sum(d['verified']['steps'] for d in checked):,} steps and "
+        f"{sum(d['verified']['rows'] for d in checked):,} rows derived as counted")
+
+
 CHECKS = (panel_headers_agree, hottest_coldest_disjoint, working_set_within_cache,
           shares_within_0_1, layers_whole, process_names, lifecycle_per_process,
-          request_sums, residency_counts, miss_ratio_curve, miss_causes)
+          request_sums, residency_counts, miss_ratio_curve, miss_causes,
+          derived_equals_counted)
 
 
 def check(doc) -> list:

@@ -26,6 +26,7 @@ import numpy as np
 from .. import abi
 from ..kernel import records
 from ..trace import stream
+from . import derived_rows
 
 # vllm/v1/metrics/buckets.py KV_CACHE_RESIDENCY_BUCKETS (seconds), the
 # buckets of vllm:kv_block_lifetime_seconds, idle_before_evict, reuse_gap
@@ -33,6 +34,10 @@ RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2,
                      30, 60, 120, 300, 600, 1200, 1800)
 
 KIND_OF_OP = {abi.OPS[op]: kind for op, kind in zip(abi.LIFE_OPS, abi.LIFE)}
+# the ops LiveRows needs beside the block events: step_rows, and the
+# request ends that end a row (derived_rows)
+ROW_OP_IDS = frozenset(abi.OPS[op] for op in ("step_rows", "req_preempt", "req_finish")
+                       if op in abi.OPS)
 
 
 @dataclass
@@ -456,7 +461,8 @@ class StreamTap(records.Collector):
     the BPF program streams either every op's values or none (a compile-time
     switch): so the slot numbers of every write come too, and are the bulk.
     This keeps them no longer than one poll: each take() pulls out the
-    block events' op records and their chunks for LiveResidency and, unless
+    block events' op records and their chunks for LiveResidency (and the
+    step_rows and request-end ops, for its LiveRows) and, unless
     a Recorder consumes the whole stream (attach -o: keep_all), drops the
     rest.  The records are sorted and validated by Collector as always."""
 
@@ -485,9 +491,10 @@ class StreamTap(records.Collector):
 
     def _pick(self, batch):
         ops = np.frombuffer(batch.ops, dtype=records.EVENT)
-        # the block events, and for the live miss classes (misses.LiveMisses)
-        # the request ops and prefix_hashes of the same span
-        life = ops[np.isin(ops["op"], LIVE_OP_IDS)]
+        # the block events; for the live miss classes (misses.LiveMisses) the
+        # request ops and prefix_hashes of the same span; for the live derived
+        # reads (derived_rows.LiveRows) the step_rows ops
+        life = ops[np.isin(ops["op"], LIVE_OP_IDS + sorted(ROW_OP_IDS))]
         parts = [(0, batch.chunk_hdrs, batch.values), *self._early]
         hdr = np.concatenate([np.frombuffer(h, dtype=records.CHUNK_HDR) for _, h, _ in parts])
         vals = np.concatenate([np.frombuffer(v, dtype=stream.VALUE) for _, _, v in parts])
@@ -535,6 +542,8 @@ class LiveResidency:
         self.tap = tap
         self.bounds = bounds
         self.residency = Residency()
+        # the plugin tier's reads, derived from its step_rows and block events
+        self.rows = derived_rows.LiveRows()
         self._held = []  # OpStreams decoded and not yet added, in arrival order
         self._next = 0.0
         self._counts = {}  # pid -> {name: [per-bucket counts (np.int64), sum in seconds]}
@@ -572,6 +581,8 @@ class LiveResidency:
         joined = _joined(due)
         ev = events(joined)
         self.incomplete += ev.incomplete
+        # in seq order: a step's rows against the frees before it
+        self.rows.add(joined.select(np.argsort(joined.ops["seq"], kind="stable")))
         self.residency.add(ev)
         if self.misses is not None:
             self.misses.add(joined, ev)

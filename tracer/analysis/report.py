@@ -14,7 +14,8 @@ import numpy as np
 from .. import abi
 from ..errors import UsageError
 from ..trace import stream, tracefile
-from . import access_counters, access_requests, access_stream, heatmap, lifecycle, misses, occupancy
+from . import (access_counters, access_requests, access_stream, derived_rows, heatmap,
+               lifecycle, misses, occupancy)
 from .aggregate import Aggregate
 
 
@@ -48,6 +49,23 @@ class Report:
         # read of its complete steps as (step index, block)
         self.groups = [g for g in trace.groups if pid is None or g["pid"] == pid]
         self.steps = access_stream.steps_of(ops, self.groups)
+        # the plugin tier's step_rows: each group's reads derived from its
+        # row events (derived_rows), used where the group has no block_table
+        # (the default); with both (--verify-rows), the counted ones are
+        # used and the derived ones checked against them, step by step
+        self.derived = derived_rows.replay_all(stream.step_rows(ops),
+                                               derived_rows.row_events(ops))
+        o = ops.ops
+        tables = o[o["op"] == stream.TABLE_OP_ID]
+        with_tables = set(zip(tables["pid"].tolist(), tables["cache_id"].tolist()))
+        counted = derived_rows.pair_groups(
+            self.derived, [(i, g["pid"], g["group_id"], int(g["block_size"]), len(st))
+                           for i, (g, st) in enumerate(zip(self.groups, self.steps))
+                           if (g["pid"], g["group_id"]) in with_tables])
+        derived_only = [derived_rows.DerivedRows(d) for d in self.derived
+                        if (d.pid, d.group) not in counted]
+        n_counted = len(self.steps)
+        self.steps = self.steps + [r.steps for r in derived_only]
         # Two sides, on two threads: numpy lets go of the GIL in its passes,
         # and the sides take about as long (on a large trace's JSON report,
         # a third less time for 0.4 GB more memory at its peak).
@@ -68,7 +86,8 @@ class Report:
                 raise
 
         def plugin_side():
-            publish(rows_ready, lambda: [access_stream.rows_of(ops, st) for st in self.steps])
+            publish(rows_ready, lambda: [access_stream.rows_of(ops, st)
+                                         for st in self.steps[:n_counted]] + derived_only)
             self.rows = rows_ready.result()
             publish(gens_ready, lambda: occupancy.computed_groups(split.result()[1]))
 
@@ -108,15 +127,18 @@ class Report:
                 gens = self.first_layer_gens(st.pid)
                 self.scans.append(rows.scan(*((gens.block, gens.start_ns)
                                               if gens is not None else ())))
+            self.derived_check = derived_figures(self.derived, counted, self.steps,
+                                                 rows_ready.result(), self.scans)
             self.gens = dict(sorted({**self.gens, **gens_ready.result()}.items(),
                                     key=lambda kv: kv[0]))
             # the rest needs nothing from beside but its step_reqs, and beside's
             # side takes longer, so it is done meanwhile
             self.agg = stream_aggregate(ops, self.caches, trace, self.steps, self.scans,
-                                        self.gens)
+                                        self.gens, derived_only)
             # what the generations were computed from (a live set may replace it)
             self.occupancy_source = occupancy.FROM_WRITES
-            self.reasons = stream_reasons(ops, trace, self.agg)
+            self.reasons = stream_reasons(ops, trace, self.agg) + [
+                r for d in self.derived if (d.pid, d.group) not in counted for r in d.reasons]
             named.result()  # the views made meanwhile may name rows
             # each process's block events per block, as attach's maps count
             # them: its JSON lifecycle is then no null where it fired events
@@ -256,7 +278,7 @@ def log2_slot(v: np.ndarray) -> np.ndarray:
     return out
 
 
-def stream_groups(steps: list, scans: list, trace) -> list:
+def stream_groups(steps: list, scans: list, trace, derived=()) -> list:
     """The reads of the stream as the maps have them (aggregate.ReadGroup's
     raw form): per group, per-block reads and last-read steps from the
     complete steps (access_stream.ReadScan); totals from every step's op record.
@@ -271,6 +293,8 @@ def stream_groups(steps: list, scans: list, trace) -> list:
     # then says "of" the same count as the write panel above it, not the
     # highest block read + 1
     sizes = {(g["pid"], g["group_id"]): int(g.get("num_blocks") or 0) for g in trace.groups}
+    for rows in derived:  # groups whose reads are derived: the pool step_rows gave
+        sizes.setdefault((rows.derived.pid, rows.derived.group), rows.derived.num_blocks)
     out = []
     for index, (st, scan) in enumerate(zip(steps, scans)):
         nb = max(len(scan.reads_per_block), sizes.get((st.pid, st.group_id), 0))
@@ -290,12 +314,29 @@ def stream_groups(steps: list, scans: list, trace) -> list:
     return out
 
 
+def derived_figures(derived: list, counted: dict, steps: list, rows: list, scans: list) -> list:
+    """Per (process, group) with step_rows: whether its reads are derived
+    (`used`: it has no block_table), how exact the replay is, and where it
+    has block_table too, derived_rows.verify's comparison (`verified`),
+    which report --check holds to no difference (docs/report-json.md)."""
+    out = []
+    for d in derived:
+        i = counted.get((d.pid, d.group))
+        out.append({
+            "pid": d.pid, "group_id": d.group, "used": i is None, "steps": len(d),
+            "exact": d.exact, "mismatches": d.mismatches, "incomplete_steps": d.incomplete,
+            "lost_frees": d.lost_frees,
+            "verified": None if i is None else derived_rows.verify(
+                d, d._t["pos"], steps[i], rows[i], scans[i])})
+    return out
+
+
 def _padded(a: np.ndarray, n: int) -> np.ndarray:
     return a if len(a) >= n else np.concatenate([a, np.zeros(n - len(a), a.dtype)])
 
 
 def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
-                     scans=(), gens=None) -> Aggregate:
+                     scans=(), gens=None, derived=()) -> Aggregate:
     """The per-block histograms of the stream, as an Aggregate (the same
     shape as attach's, so the same views and JSON serve).  gens: the
     caches' generations (occupancy.by_cache), whose runs give the write
@@ -378,7 +419,7 @@ def stream_aggregate(ops: stream.OpStream, caches: list, trace, steps=(),
             h[s] = h.get(s, 0) + n
     end = trace.end or {}
     lost = end.get("aggregate", {}).get("lost_records", 0)
-    raw = dict(time=0.0, caches=raw_caches, groups=stream_groups(steps, scans, trace),
+    raw = dict(time=0.0, caches=raw_caches, groups=stream_groups(steps, scans, trace, derived),
                op_stats=op_stats, log2=log2, moves=moves, stacks=[], globals={},
                records=len(o), lost=lost)
     procs = trace.processes

@@ -286,6 +286,9 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
                         collector=residency.tap if residency else None,
                         gen_fill=bool(args.prometheus_at),
                         verify_rows=args.verify_rows)
+        # the views' and the endpoint's reads of groups the kernel does not
+        # count (step_rows without block_table), fed by the residency's tick
+        tracer.live_rows = residency.rows if residency else None
         target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
         if server is not None:
@@ -513,8 +516,12 @@ def _require_probes(follower):
 
 
 def _aggregate(tracer, raw=None) -> Aggregate:
+    raw = raw if raw is not None else tracer.read_maps()
+    rows = getattr(tracer, "live_rows", None)
+    if rows is not None:  # the plugin tier's reads derived from its step_rows
+        raw = rows.merge_into(raw)
     return Aggregate.from_maps(
-        raw if raw is not None else tracer.read_maps(),
+        raw,
         comms={pid: p.comm for pid, p in tracer.procs.items()},
         probe_files={pid: sorted(p.probe_files) for pid, p in tracer.procs.items()},
         proc_info={pid: {"tier": p.tier, "parent": p.parent, "calls_only": p.calls_only,

@@ -80,6 +80,7 @@ def document(rep: Report, hm: heatmap.Heatmap, rates: dict) -> dict:
         "heatmap": hm.to_json(),
         "occupancy": _occupancy_json(rep),
         "access": access_figures(rep),
+        "derived_reads": rep.derived_check,
     }
 
 
