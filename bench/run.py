@@ -69,6 +69,9 @@ GOALS = {  # figure key -> (goal text, test on the median; on a figure with a
     "offline.export": (">= 5M slot writes/s", lambda v: v >= 5e6),
     "footprint.peak_rss_mb": ("<= 100 MB", lambda v: v <= 100),
     "plugin.untraced_ratio": (">= 0.99", lambda v: v >= 0.99),
+    # the control: a second engine without the plugin against the first
+    "plugin.untraced_again_ratio": ("1: what noise alone gives", None),
+    "memory.rss_mb": ("<= 100 MB", lambda v: v <= 100),
 }
 
 
@@ -943,7 +946,9 @@ def row_plugin(q, res):
                    check=True, stdout=subprocess.DEVNULL)
     engines = {}
     try:
-        for name, plugins in (("off", ""), ("on", "kvtrace")):
+        # "off2", a second engine without the plugin: the A/A control, what
+        # two engines side by side give with nothing between them different
+        for name, plugins in (("off", ""), ("on", "kvtrace"), ("off2", "")):
             # OMP_WAIT_POLICY=PASSIVE: an idle engine's OpenMP threads sleep
             # instead of spinning on the cores the other engine's batch needs
             engines[name] = subprocess.Popen(
@@ -963,26 +968,23 @@ def row_plugin(q, res):
             return doc["generated_tokens"] / doc["generate_s"]
 
         def ratios(n):
-            out = []
+            out, again = [], []
             for i in range(n):
-                # alternate which goes first: a drift favours neither
-                if i % 2:
-                    on = batch("on")
-                    off = batch("off")
-                else:
-                    off = batch("off")
-                    on = batch("on")
-                out.append(on / off)
-            return out
+                # alternate the order: a drift favours none
+                order = ("on", "off", "off2") if i % 2 else ("off2", "off", "on")
+                got = {name: batch(name) for name in order}
+                out.append(got["on"] / got["off"])
+                again.append(got["off2"] / got["off"])
+            return out, again
 
         cycles = 6
-        untraced = ratios(cycles)
+        untraced, untraced_again = ratios(cycles)
         agg = Path(tempfile.mkdtemp()) / "agg.json"
         tp = subprocess.Popen(kvtrace("attach", "-p", engines["on"].pid, "-q", "--json", agg),
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True)
         read_until(tp.stderr, "ready after", 180)
-        traced = ratios(cycles)
+        traced, traced_again = ratios(cycles)
         stop_tracer(tp)
         ops = json.loads(agg.read_text())["ops"]
     finally:
@@ -992,6 +994,10 @@ def row_plugin(q, res):
         "batch": "8 requests x 64-token prompts, 32 tokens each, 12 times per measurement",
         # six pairs: an interval of the median says how little that resolves
         "untraced_ratio": with_ci(stats(untraced)), "traced_ratio": with_ci(stats(traced)),
+        # the A/A control: the second engine without the plugin against the
+        # first, in the same cycles (both phases: the tracer is on the
+        # plugin's engine only)
+        "untraced_again_ratio": with_ci(stats(untraced_again + traced_again)),
         # proof the traced batches went through the plugin's probes
         "traced_counts": {op: ops[op]["calls"] for op in ("block_alloc", "block_free",
                                                            "block_table", "request")
@@ -1273,24 +1279,41 @@ def ms(st):
 def resolves_1pc(*controls):
     """False where a control (the same code against itself, with ci95) has
     an interval that reaches past 1% of 1: a ratio measured beside it cannot
-    be judged against a 1% goal.  True for a control that is absent (results
-    from before it)."""
+    be judged against a 1% goal.  False too for a control that is absent or
+    has no interval (results from before it): nothing then says what noise
+    alone gives.  A figure passed no control at all is not a ratio against
+    a 1% goal, and is judged on its own interval."""
     for control in controls:
         ci = (control or {}).get("ci95")
-        if ci is not None and not (ci[0] >= 0.99 and ci[1] <= 1.01):
+        if ci is None or not (ci[0] >= 0.99 and ci[1] <= 1.01):
             return False
     return True
+
+
+def traced_proof(counts) -> bool:
+    """Whether every traced measurement of a row counted something: counts
+    is one (calls, slots) pair per measurement (row 3's traced_counts of a
+    mode) or a dict of calls per op (row 10's).  A traced mode whose tracer
+    counted nothing did not trace, and its ratio against untraced says
+    nothing of what tracing costs."""
+    if isinstance(counts, dict):
+        return bool(counts) and all(n > 0 for n in counts.values())
+    return bool(counts) and all(calls > 0 and slots > 0 for calls, slots in counts)
 
 
 def table_rows(res):
     rows = []
 
-    def add(label, s, unit, goal_key=None, *controls):
+    def add(label, s, unit, goal_key=None, *controls, proof=True):
         goal, met = "", ""
         if goal_key and goal_key in GOALS:
             goal = GOALS[goal_key][0]
             test = GOALS[goal_key][1]
-            if s is not None and test is not None:
+            if s is not None and test is not None and not proof:
+                # traced against untraced, and the traced side counted
+                # nothing (or kept no counts): no verdict either way
+                met = "no verdict: no proof it traced"
+            elif s is not None and test is not None:
                 met = "met" if test(s["median"]) else "MISSED"
                 # a median whose interval holds the goal's edge is on either
                 # side of it but for noise: the goal asks for it resolved;
@@ -1427,7 +1450,14 @@ def table_rows(res):
             if key not in s:  # results from before the control, or the empty mode
                 continue
             label = f"3 vLLM {name}" if "/" in name else f"3 vLLM {name}/untraced"
-            add(label, s[key], "x", f"vllm.{key}", s.get("untraced_again_ratio"))
+            # the traced modes' proof: their tracer counted calls and slots
+            # in every measurement (the empty programs count nothing)
+            mode = {"full_ratio": "full", "calls_only_ratio": "calls_only"}.get(key)
+            proof = mode is None or traced_proof(s.get("traced_counts", {}).get(mode))
+            add(label, s[key], "x", f"vllm.{key}", s.get("untraced_again_ratio"),
+                proof=proof)
+            if mode is not None:
+                note(f"3   every {name} measurement counted calls and slots", fmt(proof))
             ci_row(s[key], "3")
             if s.get(f"{key}_whole"):  # the first repetition, after the idle spell, in
                 add(f"3   whole batch, first repetition in", s[f"{key}_whole"], "x")
@@ -1512,11 +1542,31 @@ def table_rows(res):
                 {"min": s["cold_step_us"], "median": s["cold_step_us"],
                  "max": s["cold_step_us"]}, "us")
         if "untraced_ratio" in s:
+            control = s.get("untraced_again_ratio")
             add("10 vLLM tokens/s, plugin / none, untraced", s["untraced_ratio"], "x",
-                "plugin.untraced_ratio")
+                "plugin.untraced_ratio", control)
             ci_row(s["untraced_ratio"], "10")
             add("10 vLLM tokens/s, plugin traced / none", s["traced_ratio"], "x")
             ci_row(s["traced_ratio"], "10")
+            note("10 traced batches counted plugin ops (proof it traced)",
+                 fmt(traced_proof(s.get("traced_counts"))))
+            if control is not None:
+                add("10 vLLM tokens/s, none / none (A/A control)", control, "x",
+                    "plugin.untraced_again_ratio")
+                ci_row(control, "10")
+    s = res.get("memory")
+    if s and "skipped" in s:
+        note("11 memory", s["skipped"])
+    elif s:
+        size = (f"{s['procs']} proc(s), {s['layers']} layers, {s['blocks']} blocks; "
+                f"limits {s['max_blocks']} x {s['max_layers']} x {s['max_procs']}")
+        note("11 traced", size)
+        one = lambda v: {"min": v, "median": v, "max": v}  # noqa: E731
+        add("11 BPF maps, allocated at load", one(s["map_bytes"] / 2**20), "MiB")
+        add("11 tracer RSS, program loaded", one(s["rss_loaded_mb"]), "MB")
+        add("11 tracer RSS, most while tracing", one(s["rss_peak_mb"]), "MB",
+            "memory.rss_mb")
+        note("11 counts exact", fmt(s["exact"]))
     return rows
 
 
@@ -1560,11 +1610,31 @@ def print_table(rows, file=sys.stdout):
             for i, (c, w) in enumerate(zip(r, widths)))
 
 
+# -- 11. the tracer's memory at production size ------------------------------------
+
+def row_memory(q, res):
+    """The tracer's memory at its default sizes (131,072 blocks, 80 layers,
+    16 processes: bpf/kvtrace.h): the BPF maps' bytes, which the kernel
+    allocates whole at load, and the tracer's RSS, which holds only the
+    counter rows in use (tracer/kernel/session.py RowMap).  One tracer in a
+    child process (bench/memory_probe.py) over 16 kvsim processes of 5
+    layers each, 80 caches in all, every row in use; with --quick, one
+    kvsim of 5 layers: a small target under the same limits."""
+    procs, layers = (1, 5) if q else (16, 80)
+    r = subprocess.run([sys.executable, BENCH / "memory_probe.py", str(procs), str(layers),
+                        "131072"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        res["memory"] = {"skipped": f"memory_probe.py failed: {r.stderr.strip()[-300:]}"}
+        return
+    res["memory"] = json.loads(r.stdout.splitlines()[-1])
+
+
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
         8: ("read-probe cost", row_reads),
-        9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin)}
+        9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin),
+        11: ("memory at production size", row_memory)}
 
 
 def main():
@@ -1572,7 +1642,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     p.add_argument("--vllm-cycles", type=int, default=VLLM_CYCLES, metavar="N",

@@ -116,6 +116,17 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
                                                   for v in plugin["hook_ns"].values())
     assert plugin["semaphore_read_ns"] > 0 and "skipped" in plugin["vllm"]
 
+    # row 11: the tracer's memory at its default (production) sizes, over
+    # one small kvsim with --quick: the maps are the limits' size, the RSS
+    # holds the rows in use, and the counts are exact
+    mem = res["memory"]
+    assert "skipped" not in mem, mem.get("skipped")
+    assert (mem["max_blocks"], mem["max_layers"], mem["max_procs"]) >= (131072, 80, 16)
+    # the per-block rows alone: writes per layer, moves and lifecycle per process
+    assert mem["map_bytes"] >= 8 * 131072 * (80 + 16 * 9)
+    assert 0 < mem["rss_loaded_mb"] <= mem["rss_peak_mb"]
+    assert mem["exact"] is True and mem["status"] == [0]
+
     # the printed table is the same data, one line per figure
     lines = r.stdout.splitlines()[2:]  # after the header and its rule
     assert len(lines) == len(res["table"])
