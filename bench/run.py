@@ -72,6 +72,9 @@ GOALS = {  # figure key -> (goal text, test on the median; on a figure with a
     # the control: a second engine without the plugin against the first
     "plugin.untraced_again_ratio": ("1: what noise alone gives", None),
     "memory.rss_mb": ("<= 100 MB", lambda v: v <= 100),
+    "sched.added_us_25k": ("<= 50 us", lambda v: v <= 50),
+    "sched.added_262k_over_4k": ("<= 2", lambda v: v <= 2),
+    "sched.untraced_again_ratio": ("1: what noise alone gives", None),
 }
 
 
@@ -1567,6 +1570,39 @@ def table_rows(res):
         add("11 tracer RSS, most while tracing", one(s["rss_peak_mb"]), "MB",
             "memory.rss_mb")
         note("11 counts exact", fmt(s["exact"]))
+    s = res.get("sched")
+    if s and "skipped" in s:
+        note("12 vLLM scheduler at scale", s["skipped"])
+    elif s:
+        for name, sc in s["scales"].items():
+            row = f"12 {name}: {sc['requests']} req"
+            add(f"{row}, entries a step", sc["entries_per_step"], "")
+            add(f"{row}, schedule() untraced", sc["untraced_us"], "us")
+            add(f"{row}, schedule() traced", sc["traced_us"], "us")
+            proof = traced_proof(sc["traced_counts"])
+            add(f"{row}, tracing adds a step", sc["added_us"], "us",
+                "sched.added_us_25k" if name == "25k" else None,
+                sc["untraced_again_ratio"], proof=proof)
+            ci = (sc["added_us"] or {}).get("ci95")
+            if ci:
+                rows.append(("12   95% CI of the median", fmt(ci[0], "us"), "",
+                             fmt(ci[1], "us"), "us", "", ""))
+            add(f"{row}, tracing adds a request", sc["added_ns_per_request"], "ns")
+            add(f"{row}, untraced again adds (A/A)", sc["untraced_again_added_us"], "us")
+            add(f"{row}, untraced again/untraced", sc["untraced_again_ratio"], "x",
+                "sched.untraced_again_ratio")
+            ci_row(sc["untraced_again_ratio"], "12")
+            note(f"{row}, every traced step counted (proof)", fmt(proof))
+            one = lambda v: v is not None and {"min": v, "median": v, "max": v}  # noqa: E731
+            add(f"{row}, trace bytes a decode step", one(sc["trace_bytes_per_decode_step"])
+                or None, "B")
+            add(f"{row}, report on {sc['recorded_steps']} recorded steps",
+                one(sc["report_s"]) or None, "s")
+        if "added_262k_over_4k" in s:
+            v = s["added_262k_over_4k"]
+            proof = all(traced_proof(sc["traced_counts"]) for sc in s["scales"].values())
+            add("12 added at 262k / added at 4k", {"min": v, "median": v, "max": v}, "x",
+                "sched.added_262k_over_4k", proof=proof)
     return rows
 
 
@@ -1629,12 +1665,127 @@ def row_memory(q, res):
     res["memory"] = json.loads(r.stdout.splitlines()[-1])
 
 
+# -- 12. vLLM's scheduler at production scale -------------------------------------
+
+# (name, requests, shared prefix tokens): blocks of 32, 64 tokens of each
+# request's own; a decode step's block table then holds requests x
+# (prefix / 32 + 3) entries: about 4k, 25k (the goal's) and 264k
+SCHED_SCALES = (("4k", 64, 2048), ("25k", 256, 3072), ("262k", 1024, 8192))
+SCHED_CYCLES = 8
+SCHED_STEPS = 20  # decode steps per measurement
+
+
+def _sched_measure(v, steps):
+    v.stdin.write(f"{steps}\n")
+    v.stdin.flush()
+    return json.loads(read_until(v.stdout, '"schedule_us"', 900)[-1])
+
+
+def _sched_scale(name, requests, prefix, cycles, steps, tmp):
+    """One scale: untraced, traced (attach -p) and untraced again (the A/A
+    control) alternating in one warm scheduler process, ABBA; then two
+    recordings (record -p) of different lengths, whose difference is the
+    trace bytes a decode step adds, and report's time on the longer."""
+    v = subprocess.Popen([VLLM_PYTHON, BENCH / "vllm_sched.py", "--model", TINY_MODEL,
+                          "--requests", str(requests), "--prefix", str(prefix)],
+                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    modes = ("untraced", "traced", "untraced_again")
+    per_step = {m: [] for m in modes}  # each measurement's median us a step
+    counted, entries = [], []
+    agg = Path(tmp) / f"sched-{name}.json"
+    try:
+        read_until(v.stderr, "READY", 600)
+        _Drain(v.stderr)
+        _sched_measure(v, 3)  # warm
+        for cycle in range(cycles):
+            for mode in (modes if cycle % 2 == 0 else modes[::-1]):
+                tp = None
+                if mode == "traced":
+                    agg.unlink(missing_ok=True)
+                    tp = subprocess.Popen(kvtrace("attach", "-p", v.pid, "-q", "--json", agg),
+                                          cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True)
+                    read_until(tp.stderr, "ready after", 300)
+                doc = _sched_measure(v, steps)
+                per_step[mode].append(statistics.median(doc["schedule_us"]))
+                entries.extend(doc["entries"])
+                if tp is not None:
+                    stop_tracer(tp)
+                    ops = json.loads(agg.read_text())["ops"]
+                    # the step's requests, and its rows: whole tables'
+                    # entries (block_table) or the rows' changes (step_rows)
+                    counted.append((ops.get("step_reqs", {}).get("calls", 0),
+                                    ops.get("block_table", {}).get("items", 0) +
+                                    ops.get("step_rows", {}).get("calls", 0)))
+        sizes, report_s = {}, None
+        for n in (steps, 3 * steps):
+            out = Path(tmp) / f"sched-{name}-{n}.kvt"
+            tp = subprocess.Popen(kvtrace("record", "-p", v.pid, "-o", out), cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
+            read_until(tp.stderr, "ready after", 300)
+            _sched_measure(v, n)
+            stop_tracer(tp)
+            sizes[n] = out.stat().st_size
+        t0 = time.monotonic()
+        r = subprocess.run(kvtrace("report", out, "--format", "json"), cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           timeout=1800)
+        if r.returncode == 0:
+            report_s = time.monotonic() - t0
+    finally:
+        _end_engine(v)
+    added = [t - u for t, u in zip(per_step["traced"], per_step["untraced"])]
+    again = [a - u for a, u in zip(per_step["untraced_again"], per_step["untraced"])]
+    return {
+        "requests": requests, "prefix_tokens": prefix, "block_size": 32,
+        "entries_per_step": stats(entries),
+        "untraced_us": stats(per_step["untraced"]), "traced_us": stats(per_step["traced"]),
+        "added_us": with_ci(stats(added)), "untraced_again_added_us": with_ci(stats(again)),
+        "traced_ratio": ratio_stats(per_step["traced"], per_step["untraced"]),
+        "untraced_again_ratio": ratio_stats(per_step["untraced_again"], per_step["untraced"]),
+        "added_ns_per_request": stats([a * 1e3 / requests for a in added]),
+        # (step_reqs calls, block_table entries) per traced measurement
+        "traced_counts": counted,
+        "trace_bytes_per_decode_step": (sizes[3 * steps] - sizes[steps]) / (2 * steps),
+        "recorded_steps": 3 * steps, "report_s": report_s,
+    }
+
+
+def row_sched(q, res):
+    """vLLM's real Scheduler.schedule() at 4k, 25k and 264k block-table
+    entries a decode step (bench/vllm_sched.py), traced against untraced
+    with the A/A control; trace bytes per decode step and report's time.
+    --quick: skipped (each scale starts vLLM's scheduler: 30-60 s)."""
+    if q:
+        res["sched"] = {"skipped": "skipped with --quick (each scale starts vLLM)"}
+        return
+    if not VLLM_PYTHON.exists():
+        res["sched"] = {"skipped": "no .venv-vllm (run make setup)"}
+        return
+    subprocess.run([sys.executable, ROOT / "scripts" / "make-tiny-model.py", TINY_MODEL],
+                   check=True, stdout=subprocess.DEVNULL)
+    out = {"cycles": SCHED_CYCLES, "steps": SCHED_STEPS, "scales": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, requests, prefix in SCHED_SCALES:
+            say(f"row 12: {name} entries a step ({requests} requests)")
+            out["scales"][name] = _sched_scale(name, requests, prefix, SCHED_CYCLES,
+                                               SCHED_STEPS, tmp)
+            res["sched"] = out
+    lo, hi = out["scales"].get("4k"), out["scales"].get("262k")
+    if lo and hi and lo["added_us"] and hi["added_us"] and lo["added_us"]["median"] > 0:
+        out["added_262k_over_4k"] = hi["added_us"]["median"] / lo["added_us"]["median"]
+    res["sched"] = out
+
+
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
         8: ("read-probe cost", row_reads),
         9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin),
-        11: ("memory at production size", row_memory)}
+        11: ("memory at production size", row_memory),
+        12: ("vLLM's scheduler at scale", row_sched)}
 
 
 def main():
@@ -1642,7 +1793,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11,12",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     p.add_argument("--vllm-cycles", type=int, default=VLLM_CYCLES, metavar="N",

@@ -119,3 +119,29 @@ def test_the_plugin_row_is_judged_beside_its_a_a_control():
     rows = plugin_rows(None, {})
     assert rows["10 vLLM tokens/s, plugin / none, untraced"][-1] == "met (unresolved)"
     assert "10 vLLM tokens/s, none / none (A/A control)" not in rows
+
+
+def sched_scale(added, counts, control):
+    one = {"min": 1, "median": 1, "max": 1, "n": 1, "values": [1]}
+    return {"requests": 256, "entries_per_step": one, "untraced_us": one, "traced_us": one,
+            "added_us": added, "untraced_again_added_us": one, "traced_ratio": one,
+            "untraced_again_ratio": control, "added_ns_per_request": one,
+            "traced_counts": counts, "trace_bytes_per_decode_step": 100.0,
+            "recorded_steps": 60, "report_s": 1.0}
+
+
+@pytest.mark.parametrize("added, counts, control, verdict", [
+    (ratio(30, 20, 40), [(20, 500_000)] * 3, ratio(1.0, 0.995, 1.005), "met"),
+    (ratio(300, 250, 350), [(20, 500_000)] * 3, ratio(1.0, 0.995, 1.005), "MISSED"),
+    # the interval holds 50 us
+    (ratio(45, 20, 70), [(20, 500_000)] * 3, ratio(1.0, 0.995, 1.005), "met (unresolved)"),
+    # the control spreads past 1%
+    (ratio(30, 20, 40), [(20, 500_000)] * 3, ratio(1.0, 0.97, 1.03), "met (unresolved)"),
+    # one traced measurement counted no step: it did not trace
+    (ratio(30, 20, 40), [(20, 500_000), (0, 0)], ratio(1.0, 0.995, 1.005),
+     "no verdict: no proof it traced"),
+])
+def test_the_scheduler_row_needs_its_proof_and_its_control(added, counts, control, verdict):
+    res = {"sched": {"scales": {"25k": sched_scale(added, counts, control)}}}
+    rows = {r[0]: r for r in bench.table_rows(res)}
+    assert rows["12 25k: 256 req, tracing adds a step"][-1] == verdict
