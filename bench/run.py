@@ -1569,6 +1569,8 @@ def table_rows(res):
         add("11 tracer RSS, program loaded", one(s["rss_loaded_mb"]), "MB")
         add("11 tracer RSS, most while tracing", one(s["rss_peak_mb"]), "MB",
             "memory.rss_mb")
+        add("11 tracer VmHWM (peak, the final read's copies included)", one(s["hwm_mb"]),
+            "MB")
         note("11 counts exact", fmt(s["exact"]))
     s = res.get("sched")
     if s and "skipped" in s:
