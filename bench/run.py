@@ -75,6 +75,7 @@ GOALS = {  # figure key -> (goal text, test on the median; on a figure with a
     "sched.added_us_25k": ("<= 50 us", lambda v: v <= 50),
     "sched.added_262k_over_4k": ("<= 2", lambda v: v <= 2),
     "sched.untraced_again_ratio": ("1: what noise alone gives", None),
+    "grid.262k_over_4k": ("<= 2", lambda v: v <= 2),
 }
 
 
@@ -1605,6 +1606,11 @@ def table_rows(res):
             proof = all(traced_proof(sc["traced_counts"]) for sc in s["scales"].values())
             add("12 added at 262k / added at 4k", {"min": v, "median": v, "max": v}, "x",
                 "sched.added_262k_over_4k", proof=proof)
+    s = res.get("plugin_grid")
+    if s and "skipped" in s:
+        note("13 plugin step against table size", s["skipped"])
+    elif s:
+        grid_rows(s, add, note)
     return rows
 
 
@@ -1781,13 +1787,70 @@ def row_sched(q, res):
     res["sched"] = out
 
 
+# -- 13. the plugin tier's traced step against table size ---------------------------
+
+PLUGIN_GRID = ("8x4", "64x64", "256x128", "256x512", "1024x256")  # rows x blocks
+
+
+def row_plugin_grid(q, res):
+    """The plugin's traced step (its Python side, fire_block_tables) at
+    PLUGIN_GRID's rows x blocks, whole tables (step_reqs + block_table)
+    against row changes (step_rows), untraced and with the tracer attached:
+    scripts/plugin-hook-cost.py --grid, run with vLLM's python and the
+    plugin built in place in plugin/ where it is (a source tree's plugin,
+    newer than the one installed in .venv-vllm)."""
+    if not VLLM_PYTHON.exists():
+        res["plugin_grid"] = {"skipped": "no .venv-vllm (run make setup)"}
+        return
+    env = {k: v for k, v in os.environ.items() if k != "KVTRACE_PLUGIN_RECORD"}
+    if list((ROOT / "plugin" / "kvtrace_vllm").glob("_probes*.so")):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "plugin"),
+                                                          env.get("PYTHONPATH"))))
+    r = subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "plugin-hook-cost.py", "--grid",
+                        "--json", "--tracer-python", sys.executable,
+                        *(["--quick"] if q else [])], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1200)
+    if r.returncode != 0 or not r.stdout.strip():
+        res["plugin_grid"] = {"skipped": "plugin-hook-cost.py --grid failed: "
+                                         f"{(r.stderr or r.stdout).strip()[-300:]}"}
+        return
+    res["plugin_grid"] = json.loads(r.stdout.splitlines()[-1])
+
+
+def grid_rows(s, add, note):
+    """Row 13's lines: each size's step, us and ns per scheduled request,
+    and the goal of issue 53: at 262k entries (1024x256) the traced step
+    no more than twice its cost at 4k (64x64), for the row changes.  Its
+    proof of tracing is the script's: every probe's semaphore on."""
+    one = lambda v: {"min": v, "median": v, "max": v}  # noqa: E731
+    grid, skipped = s.get("grid", {}), s.get("traced_skipped")
+    for size, modes in grid.items():
+        rows_n = int(size.split("x")[0])
+        for label, t in modes.items():
+            for mode, name in (("tables", "block_table"), ("deltas", "step_rows")):
+                us = t.get(f"{mode}_us")
+                if us is None:
+                    continue
+                add(f"13 {size} {label}, {name}", one(us), "us")
+                add(f"13 {size} {label}, {name}, a request", one(us * 1e3 / rows_n), "ns")
+    if skipped:
+        note("13 traced", f"skipped: {skipped}")
+    lo, hi = grid.get("64x64", {}).get("traced"), grid.get("1024x256", {}).get("traced")
+    for mode, name in (("tables", "block_table"), ("deltas", "step_rows")):
+        if lo and hi and lo.get(f"{mode}_us") and hi.get(f"{mode}_us"):
+            v = hi[f"{mode}_us"] / lo[f"{mode}_us"]
+            add(f"13 traced {name}: 262k entries / 4k", one(v), "x",
+                "grid.262k_over_4k" if mode == "deltas" else None, proof=not skipped)
+
+
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
         8: ("read-probe cost", row_reads),
         9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin),
         11: ("memory at production size", row_memory),
-        12: ("vLLM's scheduler at scale", row_sched)}
+        12: ("vLLM's scheduler at scale", row_sched),
+        13: ("plugin step against table size", row_plugin_grid)}
 
 
 def main():
@@ -1795,7 +1858,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11,12",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11,12,13",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     p.add_argument("--vllm-cycles", type=int, default=VLLM_CYCLES, metavar="N",

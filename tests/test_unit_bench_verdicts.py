@@ -145,3 +145,26 @@ def test_the_scheduler_row_needs_its_proof_and_its_control(added, counts, contro
     res = {"sched": {"scales": {"25k": sched_scale(added, counts, control)}}}
     rows = {r[0]: r for r in bench.table_rows(res)}
     assert rows["12 25k: 256 req, tracing adds a step"][-1] == verdict
+
+
+def grid_rows(traced, skipped=None):
+    grid = {size: {"untraced": {"tables_us": 10.0, "deltas_us": 5.0}} for size in
+            ("8x4", "64x64", "256x128", "256x512", "1024x256")}
+    for size, (tables, deltas) in traced.items():
+        grid[size]["traced"] = {"tables_us": tables, "deltas_us": deltas}
+    return {r[0]: r for r in bench.table_rows({"plugin_grid": {"grid": grid,
+                                                               "traced_skipped": skipped}})}
+
+
+def test_the_plugin_grid_is_judged_on_the_row_changes_262k_against_4k():
+    rows = grid_rows({"64x64": (70.0, 10.0), "1024x256": (5000.0, 15.0)})
+    assert rows["13 traced step_rows: 262k entries / 4k"][2] == "1.500"
+    assert rows["13 traced step_rows: 262k entries / 4k"][-1] == "met"
+    assert rows["13 traced block_table: 262k entries / 4k"][-1] == ""  # no goal
+    assert rows["13 1024x256 traced, step_rows, a request"][2] == "14.65"  # 15 us / 1024
+    rows = grid_rows({"64x64": (70.0, 10.0), "1024x256": (5000.0, 35.0)})
+    assert rows["13 traced step_rows: 262k entries / 4k"][-1] == "MISSED"
+    # no tracer attached: untraced figures only, no verdict
+    rows = grid_rows({}, skipped="not root")
+    assert "13 traced step_rows: 262k entries / 4k" not in rows
+    assert rows["13 traced"][2] == "skipped: not root"
