@@ -159,6 +159,9 @@ struct work {
 	u32 id_len;     /* request: bytes of the id at arr */
 	/* block events: ids to count (n - nids values of hashes follow) */
 	u64 nids, hashes;
+	/* the hashes stage: a second array streamed after the first (step_rows'
+	 * tail), its address and the values of both (0: none) */
+	u64 next_arr, next_n;
 	/* block_table (reads): n = rows, done = stream values sent so far */
 	u64 seqs;        /* user address of the int32 seq_lens */
 	u64 stride;      /* int32 entries from one row to the next */
@@ -709,6 +712,10 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 		truncated = 0; /* no array */
 	if (op == KVTRACE_OP_STEP_REQS && truncated > ev->items)
 		truncated = ev->items; /* rows without their tokens */
+	/* step_rows: deltas, of no use in part, so an op not wholly streamed
+	 * counts all its rows (without the stream nothing is read: 0) */
+	if (op == KVTRACE_OP_STEP_ROWS)
+		truncated = w->next_n > w->done ? ev->items : 0;
 	if (truncated)
 		ev->flags |= KVTRACE_EV_TRUNCATED;
 	if (w->err)
@@ -1176,7 +1183,9 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 }
 
 /* Stage: stream a block event's content hashes (int64 each), after its
- * ids, or step_reqs' rows; nothing is counted from them in the kernel. */
+ * ids, or step_reqs' rows, or step_rows' rows and then its tail (the second
+ * array, next_arr, read in int64 words); nothing is counted from them in
+ * the kernel. */
 int kvtrace_stage_hashes(struct pt_regs *ctx)
 {
 	struct work *w;
@@ -1197,6 +1206,11 @@ int kvtrace_stage_hashes(struct pt_regs *ctx)
 	}
 	lost += emit_chunk(ctx, w, buf, STREAM_VALUES);
 	chunks_lost(w, lost);
+	if (w->done >= w->n && w->next_n > w->n && !w->err) {
+		/* the second array: value i of the stream is its word i - n */
+		w->arr = w->next_arr - 8 * w->n;
+		w->n = w->next_n;
+	}
 	return next_segment_or_finish(ctx, w, KVTRACE_STAGE_HASHES);
 }
 
@@ -1652,6 +1666,30 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 #if STREAM_VALUES
 		w->arr = a[0];
 		w->n = 2 * n;
+#endif
+		stage = KVTRACE_STAGE_HASHES;
+	} else if (op == KVTRACE_OP_STEP_ROWS) {
+		/* (rows, num_rows, tail, num_tail, group_id, block_size,
+		 *  num_blocks): the rows' records, then the tail's int32
+		 * entries in int64 words (the buffer holds an even number),
+		 * streamed as they are; nothing is counted per block.  The
+		 * tracer keeps the rows from them (docs/design.md) */
+		u64 n = (s64)a[1] > 0 ? a[1] : 0, nt = (s64)a[3] > 0 ? a[3] : 0;
+		w->ev.cache_id = a[4];
+		w->ev.cache_index = (u32)a[4];
+		w->ev.items = n;
+		w->ev.slots = nt;
+		w->ev.rows = a[5];
+		w->ev.held_tokens = a[6];
+#if STREAM_VALUES
+		w->arr = a[0];
+		w->n = 5 * n;
+		w->next_arr = a[2];
+		w->next_n = 5 * n + (nt + 1) / 2;
+		if (!w->n) { /* no rows: the tail alone (none, in practice) */
+			w->arr = a[2];
+			w->n = w->next_n;
+		}
 #endif
 		stage = KVTRACE_STAGE_HASHES;
 	} else if (op == KVTRACE_OP_SWAP_BLOCKS_BATCH) {

@@ -30,7 +30,8 @@ enum kvtrace_op {
 	KVTRACE_OP_REQ_PREEMPT = 14,
 	KVTRACE_OP_REQ_FINISH = 15,
 	KVTRACE_OP_STEP_REQS = 16, /* the requests of a step's block-table rows */
-	KVTRACE_NR_OPS = 17,
+	KVTRACE_OP_STEP_ROWS = 17, /* a step's rows as deltas (the plugin's default) */
+	KVTRACE_NR_OPS = 18,
 };
 
 /* Per-block movement counters: the rows of block_moves for one process are
@@ -482,8 +483,10 @@ struct kvtrace_event {
 	__u64 bytes;
 	__s32 stack_id;
 	__u32 flags; /* KVTRACE_EV_* */
-	__u64 rows;        /* block_table only: request rows read */
-	__u64 held_tokens; /* block_table only: tokens held in the blocks read */
+	__u64 rows;        /* block_table: request rows read; step_rows: the
+			    * block size */
+	__u64 held_tokens; /* block_table: tokens held in the blocks read;
+			    * step_rows: blocks in the pool */
 };
 
 #define KVTRACE_EV_TRUNCATED 1 /* more items than the per-op read limit */

@@ -52,6 +52,7 @@
 #define KVTRACE_REQ_PREEMPT(...) do { } while (0)
 #define KVTRACE_REQ_FINISH(...) do { } while (0)
 #define KVTRACE_STEP_REQS(...) do { } while (0)
+#define KVTRACE_STEP_ROWS(...) do { } while (0)
 
 #else /* probes compiled in */
 
@@ -86,6 +87,7 @@ _KVTRACE_SEMAPHORE(request);
 _KVTRACE_SEMAPHORE(req_preempt);
 _KVTRACE_SEMAPHORE(req_finish);
 _KVTRACE_SEMAPHORE(step_reqs);
+_KVTRACE_SEMAPHORE(step_rows);
 
 /* Non-zero while at least one tracer has the probe attached. */
 #define KVTRACE_ENABLED(name) __builtin_expect(vllm_##name##_semaphore != 0, 0)
@@ -295,6 +297,45 @@ _KVTRACE_SEMAPHORE(step_reqs);
  */
 #define KVTRACE_STEP_REQS(rows, nreqs)                                        \
 	STAP_PROBE2(vllm, step_reqs, (const uint64_t *)(rows), (int64_t)(nreqs))
+
+/*
+ * step_rows: a step's rows of one KV-cache group as deltas, in place of the
+ * whole table (block_table above).  Fired once per scheduler step and
+ * group, by the plugin in place of step_reqs + block_table (it fires those
+ * too while a tracer has block_table attached: verification), and by
+ * kvsim beside them.  Its size is the step's requests and the entries they
+ * gained, never the rows' whole length: a tracer keeps each row from the
+ * tails, the block_free events (sliding-window blocks replaced by the null
+ * block) and the resets (tail_from 0).
+ *
+ *   rows        const int64_t *  HOST pointer to num_rows records of 5
+ *                                int64, row-major:
+ *                 req         the request (hash above)
+ *                 seq_len     tokens in the cache once this step has written
+ *                 new_tokens  tokens it computes at this step
+ *                 row_len     entries of its row in this group now (null
+ *                             blocks included)
+ *                 tail_from   where this op's tail for the row starts: the
+ *                             row_len last reported for req in this group,
+ *                             or 0 if its row was freed since (preemption)
+ *                             or it is new
+ *   num_rows    int64_t
+ *   tail        const int32_t *  HOST pointer to the rows' new entries,
+ *                                concatenated: row i's entries [tail_from_i,
+ *                                row_len_i), block ids, 0 the null block.
+ *                                The buffer holds an even number of int32
+ *                                (a 0 after the last when num_tail is odd):
+ *                                the tracer reads it in 8-byte words.
+ *   num_tail    int64_t          entries in tail (the padding not counted)
+ *   group_id    int64_t          the KV-cache group (kv_cache_group_id)
+ *   block_size  int64_t          tokens per block
+ *   num_blocks  int64_t          blocks in the pool
+ * Streamed whenever attached; nothing is counted per block from it.
+ */
+#define KVTRACE_STEP_ROWS(rows, nrows, tail, ntail, group, bsize, nblocks)   \
+	STAP_PROBE7(vllm, step_rows, (const int64_t *)(rows), (int64_t)(nrows), \
+		    (const int32_t *)(tail), (int64_t)(ntail), (int64_t)(group),   \
+		    (int64_t)(bsize), (int64_t)(nblocks))
 
 #endif /* KVTRACE_DISABLE_PROBES */
 #endif /* KVTRACE_PROBES_H */

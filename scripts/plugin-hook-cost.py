@@ -7,6 +7,15 @@ call, best of 7 runs of 1,000,000 calls.  Run with vLLM's python, without
 KVTRACE_PLUGIN_RECORD (which turns every probe on) and with no tracer:
 
     .venv-vllm/bin/python scripts/plugin-hook-cost.py
+
+--grid: instead, a traced step's Python side (fire_block_tables) at 8x4,
+64x64, 256x128, 256x512 and 1024x256 rows x blocks, the whole tables
+(step_reqs + block_table, --verify-rows) against the deltas (step_rows):
+us a step and ns a row, with no tracer and with one attached (`attach -q
+-p` this process, --verify-rows, no -o; needs root and the tracer's venv,
+--tracer-python, default .venv/bin/python).  A decode step: each row
+gains a block every 16 steps; the deltas' first step (every row whole) is
+left out.  --json: one JSON object.
 """
 import os
 import sys
@@ -122,8 +131,129 @@ def cold_step_us(rows=8, blocks=4, steps=300):
     return {"cold_step_us": round(took[len(took) // 2] * 1e6, 1), "cold_step_rows": rows}
 
 
+GRID = ((8, 4), (64, 64), (256, 128), (256, 512), (1024, 256))
+GROW_EVERY = 16  # a decode step fills one token of a 16-token block
+
+
+def grid_step(rows, blocks):
+    """_step()'s objects, with room to grow the rows as decoding does."""
+    import types
+
+    g = _step(rows, blocks)
+    owners = g["sched"].kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+    g["rows"] = list(owners.values())
+    g["next_id"] = rows * blocks + 1
+    g["new"] = types.SimpleNamespace
+    return g
+
+
+def grow(g, k):
+    """Step k's new blocks: rows i with i = k (mod GROW_EVERY) gain one."""
+    for row in g["rows"][k % GROW_EVERY::GROW_EVERY]:
+        row.append(g["new"](block_id=g["next_id"]))
+        g["next_id"] += 1
+
+
+def step_us(rows, blocks, mode, steps):
+    """The median of `steps` decode steps' fire_block_tables, us: mode
+    "tables" fires step_reqs + block_table, "deltas" step_rows."""
+    import time
+    g = grid_step(rows, blocks)
+    on, off = (memoryview(bytearray(v)).cast("H") for v in (b"\x01\x00", b"\x00\x00"))
+    tables = on if mode == "tables" else off
+    saved, took = hooks.SEM, []
+    try:
+        hooks.SEM = {**saved, "block_table": tables, "step_reqs": tables,
+                     "step_rows": off if mode == "tables" else on}
+        hooks.REPORTED.clear()
+        f, sched, out = hooks.fire_block_tables, g["sched"], g["out"]
+        f(sched, out)  # the deltas' first step sends every row whole
+        for k in range(steps):
+            grow(g, k)
+            t = time.perf_counter()
+            f(sched, out)
+            took.append(time.perf_counter() - t)
+    finally:
+        hooks.SEM = saved
+        hooks.REPORTED.clear()
+    took.sort()
+    return took[len(took) // 2] * 1e6
+
+
+def attach_self(tracer_python):
+    """`kvtrace-bpf attach -q -p` this process, --verify-rows: (the
+    process, None) once its probes are attached, or (None, why not)."""
+    import subprocess
+    import time
+    if os.geteuid() != 0:
+        return None, "not root"
+    if not os.path.exists(tracer_python):
+        return None, f"no {tracer_python}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([tracer_python, "-m", "tracer.cli", "attach", "-q", "-p",
+                          str(os.getpid()), "--verify-rows"], cwd=root,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from kvtrace_vllm import _probes
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        if all(_probes.enabled(n) for n in ("step_rows", "block_table", "step_reqs")):
+            return p, None
+        time.sleep(0.2)
+    p.kill()
+    return None, "the tracer did not attach: " + (p.communicate()[1] or "")[-300:]
+
+
+def grid(tracer_python, quick):
+    """{f"{rows}x{blocks}": {untraced|traced: {tables_us, deltas_us}}}"""
+    import signal
+    steps = 9 if quick else 31
+    out = {f"{r}x{b}": {} for r, b in GRID}
+
+    def run(label):
+        for r, b in GRID:
+            out[f"{r}x{b}"][label] = {m + "_us": round(step_us(r, b, m, steps), 1)
+                                      for m in ("tables", "deltas")}
+    run("untraced")
+    tracer, why = attach_self(tracer_python)
+    if tracer is None:
+        return out, why
+    try:
+        run("traced")
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        try:
+            tracer.wait(60)
+        except Exception:  # noqa: BLE001 - it is ended either way
+            tracer.kill()
+    return out, None
+
+
+def print_grid(out, why):
+    print(f"{'rows x blocks':>13s} {'entries':>8s} {'mode':>9s} {'tables us':>10s} "
+          f"{'deltas us':>10s} {'tables ns/row':>14s} {'deltas ns/row':>14s}")
+    for (r, b) in GRID:
+        for label, t in out[f"{r}x{b}"].items():
+            print(f"{f'{r}x{b}':>13s} {r * b:8d} {label:>9s} {t['tables_us']:10.1f} "
+                  f"{t['deltas_us']:10.1f} {t['tables_us'] * 1e3 / r:14.0f} "
+                  f"{t['deltas_us'] * 1e3 / r:14.0f}")
+    if why:
+        print(f"traced: skipped ({why})")
+
+
 def main():
     as_json = "--json" in sys.argv[1:]
+    if "--grid" in sys.argv[1:]:
+        args = sys.argv[1:]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        tp = args[args.index("--tracer-python") + 1] if "--tracer-python" in args else \
+            os.path.join(root, ".venv", "bin", "python")
+        out, why = grid(tp, "--quick" in args)
+        if as_json:
+            import json
+            print(json.dumps({"grid": out, "traced_skipped": why}))
+        else:
+            print_grid(out, why)
+        return
     on = [n for n, v in hooks.SEM.items() if v[0]]
     if on:
         print(f"warning: probes enabled now (a tracer is attached?): {', '.join(on)}")

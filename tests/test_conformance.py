@@ -8,7 +8,9 @@ release, and each release of scripts/vllm-releases.txt from its source tree
 replays the plugin's recorded events into which request holds which block
 and which blocks are cached, and compares that with what the pool holds:
 req_to_blocks, ref_cnt, the free queue, the cached-hash map and
-num_free_blocks, read from vLLM's objects.  Adding a release is one line in
+num_free_blocks, read from vLLM's objects; and the rows step_rows' deltas
+give, replayed, against req_to_blocks as each schedule() left it.  Adding
+a release is one line in
 scripts/vllm-releases.txt and one run of this file.
 
 A scenario the plugin cannot yet trace exactly is an expected failure here,
@@ -118,6 +120,7 @@ def test_plugin_events_equal_the_pools_state(runs, release, scenario):
     assert r["hook_errors"] == 0
     assert r["finished"], r  # every request ran to its end, each step checked
     assert r["checks"] == r["steps"] > 0
+    assert r["rows_checked"] > 0  # step_rows' rows equalled req_to_blocks, step by step
     missing = [e for e in SCENARIOS[scenario] if not r["events"].get(e)]
     assert not missing, (missing, r["events"])
     if scenario == "spec-decode":

@@ -249,6 +249,59 @@ def test_block_tables_equal_what_the_worker_attention_read(runs):
     assert_tables_equal_reads(runs["fired"], runs["reads"])
 
 
+def assert_step_rows_replay_to_tables(fired, resets=False):
+    """step_rows' deltas, replayed (each row: the row kept for its request
+    and group cut at tail_from, then its tail; a block_free nulls the freed
+    blocks in its request's kept row), equal the whole table the plugin
+    fired for the same step and group, row for row (0-padded to its
+    stride), with the same seq_lens and step_reqs' tokens.  resets: some
+    row must have been sent whole again (a preemption freed it)."""
+    kept, table, names, steps, resent = defaultdict(dict), {}, None, 0, 0
+    for f in fired:
+        p = f["probe"]
+        if p == "step_reqs":
+            names = f
+        elif p == "block_table":
+            table[f["group"]] = f
+        elif p == "block_free":
+            row = kept[f["group"]].get(f["req"])
+            if row:
+                row[:] = [0 if b in f["ids"] else b for b in row]
+        elif p == "step_rows":
+            t, rows, tail = table.pop(f["group"]), kept[f["group"]], f["tail"]
+            assert len(f["rows"]) == len(t["rows"]) == len(names["reqs"])
+            assert f["block_size"] == t["block_size"] and f["num_blocks"] == t["num_blocks"]
+            at = 0
+            for (req, seq, new, n, frm), want, seq_t, req_t, new_t in zip(
+                    f["rows"], t["rows"], t["seq_lens"], names["reqs"], names["tokens"]):
+                assert (req % 2**64, seq, new) == (req_t, seq_t, new_t)
+                req %= 2**64
+                if frm == 0 and req in rows:
+                    resent += 1
+                assert frm <= len(rows.get(req, [])) or frm == 0
+                row = (rows.get(req, [])[:frm] if frm else []) + tail[at:at + n - frm]
+                at += n - frm
+                assert len(row) == n >= -(-seq // f["block_size"])
+                rows[req] = row
+                assert row + [0] * (len(want) - n) == want, (req, frm)
+            assert at == len(tail)
+            steps += 1
+    assert steps == sum(f["probe"] == "block_table" for f in fired) > 0
+    assert not table
+    if resets:
+        assert resent > 0
+
+
+def test_step_rows_replay_to_the_whole_tables(runs):
+    """Prefix caching and chunked prefill: the deltas add up to the tables."""
+    fired = runs["fired"]
+    assert_step_rows_replay_to_tables(fired)
+    # deltas: each row's entries are sent once, not at every step
+    tails = sum(len(f["tail"]) for f in fired if f["probe"] == "step_rows")
+    entries = sum(r[3] for f in fired if f["probe"] == "step_rows" for r in f["rows"])
+    assert 0 < tails < entries / 2
+
+
 def test_step_reqs_names_each_rows_request_and_its_new_tokens(runs):
     """step_reqs fires just before each step's block_table, one entry per
     row: the row holds only blocks its request was given (allocated or
@@ -304,7 +357,7 @@ def test_preemption_and_eviction(tmp_path):
     assert "a hook failed" not in log
     assert [r["generated"] for r in on["requests"]] == [r["generated"] for r in off["requests"]]
     fired = [json.loads(line) for line in rec.read_text().splitlines()]
-    events = [f for f in fired if f["probe"] != "block_table"]
+    events = [f for f in fired if f["probe"] not in ("block_table", "step_rows")]
 
     preempts = [i for i, f in enumerate(events) if f["probe"] == "req_preempt"]
     assert preempts, "vLLM did not preempt: the test's KV cache is too large"
@@ -327,6 +380,7 @@ def test_preemption_and_eviction(tmp_path):
         assert set(ev["ids"]) <= set(alloc["ids"])
 
     assert_tables_equal_reads(fired, [json.loads(line) for line in reads.read_text().splitlines()])
+    assert_step_rows_replay_to_tables(fired, resets=True)
 
 
 @pytest.fixture(scope="module")
@@ -518,3 +572,27 @@ def test_a_failing_hook_leaves_vllm_untouched(tmp_path):
     assert "RAISED Cannot get 100 free blocks from the pool" in out
     assert "ERRORS 2" in out
     assert out.count("a hook failed") == 1, out
+
+
+@pytest.mark.parametrize("edit,why", [
+    ("from vllm.v1.core.kv_cache_utils import KVCacheBlock\n"
+     "del KVCacheBlock.block_hash",
+     "KVCacheBlock has no attribute block_hash"),
+    # an __init__ with source to read (a file), setting no num_gpu_blocks
+    ("from vllm.v1.core.block_pool import BlockPool\n"
+     "import edit_init\n"
+     "BlockPool.__init__ = edit_init.__init__",
+     "BlockPool sets no attribute num_gpu_blocks"),
+])
+def test_the_layout_check_names_a_missing_attribute(tmp_path, edit, why):
+    """The attributes the hooks read on vLLM's objects are part of the
+    layout check: one gone (a property, an attribute its class's __init__
+    no longer sets) refuses the release with that one line."""
+    (tmp_path / "edit_init.py").write_text("def __init__(self, *a, **k):\n"
+                                           "    self.blocks = []\n")
+    rc, out = vllm_python(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n" + edit +
+                          "\nfrom kvtrace_vllm import hooks\nprint('WHY', hooks._check_layout())")
+    assert rc == 0, out
+    assert f"WHY {why}" in out, out
+    rc, out = vllm_python("from kvtrace_vllm import hooks\nprint('WHY', hooks._check_layout())")
+    assert rc == 0 and "WHY None" in out, out

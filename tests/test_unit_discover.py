@@ -26,7 +26,7 @@ ALL_PROBES = {"reshape_and_cache", "reshape_and_cache_flash", "concat_and_cache_
               "swap_blocks_batch", "block_table",
               # the plugin tier's, which kvsim fires from its scheduler
               "block_alloc", "block_hit", "block_cache", "block_free", "block_evict",
-              "request", "req_preempt", "req_finish", "step_reqs"}
+              "request", "req_preempt", "req_finish", "step_reqs", "step_rows"}
 
 # The kernel's x86_64 struct pt_regs (arch/x86/include/asm/ptrace.h), in
 # order, 8 bytes each: the BPF side reads argument registers at these offsets.

@@ -19,8 +19,11 @@ hold which blocks (alloc and hit give, free takes back) and which blocks
 are cached (cache adds, evict removes).  That picture is then compared with
 what the pool itself holds, read here from vLLM's objects: every group's
 req_to_blocks, each block's ref_cnt, the free queue, the cached-hash map and
-num_free_blocks.  The first difference ends the scenario, described in the
-result; the result of each scenario is one JSON object in --out.
+num_free_blocks.  The rows step_rows gave (each the row kept for its
+request and group cut at tail_from, then its tail; block_free nulls freed
+ids) are compared with req_to_blocks as the step's schedule() left it.
+The first difference ends the scenario, described in the result; the
+result of each scenario is one JSON object in --out.
 
 The replay is written from vLLM's documented semantics of the pool, not
 from the plugin's code: a test of the plugin must not share its mistakes.
@@ -244,6 +247,17 @@ def pool_truth(sched):
                 num_free=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks)
 
 
+def rows_truth(sched):
+    """Every group's req_to_blocks as block ids (the null block 0), by
+    (request hash, group): the rows as the scheduler holds them."""
+    out = {}
+    for stm in sched.kv_cache_manager.coordinator.single_type_managers:
+        for rid, blocks in stm.req_to_blocks.items():
+            out[(fnv1a64(rid), stm.kv_cache_group_id)] = [
+                0 if b.is_null else b.block_id for b in blocks]
+    return out
+
+
 # ---- the picture the plugin's events give -------------------------------------------
 
 class Replay:
@@ -251,9 +265,52 @@ class Replay:
         self.held = defaultdict(Counter)   # (req, group) -> block id -> count
         self.cached = set()
         self.counts = Counter()
+        # step_rows: each (req, group)'s row kept from the deltas, and the
+        # rows the last step_rows ops gave, as they gave them
+        self.rows = {}
+        self.reported = {}
+
+    def apply_rows(self, ev):
+        """A step_rows op: each row is the kept row cut at tail_from, then
+        its tail; a block_free nulls the freed ids in its request's kept
+        row.  The first inconsistency, or None."""
+        if ev["probe"] == "block_free":
+            row = self.rows.get((ev["req"], ev["group"]))
+            if row:
+                row[:] = [0 if b in ev["ids"] else b for b in row]
+            return None
+        at, tail = 0, ev["tail"]
+        for req, _seq, _new, n, frm in ev["rows"]:
+            key = (req % 2**64, ev["group"])
+            cur = self.rows.get(key, []) if frm else []
+            if frm > len(cur):
+                return f"step_rows: request {key[0]:x} tail from {frm}, kept {len(cur)}"
+            row = cur[:frm] + tail[at:at + n - frm]
+            at += n - frm
+            if len(row) != n:
+                return f"step_rows: request {key[0]:x} row of {len(row)}, row_len {n}"
+            self.rows[key] = row
+            self.reported[key] = list(row)
+        if at != len(tail):
+            return f"step_rows: {len(tail) - at} tail entries left over"
+        return None
+
+    def compare_rows(self, truth):
+        """The rows the step's step_rows gave against req_to_blocks as the
+        schedule left it (truth: rows_truth()); then forgets them."""
+        got, self.reported = self.reported, {}
+        for key, row in got.items():
+            if truth.get(key) != row:
+                return (f"row of request {key[0]:x} group {key[1]}: req_to_blocks "
+                        f"{truth.get(key)}, step_rows {row}")
+        return None
 
     def apply(self, ev):
         p = ev["probe"]
+        if p in ("step_rows", "block_free"):
+            why = self.apply_rows(ev)
+            if why:
+                return why
         if p not in ("block_alloc", "block_hit", "block_cache", "block_free", "block_evict"):
             self.counts[p] += 1
             return None
@@ -347,7 +404,8 @@ def run(name, model_dir, reader):
             [rng.randint(3, 999) for _ in range(n)]
         pending.append(make_request(f"{name}-{i}", toks, rng.randint(1, 32), hbs))
     replay = Replay()
-    result = dict(scenario=name, steps=0, checks=0, error=None, aborted=0, reset=False,
+    result = dict(scenario=name, steps=0, checks=0, rows_checked=0, error=None, aborted=0,
+                  reset=False,
                   connector_evicted=0, plugin_status=plugin_status,
                   draft_tokens=0, scheduler=type(sched).__name__)
     queue = []  # async: outputs a step behind
@@ -365,6 +423,7 @@ def run(name, model_dir, reader):
         if sc["spec_tokens"]:
             propose_drafts(sched, rng, sc["spec_tokens"])
         out = sched.schedule()
+        held_rows = rows_truth(sched)
         result["draft_tokens"] += sum(
             map(len, (getattr(out, "scheduled_spec_decode_tokens", None) or {}).values()))
         if sc["async_sched"]:
@@ -389,6 +448,11 @@ def run(name, model_dir, reader):
                 break
         if not result["error"]:
             result["error"] = replay.compare(pool_truth(sched))
+            if result["error"]:
+                result["error"] = f"step {step}: {result['error']}"
+        if not result["error"]:
+            result["rows_checked"] += len(replay.reported)
+            result["error"] = replay.compare_rows(held_rows)
             if result["error"]:
                 result["error"] = f"step {step}: {result['error']}"
         result["checks"] += 1

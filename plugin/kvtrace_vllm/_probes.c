@@ -417,6 +417,140 @@ fail:
 	return NULL;
 }
 
+/* ---- step_rows: the step's rows as deltas ---------------------------------
+ *
+ * Per scheduled request one dict lookup in req_to_blocks and one in
+ * `reported` ({request id: the row length last reported}, the caller's,
+ * updated here), and the block ids of the entries the row gained since: no
+ * walk of a whole row.  A row that is new, or was freed since (the caller
+ * pops its entry then), or is shorter than reported, is sent whole from 0.
+ */
+static int64_t *rows_buf;
+static int32_t *tail_buf;
+static size_t rows_cap, tail_cap;
+static Py_ssize_t rows_n, tail_n; /* this call's op: 0 rows if none fired */
+
+#define ROW_FIELDS 5
+
+/* step_rows(req_to_blocks, req_ids, seq_lens, tokens, reported, group_id,
+ * block_size, num_blocks) */
+static PyObject *probe_step_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+	PyObject *owners, *reported, *ids = NULL, *seqs = NULL, *toks = NULL;
+	int64_t group, bsize, nblocks;
+	Py_ssize_t n, nt = 0;
+	int err;
+	(void)self;
+	if (check_nargs("step_rows", nargs, 8) < 0 || get_i64(args[5], &group) < 0 ||
+	    get_i64(args[6], &bsize) < 0 || get_i64(args[7], &nblocks) < 0)
+		return NULL;
+	rows_n = tail_n = 0;
+	owners = args[0];
+	reported = args[4];
+	if (!PyDict_Check(owners) || !PyDict_Check(reported)) {
+		PyErr_SetString(PyExc_TypeError,
+				"step_rows: req_to_blocks and reported must be dicts");
+		return NULL;
+	}
+	ids = PySequence_Fast(args[1], "step_rows: request ids must be a sequence");
+	seqs = ids ? PySequence_Fast(args[2], "step_rows: seq_lens must be a sequence") : NULL;
+	toks = seqs ? PySequence_Fast(args[3], "step_rows: tokens must be a sequence") : NULL;
+	if (!toks)
+		goto fail;
+	n = PySequence_Fast_GET_SIZE(ids);
+	if (PySequence_Fast_GET_SIZE(seqs) != n || PySequence_Fast_GET_SIZE(toks) != n) {
+		PyErr_SetString(PyExc_ValueError, "step_rows: one seq_len and token count per request");
+		goto fail;
+	}
+	if (n == 0)
+		goto done;
+	if (reserve((void **)&rows_buf, &rows_cap, ROW_FIELDS * (size_t)n, 8) < 0)
+		goto fail;
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+		PyObject *blocks = blocks_of(owners, rid, &err);
+		PyObject *had;
+		Py_ssize_t len = blocks ? PyList_GET_SIZE(blocks) : 0, from = 0, was = -1;
+		int64_t *r = rows_buf + ROW_FIELDS * i;
+		uint64_t h;
+		if (err)
+			goto fail;
+		had = PyDict_GetItemWithError(reported, rid);
+		if (had) {
+			from = was = PyLong_AsSsize_t(had);
+			if (from == -1 && PyErr_Occurred())
+				goto fail;
+		} else if (PyErr_Occurred()) {
+			goto fail;
+		}
+		if (from < 0 || from > len)
+			from = 0; /* shorter than reported: sent whole */
+		if (str_hash(rid, &h) < 0 || get_i64(PySequence_Fast_GET_ITEM(seqs, i), &r[1]) < 0 ||
+		    get_i64(PySequence_Fast_GET_ITEM(toks, i), &r[2]) < 0)
+			goto fail;
+		r[0] = (int64_t)h;
+		r[3] = len;
+		r[4] = from;
+		if (len > from) {
+			/* +1: room for the padding to an even count */
+			if (reserve((void **)&tail_buf, &tail_cap, (size_t)(nt + len - from + 1), 4) < 0)
+				goto fail;
+			for (Py_ssize_t j = from; j < len; j++) {
+				PyObject *id = PyObject_GetAttr(PyList_GET_ITEM(blocks, j), block_id_name);
+				long long v = id ? PyLong_AsLongLong(id) : -1;
+				Py_XDECREF(id);
+				if (v == -1 && PyErr_Occurred())
+					goto fail;
+				if (v < 0 || v > INT32_MAX) {
+					PyErr_Format(PyExc_ValueError, "step_rows: block id %lld", v);
+					goto fail;
+				}
+				tail_buf[nt++] = (int32_t)v;
+			}
+		}
+		if (was != len) {
+			PyObject *v = PyLong_FromSsize_t(len);
+			if (!v || PyDict_SetItem(reported, rid, v) < 0) {
+				Py_XDECREF(v);
+				goto fail;
+			}
+			Py_DECREF(v);
+		}
+	}
+	if (reserve((void **)&tail_buf, &tail_cap, (size_t)nt + 1, 4) < 0)
+		goto fail;
+	tail_buf[nt] = 0; /* the padding: the tracer reads whole 8-byte words */
+	{
+		int64_t *rows = rows_buf;
+		int32_t *tail = tail_buf;
+		IN_REGISTER(rows);
+		IN_REGISTER(tail);
+		KVTRACE_STEP_ROWS(rows, (int64_t)n, tail, (int64_t)nt, group, bsize, nblocks);
+	}
+	rows_n = n;
+	tail_n = nt;
+done:
+	Py_DECREF(ids);
+	Py_DECREF(seqs);
+	Py_DECREF(toks);
+	Py_RETURN_NONE;
+fail:
+	Py_XDECREF(ids);
+	Py_XDECREF(seqs);
+	Py_XDECREF(toks);
+	return NULL;
+}
+
+/* last_rows() -> (rows int64 bytes, tail int32 bytes): what the last
+ * step_rows call fired, as the probe got it (empty if it fired none) */
+static PyObject *last_rows(PyObject *self, PyObject *unused)
+{
+	(void)self;
+	(void)unused;
+	return Py_BuildValue("y#y#", (const char *)rows_buf, rows_n * ROW_FIELDS * 8,
+			     (const char *)tail_buf, tail_n * 4);
+}
+
 /* last_table() -> (rows, width, table bytes, seq_lens bytes): the table
  * the last block_table call fired, as the probe got it, or 0 rows if it
  * fired none (KVTRACE_PLUGIN_RECORD records it) */
@@ -450,7 +584,7 @@ struct sem {
 static const struct sem plugin_sems[] = {
 	SEM(block_table), SEM(block_alloc), SEM(block_hit),  SEM(block_cache),
 	SEM(block_free),  SEM(block_evict), SEM(request),    SEM(req_preempt),
-	SEM(req_finish),  SEM(step_reqs),
+	SEM(req_finish),  SEM(step_reqs),   SEM(step_rows),
 };
 #define NSEMS (sizeof(plugin_sems) / sizeof(plugin_sems[0]))
 
@@ -523,6 +657,11 @@ static PyMethodDef methods[] = {
 			  "group_id, num_blocks): the table of req_ids' blocks; layer_id 0"),
 	FAST(step_reqs, "step_reqs(req_ids, tokens): the step's requests and "
 			"the tokens each computes"),
+	FAST(step_rows, "step_rows(req_to_blocks, req_ids, seq_lens, tokens, reported, "
+			"group_id, block_size, num_blocks): each row's new entries since "
+			"reported[req_id], which it updates"),
+	{"last_rows", last_rows, METH_NOARGS,
+	 "last_rows() -> (rows_int64_bytes, tail_int32_bytes) of the last step_rows"},
 	{"last_table", last_table, METH_NOARGS,
 	 "last_table() -> (rows, width, table_int32_bytes, seq_lens_int32_bytes)"},
 	{"req_hash", req_hash, METH_O, "req_hash(str) -> FNV-1a 64 of its UTF-8"},

@@ -92,6 +92,14 @@ class _Recorder:
             elif name == "step_reqs":
                 self._write(name, reqs=[self._probes.req_hash(r) for r in args[0]],
                             tokens=list(args[1]))
+            elif name == "step_rows":
+                rows, tail = self._probes.last_rows()
+                if rows:
+                    _owners, _rids, _seq, _tok, _rep, group, bsize, nblocks = args
+                    rows = array("q", rows).tolist()
+                    self._write(name, rows=[rows[i:i + 5] for i in range(0, len(rows), 5)],
+                                tail=array("i", tail).tolist(), group=group,
+                                block_size=bsize, num_blocks=nblocks)
             elif name == "block_table":
                 # the table as the probe got it, if it fired one
                 n, width, table, seq_lens = self._probes.last_table()
@@ -260,7 +268,11 @@ def _maybe_evict_cached_block(orig):
     def _maybe_evict_cached_block(self, block):  # exact signature: checked at install
         if not s[0]:
             return orig(self, block)
-        key = block.block_hash  # the content it held, gone once evicted
+        try:
+            key = block.block_hash  # the content it held, gone once evicted
+        except Exception:
+            _failed()
+            return orig(self, block)
         ret = orig(self, block)
         if ret is True:
             try:
@@ -341,7 +353,11 @@ def _cache_partial_block(orig):
                             *args, **kwargs):
         if not s[0] or self not in POOLS:
             return orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
-        h = block.block_hash
+        try:
+            h = block.block_hash
+        except Exception:
+            _failed()
+            return orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
         ret = orig(self, request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
         try:
             if not block.is_null:
@@ -361,7 +377,11 @@ def _move_block_hashes(orig):
     def move_block_hashes(self, src_block, dst_block, *args, **kwargs):
         if not s[0] or self not in POOLS:
             return orig(self, src_block, dst_block, *args, **kwargs)
-        h = src_block.block_hash
+        try:
+            h = src_block.block_hash
+        except Exception:
+            _failed()
+            return orig(self, src_block, dst_block, *args, **kwargs)
         ret = orig(self, src_block, dst_block, *args, **kwargs)
         if h is not None:
             try:
@@ -397,6 +417,11 @@ def _free(orig):
     s = SEM["block_free"]
 
     def free(self, request, *args, **kwargs):
+        if REPORTED:
+            try:
+                _forget_rows(request)
+            except Exception:
+                _failed()
         if not s[0]:
             return orig(self, request, *args, **kwargs)
         try:
@@ -548,14 +573,24 @@ _preempt_request = _fire_before("req_preempt", "num_computed_tokens")
 _free_request = _fire_before("req_finish", "num_output_tokens")
 
 
+# Per KV-cache group id: {request id: the row length step_rows last
+# reported for it}.  The C probe reads and updates it; _free pops a
+# request's entries when its blocks go back (its next row starts at 0), and
+# the schedule hook empties it while step_rows is not attached (frees then
+# go unseen).  One scheduler thread uses it.
+REPORTED = {}
+
+
 def fire_block_tables(scheduler, out):
-    """step_reqs, then block_table once per KV-cache group, for the step out
-    describes: one row per scheduled request (its block ids in that group,
-    0-padded), and seq_len = tokens computed before the step + tokens
-    scheduled in it.  step_reqs names each row's request and its scheduled
-    tokens (what it writes), in the same order.  The probes build the
-    tables in C from vLLM's lists: this runs once a step with cold caches,
-    where numpy here cost 87 us a step (docs/plugin.md)."""
+    """The step's rows for the step out describes: one row per scheduled
+    request, seq_len = tokens computed before the step + tokens scheduled in
+    it.  step_rows, once per KV-cache group: each row's record and the block
+    ids it gained since its last report (REPORTED), never a whole row.
+    With block_table attached (a tracer's --verify-rows) also step_reqs and
+    block_table once per group, the whole tables (0-padded), as before
+    step_rows: the tables to check the deltas against.  The probes build
+    their arrays in C from vLLM's lists: this runs once a step with cold
+    caches, where numpy here cost 87 us a step (docs/plugin.md)."""
     cached = out.scheduled_cached_reqs
     rids, computed = cached.req_ids, cached.num_computed_tokens
     new = out.scheduled_new_reqs
@@ -565,28 +600,50 @@ def fire_block_tables(scheduler, out):
     if not rids:
         return
     tokens = list(map(out.num_scheduled_tokens.__getitem__, rids))
-    if SEM["step_reqs"][0]:
+    table = SEM["block_table"][0]
+    if SEM["step_reqs"][0] and table:
         P.step_reqs(rids, tokens)
-    if not SEM["block_table"][0]:
+    rows = SEM["step_rows"][0]
+    if not (rows or table):
         return
     seq_lens = list(map(add, computed, tokens))
     manager = scheduler.kv_cache_manager
     nblocks = manager.block_pool.num_gpu_blocks
-    for stm in manager.coordinator.single_type_managers:
-        P.block_table(stm.req_to_blocks, rids, seq_lens, stm.block_size,
-                      stm.kv_cache_group_id, nblocks)
+    stms = manager.coordinator.single_type_managers
+    if table:  # right after step_reqs, which names their rows
+        for stm in stms:
+            P.block_table(stm.req_to_blocks, rids, seq_lens, stm.block_size,
+                          stm.kv_cache_group_id, nblocks)
+    if rows:
+        for stm in stms:
+            g = stm.kv_cache_group_id
+            reported = REPORTED.get(g)
+            if reported is None:
+                reported = REPORTED[g] = {}
+            P.step_rows(stm.req_to_blocks, rids, seq_lens, tokens, reported, g,
+                        stm.block_size, nblocks)
+
+
+def _forget_rows(request):
+    """A request's rows were freed (its end, or preemption): its next
+    step_rows report starts at 0."""
+    rid = request.request_id
+    for reported in REPORTED.values():
+        reported.pop(rid, None)
 
 
 def _schedule(orig):
-    s, r = SEM["block_table"], SEM["step_reqs"]
+    s, r, d = SEM["block_table"], SEM["step_reqs"], SEM["step_rows"]
 
     def schedule(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
-        if s[0] or r[0]:
+        if s[0] or r[0] or d[0]:
             try:
                 fire_block_tables(self, out)
             except Exception:
                 _failed()
+        if REPORTED and not d[0]:
+            REPORTED.clear()  # detached: the frees from now on go unseen
         return out
     return schedule
 
@@ -630,6 +687,45 @@ _FIELDS = [
     ("vllm.v1.core.sched.output", "CachedRequestData", ("req_ids", "num_computed_tokens")),
 ]
 
+# attributes the hooks read on vLLM's objects: (module, class, names) set
+# on its instances by the class's own __init__ (read from its source: no
+# instance exists at install); KVCacheBlock's are its fields and properties
+_ATTRS = [
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager",
+     ("req_to_blocks", "block_pool", "kv_cache_group_id", "block_size")),
+    ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
+     ("single_type_managers", "block_pool")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("coordinator", "block_pool")),
+    ("vllm.v1.core.block_pool", "BlockPool", ("num_gpu_blocks",)),
+]
+_BLOCK_ATTRS = ("block_id", "is_null", "block_hash")
+
+
+def _check_attrs():
+    """None if the instance attributes the hooks read are set where they
+    expect them, else which one is missing (one line)."""
+    import dataclasses
+    import importlib
+    import re
+
+    for mod, cls, names in _ATTRS:
+        c = getattr(importlib.import_module(mod), cls, None)
+        try:
+            src = inspect.getsource(c.__init__)
+        except (OSError, TypeError):
+            return f"{cls}.__init__ has no readable source: its attributes cannot be checked"
+        for name in names:
+            if not re.search(r"\bself\.%s\s*[:=]" % re.escape(name), src):
+                return f"{cls} sets no attribute {name}"
+    block = getattr(importlib.import_module("vllm.v1.core.kv_cache_utils"), "KVCacheBlock",
+                    None)
+    have = {f.name for f in dataclasses.fields(block)} if dataclasses.is_dataclass(block) \
+        else set()
+    for name in _BLOCK_ATTRS:
+        if name not in have and not isinstance(getattr(block, name, None), property):
+            return f"KVCacheBlock has no attribute {name}"
+    return None
+
 
 def _check_layout():
     """None if vLLM's classes look as the hooks need, else why not."""
@@ -657,7 +753,10 @@ def _check_layout():
         missing = [f for f in fields if f not in have]
         if missing:
             return f"{cls} has no field {', '.join(missing)}"
-    return None
+    try:
+        return _check_attrs()
+    except Exception as e:  # noqa: BLE001 - any failure means unknown
+        return f"attributes: {type(e).__name__}: {e}"
 
 
 def _subclasses(cls):

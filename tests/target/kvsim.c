@@ -42,7 +42,7 @@
 #define KV_BYTES_PER_TOKEN 16 /* bytes stored per slot, per layer */
 #define PAD_TO 8              /* slot arrays padded to a multiple (CUDA graphs) */
 #define MAX_SAMPLES 8         /* parallel samples per request */
-#define MAX_LAYERS 64
+#define MAX_LAYERS 128
 #define MIN_CPU_BLOCKS 512
 
 /* ------------------------------------------------------------------ */
@@ -158,14 +158,30 @@ static const struct workload workloads[] = {
 	 * reads whole (its `truncated` counter is checked against this) */
 	{ "long", 1, 16, 16384, 12, 1, 20000, 30000, 1, 2, 131072,
 	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 0, 0 },
+	/* production-sized: an H200's 131072 blocks, an 80-layer model, 1024
+	 * requests sharing a 2048-token prefix (128 blocks each row reads),
+	 * a 1024-token sliding window and a preemption every other step
+	 * (PROD_PREEMPT_EVERY); a
+	 * step's table is over 130k entries.  Few steps (2-4 tokens each),
+	 * so a run stays seconds; only the touched KV pages are memory */
+	{ "prod", 80, 16, 131072, 1024, 1, 16, 48, 2, 4, 65536,
+	  KV_OP_RESHAPE_AND_CACHE_FLASH, false, 2048, 1024 },
 };
 #define NUM_WORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
+#define PROD_PREEMPT_EVERY 2 /* the prod workload's --preempt-every */
 
 struct config {
 	struct workload w; /* the workload with flag overrides applied */
 	uint64_t seed;
 	const char *truth_path;
 	bool truth_steps; /* --truth-steps: per-step read rows in the truth */
+	FILE *truth_rows; /* --truth-rows: every step's rows, a JSON line each */
+	/*
+	 * --preempt-every N: every N steps (0: never) swap out the last
+	 * admitted running request, memory pressure or not: preemption in a
+	 * pool too large to fill in a few steps (the prod workload).
+	 */
+	int64_t preempt_every;
 	bool pause, quiet, progress;
 	uint64_t repeat;
 	uint64_t rounds; /* each round waits for SIGUSR1, runs, rewrites the truth */
@@ -384,6 +400,8 @@ struct seq {
 	bool finished;
 	uint64_t new_step;  /* 1 + the step of new_tokens */
 	int64_t new_tokens; /* tokens it wrote at that step (step_reqs) */
+	/* table entries step_rows last reported (0: none, or freed since) */
+	int64_t reported;
 	/*
 	 * [layer] the checksum attention must get over positions [0, len):
 	 * the sum of the expected values of the tokens this sequence holds
@@ -456,6 +474,10 @@ struct sim {
 	/* step_reqs' rows: each row's request hash, then its new tokens */
 	uint64_t *step_rows;
 	int64_t *row_new;
+	/* step_rows' arrays: 5 int64 a row, and the rows' new entries */
+	int64_t *delta_rows;
+	int32_t *delta_tail;
+	bool dirty; /* a run wrote the KV buffers (calloc's are zero) */
 
 	/*
 	 * The prefix cache: [j] the GPU block holding full prefix block j, or
@@ -544,10 +566,13 @@ static void reset_run(struct sim *s)
 {
 	pool_reset(&s->gpool);
 	pool_reset(&s->cpool);
-	for (int64_t l = 0; l < s->L; l++) {
+	/* not before the first run: a large pool's untouched pages stay
+	 * unbacked (the production-sized workload's are gigabytes) */
+	for (int64_t l = 0; l < s->L && s->dirty; l++) {
 		memset(s->gpu[l].bytes, 0, (size_t)(s->nblocks * s->bpb));
 		memset(s->cpu[l].bytes, 0, (size_t)(s->cpool.n * s->bpb));
 	}
+	s->dirty = true;
 	for (int64_t i = 0; i < s->nreq; i++) {
 		struct request *r = &s->reqs[i];
 		r->prefilled = 0;
@@ -560,6 +585,7 @@ static void reset_run(struct sim *s)
 			struct seq *q = &r->seqs[k];
 			q->nblocks = q->len = q->gen = q->dropped = 0;
 			q->new_step = 0;
+			q->reported = 0;
 			q->sample = k;
 			q->finished = false;
 			memset(q->attn_sum, 0, (size_t)s->L * sizeof(uint64_t));
@@ -627,6 +653,9 @@ static void sim_init(struct sim *s, const struct config *cfg)
 	s->row_seq = xcalloc((size_t)s->max_rows, sizeof(*s->row_seq));
 	s->step_rows = xcalloc((size_t)(2 * s->max_rows), sizeof(*s->step_rows));
 	s->row_new = xcalloc((size_t)s->max_rows, sizeof(*s->row_new));
+	s->delta_rows = xcalloc((size_t)(5 * s->max_rows), sizeof(*s->delta_rows));
+	s->delta_tail = xcalloc((size_t)(s->max_rows * s->row_stride + 1),
+				sizeof(*s->delta_tail));
 
 	int64_t maxb = s->nblocks > cfg->cpu_blocks ? s->nblocks : cfg->cpu_blocks;
 	s->pairs = xcalloc((size_t)(2 * maxb), sizeof(*s->pairs));
@@ -1254,6 +1283,9 @@ static void preempt_last(struct sim *s)
 	s->t.preempt_calls++;
 	int64_t npairs = move_request_blocks(s, r, &s->gpool, &s->cpool);
 	record_swap(s, npairs, KV_SWAP_OUT);
+	/* its rows now hold host blocks: step_rows sends them whole again */
+	for (int k = 0; k < r->nseqs; k++)
+		r->seqs[k].reported = 0;
 	/* the request's GPU blocks, each once (pairs: distinct sources) */
 	for (int64_t i = 0; i < npairs; i++)
 		life_add(s, r, KV_LIFE_FREE, (int32_t)s->pairs[2 * i]);
@@ -1404,6 +1436,9 @@ static void schedule_step(struct sim *s)
 	s->ntok = 0;
 	drop_out_of_window(s);
 	swap_in_ready(s);
+	if (s->cfg->preempt_every && s->step_no &&
+	    s->step_no % (uint64_t)s->cfg->preempt_every == 0 && s->nrunning > 1)
+		preempt_last(s);
 
 	for (int64_t i = 0; i < s->nrunning; i++) {
 		struct request *r = &s->reqs[s->running[i]];
@@ -1455,6 +1490,53 @@ static void schedule_step(struct sim *s)
 		schedule_prefill(s, r, chunk);
 		budget -= chunk;
 	}
+}
+
+/*
+ * step_rows (bpf/kvtrace_probes.h): the step's rows as deltas, each row's
+ * entries since its last report, from the sequences' own tables.  A
+ * request's row is one sequence's, so only workloads of one sample a
+ * request fire it (vLLM's scheduler runs no request with several).  Entries
+ * the sliding window nulls were reported before and their block_free fired;
+ * a swapped-out sequence is reported whole again (preempt_last()).
+ * --truth-rows writes the rows as the sequences hold them, a JSON line:
+ * {"step": N, "rows": [[req, seq_len, new_tokens, [entries]], ...]}.
+ */
+static void fire_step_rows(struct sim *s, uint64_t step)
+{
+	int64_t nt = 0;
+	FILE *f = s->cfg->truth_rows;
+
+	if (s->cfg->w.samples != 1)
+		return;
+	for (int64_t i = 0; i < s->nrows; i++) {
+		struct seq *q = s->row_seq[i];
+		int64_t *r = s->delta_rows + 5 * i;
+		int64_t from = q->reported <= q->nblocks ? q->reported : 0;
+		r[0] = (int64_t)s->step_rows[i];
+		r[1] = q->len;
+		r[2] = s->row_new[i];
+		r[3] = q->nblocks;
+		r[4] = from;
+		for (int64_t j = from; j < q->nblocks; j++)
+			s->delta_tail[nt++] = q->table[j];
+		q->reported = q->nblocks;
+	}
+	s->delta_tail[nt] = 0; /* the padding to whole 8-byte words */
+	kv_step_rows(s->delta_rows, s->nrows, s->delta_tail, nt, 0, s->bs,
+		     s->nblocks);
+	if (!f)
+		return;
+	fprintf(f, "{\"step\": %" PRIu64 ", \"rows\": [", step);
+	for (int64_t i = 0; i < s->nrows; i++) {
+		const struct seq *q = s->row_seq[i];
+		fprintf(f, "%s[%" PRIu64 ", %" PRId64 ", %" PRId64 ", [", i ? ", " : "",
+			s->step_rows[i], q->len, s->row_new[i]);
+		for (int64_t j = 0; j < q->nblocks; j++)
+			fprintf(f, j ? ",%d" : "%d", q->table[j]);
+		fputs("]]", f);
+	}
+	fputs("]}\n", f);
 }
 
 /* One row of per-step read figures (--truth-steps). */
@@ -1549,6 +1631,7 @@ static void build_block_table(struct sim *s)
 		s->step_rows[s->nrows + i] = (uint64_t)s->row_new[i];
 	kv_step_reqs(s->step_rows, s->nrows);
 	s->t.step_reqs_calls++;
+	fire_step_rows(s, step);
 	rd->steps++;
 	rd->requests += (uint64_t)s->nrows;
 	rd->tokens += tokens;
@@ -2053,10 +2136,12 @@ static void print_help(void)
 	       "A paged-KV-cache simulator that fires the kvtrace USDT probes.\n"
 	       "\n"
 	       "  --workload NAME      default | beam | swap | stress | mla | prefix |\n"
-	       "                       window | long\n"
+	       "                       window | long | prod\n"
 	       "  --seed N             RNG seed (default 1)\n"
 	       "  --truth FILE         write the ground-truth JSON to FILE\n"
 	       "  --truth-steps        include per-step read rows (reads.live_sets)\n"
+	       "  --truth-rows FILE    write every step's rows, as the sequences hold\n"
+	       "                       them, to FILE: a JSON line a step\n"
 	       "  --pause              wait for SIGUSR1 before running\n"
 	       "  --repeat N           run the workload N times (default 1)\n"
 	       "  --rounds N           N rounds, each: wait for SIGUSR1, run the\n"
@@ -2067,6 +2152,9 @@ static void print_help(void)
 	       "  --blocks N           override the GPU block count\n"
 	       "  --block-size N       override the tokens per block\n"
 	       "  --sliding-window N   override the sliding window (tokens, 0 none)\n"
+	       "  --preempt-every N    swap out the last admitted running request\n"
+	       "                       every N steps (default 0: only when blocks\n"
+	       "                       run out; prod: 2)\n"
 	       "  --write-op NAME      reshape_and_cache | reshape_and_cache_flash |\n"
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
 	       "  --ops-log FILE       one line per op fired with its probe enabled\n"
@@ -2100,6 +2188,7 @@ static void parse_args(int argc, char **argv, struct config *c)
 {
 	const char *workload = "default";
 	int64_t layers = -1, blocks = -1, block_size = -1, window = -1;
+	int64_t preempt_every = -1;
 	int write_op = -1;
 
 	c->seed = 1;
@@ -2123,6 +2212,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 		bool has_arg = !strcmp(flag, "--workload") ||
 			       !strcmp(flag, "--seed") ||
 			       !strcmp(flag, "--truth") ||
+			       !strcmp(flag, "--truth-rows") ||
+			       !strcmp(flag, "--preempt-every") ||
 			       !strcmp(flag, "--ops-log") ||
 			       !strcmp(flag, "--repeat") ||
 			       !strcmp(flag, "--rounds") ||
@@ -2162,6 +2253,14 @@ static void parse_args(int argc, char **argv, struct config *c)
 			if (!*val)
 				usage_error("%s needs a file name", flag);
 			c->truth_path = val;
+		} else if (!strcmp(flag, "--preempt-every")) {
+			preempt_every = (int64_t)parse_u64(flag, val, 0, 1 << 30);
+		} else if (!strcmp(flag, "--truth-rows")) {
+			if (!*val)
+				usage_error("%s needs a file name", flag);
+			c->truth_rows = fopen(val, "w");
+			if (!c->truth_rows)
+				usage_error("cannot write %s", val);
 		} else if (!strcmp(flag, "--ops-log")) {
 			if (!*val)
 				usage_error("%s needs a file name", flag);
@@ -2212,6 +2311,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 		c->w.write_op = write_op;
 	if (window >= 0)
 		c->w.window = window;
+	c->preempt_every = preempt_every >= 0 ? preempt_every
+			   : !strcmp(c->w.name, "prod") ? PROD_PREEMPT_EVERY : 0;
 	c->cpu_blocks = c->w.blocks > MIN_CPU_BLOCKS ? c->w.blocks : MIN_CPU_BLOCKS;
 }
 
@@ -2276,6 +2377,8 @@ int main(int argc, char **argv)
 
 	if (kv_ops_log && fclose(kv_ops_log) != 0)
 		fatal("cannot write the --ops-log file");
+	if (cfg.truth_rows && fclose(cfg.truth_rows) != 0)
+		fatal("cannot write the --truth-rows file");
 	const struct truth *t = &sim.t;
 	if (!cfg.quiet)
 		fprintf(stderr,

@@ -373,6 +373,24 @@ void kv_step_reqs(const uint64_t *rows, int64_t num_reqs)
 	}
 }
 
+void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
+		  int64_t num_tail, int64_t group_id, int64_t block_size,
+		  int64_t num_blocks)
+{
+	(void)rows;
+	(void)num_rows;
+	(void)tail;
+	(void)num_tail;
+	(void)group_id;
+	(void)block_size;
+	(void)num_blocks;
+	if (KVTRACE_ENABLED(step_rows)) {
+		log_op("step_rows", (uint64_t)group_id, rows, 5 * num_rows);
+		KVTRACE_STEP_ROWS(rows, num_rows, tail, num_tail, group_id,
+				  block_size, num_blocks);
+	}
+}
+
 void kv_req_finish(uint64_t req, int64_t output_tokens)
 {
 	(void)output_tokens;

@@ -155,4 +155,15 @@ void kv_req_finish(uint64_t req, int64_t output_tokens);
  */
 void kv_step_reqs(const uint64_t *rows, int64_t num_reqs);
 
+/*
+ * step_rows: the step's rows as deltas (bpf/kvtrace_probes.h): rows holds
+ * 5 int64 a row (req, seq_len, new_tokens, row_len, tail_from), tail the
+ * rows' entries [tail_from, row_len) concatenated, with room for one more
+ * (a 0: the tracer reads whole 8-byte words).  --ops-log: "step_rows
+ * GROUP" and the 5 * num_rows row values.
+ */
+void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
+		  int64_t num_tail, int64_t group_id, int64_t block_size,
+		  int64_t num_blocks);
+
 #endif /* KVSIM_OPS_H */

@@ -34,6 +34,7 @@ PAIR_OP_IDS = frozenset((abi.OPS["copy_blocks"], abi.OPS["swap_blocks"]))
 TABLE_OP_ID = abi.OPS["block_table"]
 LIFE_OP_IDS = frozenset(abi.OPS[o] for o in abi.LIFE_OPS)  # the plugin's block ids
 STEP_REQS_OP_ID = abi.OPS["step_reqs"]  # streams requests, then their new tokens
+STEP_ROWS_OP_ID = abi.OPS["step_rows"]  # streams row records, then the tails' int32 words
 _BAD_FLAGS = abi.EV_TRUNCATED | abi.EV_READ_ERROR | abi.EV_CHUNKS_LOST
 
 # the decoded op table: the op record's fields, then where its values are
@@ -85,6 +86,9 @@ def expected_values(ops: np.ndarray) -> np.ndarray:
     want = items * per
     # block events with content hashes stream the ids, then as many hashes
     want = np.where((ops["flags"] & abi.EV_HASHES) != 0, 2 * want, want)
+    # step_rows: 5 values a row, then its tail's int32 entries (slots) two a word
+    want = np.where(op == STEP_ROWS_OP_ID,
+                    STEP_ROWS_FIELDS * items + (ops["slots"].astype(np.int64) + 1) // 2, want)
     if "rows" in (ops.dtype.names or ()):
         table = op == TABLE_OP_ID
         want = np.where(table, ops["rows"].astype(np.int64) + items +
@@ -342,3 +346,84 @@ def per_cache(o: np.ndarray, mapping: dict, default) -> np.ndarray:
     table = np.array([mapping.get((int(p), int(c)), default) for p in pids for c in caches]
                      or [default], np.int64)
     return table[key] if len(o) else np.zeros(0, np.int64)
+
+
+# -- step_rows: each step's rows as deltas (docs/design.md, "Row deltas: step_rows")
+
+STEP_ROWS_FIELDS = 5  # int64s a row record holds: req, seq_len, new_tokens, row_len, tail_from
+
+
+@dataclass
+class StepRows:
+    """The step_rows ops of an OpStream, decoded: per op, its place and
+    header; per row, its record; per row, its tail (the row's new entries).
+
+    Op k's rows are [lo[k], lo[k+1]); row i's tail is
+    tail[tail_lo[i]:tail_lo[i+1]]: req_to_blocks entries [tail_from[i],
+    row_len[i]) of that request in that group, block ids, 0 the null block.
+    An op that is not `complete` brought no rows (lo[k] == lo[k+1])."""
+
+    pos: np.ndarray         # int64 per op: its index in the OpStream's ops
+    pid: np.ndarray         # uint32 per op
+    ts_ns: np.ndarray       # uint64 per op
+    group: np.ndarray       # int64 per op: vLLM's kv_cache_group_id
+    block_size: np.ndarray  # int64 per op
+    num_blocks: np.ndarray  # int64 per op: blocks in the pool
+    complete: np.ndarray    # bool per op: every row and tail entry arrived
+    lo: np.ndarray          # int64, len(pos) + 1
+    req: np.ndarray         # uint64 per row: the request's FNV-1a hash
+    seq_len: np.ndarray     # int64 per row: tokens in the cache once the step has written
+    new_tokens: np.ndarray  # int64 per row: tokens computed at the step
+    row_len: np.ndarray     # int64 per row: len(req_to_blocks[req]) in the group now
+    tail_from: np.ndarray   # int64 per row: where this op's tail for the row starts
+    tail_lo: np.ndarray     # int64, len(req) + 1
+    tail: np.ndarray        # int32: the rows' new entries, concatenated
+
+
+def step_rows(ops: OpStream) -> StepRows:
+    """The step_rows ops of `ops` (bpf/kvtrace_probes.h, docs/trace-format.md),
+    decoded with numpy: no Python loop per op or per row.  An op whose
+    stream is not whole, or whose tails do not add up to what it says it
+    sent (sum of row_len - tail_from = its slots), is not complete and
+    brings no rows: a delta is of no use in part."""
+    o = ops.ops
+    pos = np.flatnonzero(o["op"] == STEP_ROWS_OP_ID).astype(np.int64)
+    sel = o[pos]
+    nrows = sel["items"].astype(np.int64)
+    ntail = sel["slots"].astype(np.int64)
+    complete = sel["complete"].copy()
+    # the row records of the complete ops, (rows, 5)
+    take = np.where(complete, nrows, 0)
+    rec = gather(ops.values, sel["start"], STEP_ROWS_FIELDS * take).reshape(
+        -1, STEP_ROWS_FIELDS)
+    row_op = np.repeat(np.arange(len(pos)), take)
+    tail_n = rec[:, 3] - rec[:, 4]
+    # each op's tails must add up to its tail entries, each row's lie inside it
+    per_op = np.bincount(row_op, weights=tail_n, minlength=len(pos)).astype(np.int64) \
+        if len(pos) else np.zeros(0, np.int64)
+    bad = np.zeros(len(pos), bool)
+    np.logical_or.at(bad, row_op, (tail_n < 0) | (rec[:, 4] < 0))
+    complete &= ~bad & (np.where(complete, per_op, ntail) == ntail)
+    if not complete.all():  # drop the rows of ops found wanting just now
+        keep = complete[row_op]
+        rec, row_op, tail_n = rec[keep], row_op[keep], tail_n[keep]
+    take = np.where(complete, nrows, 0)
+    lo = np.zeros(len(pos) + 1, np.int64)
+    np.cumsum(take, out=lo[1:])
+    # the tails: each op's words after its records, as int32, less the padding
+    words = np.where(complete, (ntail + 1) // 2, 0)
+    w = gather(ops.values, sel["start"] + STEP_ROWS_FIELDS * take, words)
+    t32 = np.ascontiguousarray(w).view("<i4")
+    t_first = np.cumsum(2 * words) - 2 * words
+    tail = t32[ranges(t_first, np.where(complete, ntail, 0))].astype(np.int32)
+    tail_lo = np.zeros(len(rec) + 1, np.int64)
+    np.cumsum(tail_n, out=tail_lo[1:])
+    return StepRows(pos=pos, pid=sel["pid"].astype(np.uint32),
+                    ts_ns=sel["ts_ns"].astype(np.uint64),
+                    group=sel["cache_id"].astype(np.int64),
+                    block_size=sel["rows"].astype(np.int64),
+                    num_blocks=sel["held_tokens"].astype(np.int64),
+                    complete=complete, lo=lo, req=rec[:, 0].astype(np.uint64),
+                    seq_len=rec[:, 1].copy(), new_tokens=rec[:, 2].copy(),
+                    row_len=rec[:, 3].copy(), tail_from=rec[:, 4].copy(),
+                    tail_lo=tail_lo, tail=tail)
