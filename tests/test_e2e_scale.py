@@ -46,6 +46,23 @@ def test_131072_blocks_exact_by_default(tmp_path):
     assert_reads_match_truth(doc, truth)
 
 
+def test_production_workload_exact_by_default(tmp_path):
+    """kvsim's production-sized workload: 131,072 blocks, 80 layers, 1,024
+    requests sharing a prefix, a sliding window and swap preemptions, every
+    count exact against its truth with no limit flag."""
+    out, truth_path = tmp_path / "agg.json", tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", "prod",
+                    "--truth", truth_path, "--quiet", timeout=900)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    truth = json.loads(truth_path.read_text())
+    assert (truth["num_blocks"], truth["num_layers"]) == (PRODUCTION_BLOCKS,
+                                                          PRODUCTION_LAYERS)
+    assert truth["reads"]["requests"] >= 1024
+    assert_matches_truth(doc, truth)
+    assert_reads_match_truth(doc, truth)
+
+
 def test_16_processes_of_80_layers_in_all_exact_by_default(tmp_path):
     """16 kvsim processes under one tracer, 5 layers each: 80 caches, every
     row its own process's truth.  The tracer is the one attach loads, at
