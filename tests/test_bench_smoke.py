@@ -127,6 +127,17 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     assert 0 < mem["rss_loaded_mb"] <= mem["rss_peak_mb"]
     assert mem["exact"] is True and mem["status"] == [0]
 
+    # row 12 starts vLLM's scheduler: left out with --quick
+    assert "skipped" in res["sched"]
+    # row 13: the plugin's step at each table size, whole tables and row
+    # changes, untraced at least (traced where the tracer attached)
+    grid = res["plugin_grid"]
+    assert "skipped" not in grid, grid.get("skipped")
+    assert set(grid["grid"]) == {"8x4", "64x64", "256x128", "256x512", "1024x256"}
+    for size, modes in grid["grid"].items():
+        assert modes["untraced"]["tables_us"] > 0 and modes["untraced"]["deltas_us"] > 0, size
+        assert ("traced" in modes) == (grid["traced_skipped"] is None), size
+
     # the printed table is the same data, one line per figure
     lines = r.stdout.splitlines()[2:]  # after the header and its rule
     assert len(lines) == len(res["table"])
