@@ -69,6 +69,13 @@ GOALS = {  # figure key -> (goal text, test on the median; on a figure with a
     "offline.export": (">= 5M slot writes/s", lambda v: v >= 5e6),
     "footprint.peak_rss_mb": ("<= 100 MB", lambda v: v <= 100),
     "plugin.untraced_ratio": (">= 0.99", lambda v: v >= 0.99),
+    # the control: a second engine without the plugin against the first
+    "plugin.untraced_again_ratio": ("1: what noise alone gives", None),
+    "memory.rss_mb": ("<= 100 MB", lambda v: v <= 100),
+    "sched.added_us_25k": ("<= 50 us", lambda v: v <= 50),
+    "sched.added_262k_over_4k": ("<= 2", lambda v: v <= 2),
+    "sched.untraced_again_ratio": ("1: what noise alone gives", None),
+    "grid.262k_over_4k": ("<= 2", lambda v: v <= 2),
 }
 
 
@@ -943,7 +950,9 @@ def row_plugin(q, res):
                    check=True, stdout=subprocess.DEVNULL)
     engines = {}
     try:
-        for name, plugins in (("off", ""), ("on", "kvtrace")):
+        # "off2", a second engine without the plugin: the A/A control, what
+        # two engines side by side give with nothing between them different
+        for name, plugins in (("off", ""), ("on", "kvtrace"), ("off2", "")):
             # OMP_WAIT_POLICY=PASSIVE: an idle engine's OpenMP threads sleep
             # instead of spinning on the cores the other engine's batch needs
             engines[name] = subprocess.Popen(
@@ -963,26 +972,23 @@ def row_plugin(q, res):
             return doc["generated_tokens"] / doc["generate_s"]
 
         def ratios(n):
-            out = []
+            out, again = [], []
             for i in range(n):
-                # alternate which goes first: a drift favours neither
-                if i % 2:
-                    on = batch("on")
-                    off = batch("off")
-                else:
-                    off = batch("off")
-                    on = batch("on")
-                out.append(on / off)
-            return out
+                # alternate the order: a drift favours none
+                order = ("on", "off", "off2") if i % 2 else ("off2", "off", "on")
+                got = {name: batch(name) for name in order}
+                out.append(got["on"] / got["off"])
+                again.append(got["off2"] / got["off"])
+            return out, again
 
         cycles = 6
-        untraced = ratios(cycles)
+        untraced, untraced_again = ratios(cycles)
         agg = Path(tempfile.mkdtemp()) / "agg.json"
         tp = subprocess.Popen(kvtrace("attach", "-p", engines["on"].pid, "-q", "--json", agg),
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True)
         read_until(tp.stderr, "ready after", 180)
-        traced = ratios(cycles)
+        traced, traced_again = ratios(cycles)
         stop_tracer(tp)
         ops = json.loads(agg.read_text())["ops"]
     finally:
@@ -992,6 +998,10 @@ def row_plugin(q, res):
         "batch": "8 requests x 64-token prompts, 32 tokens each, 12 times per measurement",
         # six pairs: an interval of the median says how little that resolves
         "untraced_ratio": with_ci(stats(untraced)), "traced_ratio": with_ci(stats(traced)),
+        # the A/A control: the second engine without the plugin against the
+        # first, in the same cycles (both phases: the tracer is on the
+        # plugin's engine only)
+        "untraced_again_ratio": with_ci(stats(untraced_again + traced_again)),
         # proof the traced batches went through the plugin's probes
         "traced_counts": {op: ops[op]["calls"] for op in ("block_alloc", "block_free",
                                                            "block_table", "request")
@@ -1273,24 +1283,41 @@ def ms(st):
 def resolves_1pc(*controls):
     """False where a control (the same code against itself, with ci95) has
     an interval that reaches past 1% of 1: a ratio measured beside it cannot
-    be judged against a 1% goal.  True for a control that is absent (results
-    from before it)."""
+    be judged against a 1% goal.  False too for a control that is absent or
+    has no interval (results from before it): nothing then says what noise
+    alone gives.  A figure passed no control at all is not a ratio against
+    a 1% goal, and is judged on its own interval."""
     for control in controls:
         ci = (control or {}).get("ci95")
-        if ci is not None and not (ci[0] >= 0.99 and ci[1] <= 1.01):
+        if ci is None or not (ci[0] >= 0.99 and ci[1] <= 1.01):
             return False
     return True
+
+
+def traced_proof(counts) -> bool:
+    """Whether every traced measurement of a row counted something: counts
+    is one (calls, slots) pair per measurement (row 3's traced_counts of a
+    mode) or a dict of calls per op (row 10's).  A traced mode whose tracer
+    counted nothing did not trace, and its ratio against untraced says
+    nothing of what tracing costs."""
+    if isinstance(counts, dict):
+        return bool(counts) and all(n > 0 for n in counts.values())
+    return bool(counts) and all(calls > 0 and slots > 0 for calls, slots in counts)
 
 
 def table_rows(res):
     rows = []
 
-    def add(label, s, unit, goal_key=None, *controls):
+    def add(label, s, unit, goal_key=None, *controls, proof=True):
         goal, met = "", ""
         if goal_key and goal_key in GOALS:
             goal = GOALS[goal_key][0]
             test = GOALS[goal_key][1]
-            if s is not None and test is not None:
+            if s is not None and test is not None and not proof:
+                # traced against untraced, and the traced side counted
+                # nothing (or kept no counts): no verdict either way
+                met = "no verdict: no proof it traced"
+            elif s is not None and test is not None:
                 met = "met" if test(s["median"]) else "MISSED"
                 # a median whose interval holds the goal's edge is on either
                 # side of it but for noise: the goal asks for it resolved;
@@ -1427,7 +1454,14 @@ def table_rows(res):
             if key not in s:  # results from before the control, or the empty mode
                 continue
             label = f"3 vLLM {name}" if "/" in name else f"3 vLLM {name}/untraced"
-            add(label, s[key], "x", f"vllm.{key}", s.get("untraced_again_ratio"))
+            # the traced modes' proof: their tracer counted calls and slots
+            # in every measurement (the empty programs count nothing)
+            mode = {"full_ratio": "full", "calls_only_ratio": "calls_only"}.get(key)
+            proof = mode is None or traced_proof(s.get("traced_counts", {}).get(mode))
+            add(label, s[key], "x", f"vllm.{key}", s.get("untraced_again_ratio"),
+                proof=proof)
+            if mode is not None:
+                note(f"3   every {name} measurement counted calls and slots", fmt(proof))
             ci_row(s[key], "3")
             if s.get(f"{key}_whole"):  # the first repetition, after the idle spell, in
                 add(f"3   whole batch, first repetition in", s[f"{key}_whole"], "x")
@@ -1512,11 +1546,71 @@ def table_rows(res):
                 {"min": s["cold_step_us"], "median": s["cold_step_us"],
                  "max": s["cold_step_us"]}, "us")
         if "untraced_ratio" in s:
+            control = s.get("untraced_again_ratio")
             add("10 vLLM tokens/s, plugin / none, untraced", s["untraced_ratio"], "x",
-                "plugin.untraced_ratio")
+                "plugin.untraced_ratio", control)
             ci_row(s["untraced_ratio"], "10")
             add("10 vLLM tokens/s, plugin traced / none", s["traced_ratio"], "x")
             ci_row(s["traced_ratio"], "10")
+            note("10 traced batches counted plugin ops (proof it traced)",
+                 fmt(traced_proof(s.get("traced_counts"))))
+            if control is not None:
+                add("10 vLLM tokens/s, none / none (A/A control)", control, "x",
+                    "plugin.untraced_again_ratio")
+                ci_row(control, "10")
+    s = res.get("memory")
+    if s and "skipped" in s:
+        note("11 memory", s["skipped"])
+    elif s:
+        size = (f"{s['procs']} proc(s), {s['layers']} layers, {s['blocks']} blocks; "
+                f"limits {s['max_blocks']} x {s['max_layers']} x {s['max_procs']}")
+        note("11 traced", size)
+        one = lambda v: {"min": v, "median": v, "max": v}  # noqa: E731
+        add("11 BPF maps, allocated at load", one(s["map_bytes"] / 2**20), "MiB")
+        add("11 tracer RSS, program loaded", one(s["rss_loaded_mb"]), "MB")
+        add("11 tracer RSS, most while tracing", one(s["rss_peak_mb"]), "MB",
+            "memory.rss_mb")
+        add("11 tracer VmHWM (peak, the final read's copies included)", one(s["hwm_mb"]),
+            "MB")
+        note("11 counts exact", fmt(s["exact"]))
+    s = res.get("sched")
+    if s and "skipped" in s:
+        note("12 vLLM scheduler at scale", s["skipped"])
+    elif s:
+        for name, sc in s["scales"].items():
+            row = f"12 {name}: {sc['requests']} req"
+            add(f"{row}, entries a step", sc["entries_per_step"], "")
+            add(f"{row}, schedule() untraced", sc["untraced_us"], "us")
+            add(f"{row}, schedule() traced", sc["traced_us"], "us")
+            proof = traced_proof(sc["traced_counts"])
+            add(f"{row}, tracing adds a step", sc["added_us"], "us",
+                "sched.added_us_25k" if name == "25k" else None,
+                sc["untraced_again_ratio"], proof=proof)
+            ci = (sc["added_us"] or {}).get("ci95")
+            if ci:
+                rows.append(("12   95% CI of the median", fmt(ci[0], "us"), "",
+                             fmt(ci[1], "us"), "us", "", ""))
+            add(f"{row}, tracing adds a request", sc["added_ns_per_request"], "ns")
+            add(f"{row}, untraced again adds (A/A)", sc["untraced_again_added_us"], "us")
+            add(f"{row}, untraced again/untraced", sc["untraced_again_ratio"], "x",
+                "sched.untraced_again_ratio")
+            ci_row(sc["untraced_again_ratio"], "12")
+            note(f"{row}, every traced step counted (proof)", fmt(proof))
+            one = lambda v: v is not None and {"min": v, "median": v, "max": v}  # noqa: E731
+            add(f"{row}, trace bytes a decode step", one(sc["trace_bytes_per_decode_step"])
+                or None, "B")
+            add(f"{row}, report on {sc['recorded_steps']} recorded steps",
+                one(sc["report_s"]) or None, "s")
+        if "added_262k_over_4k" in s:
+            v = s["added_262k_over_4k"]
+            proof = all(traced_proof(sc["traced_counts"]) for sc in s["scales"].values())
+            add("12 added at 262k / added at 4k", {"min": v, "median": v, "max": v}, "x",
+                "sched.added_262k_over_4k", proof=proof)
+    s = res.get("plugin_grid")
+    if s and "skipped" in s:
+        note("13 plugin step against table size", s["skipped"])
+    elif s:
+        grid_rows(s, add, note)
     return rows
 
 
@@ -1560,11 +1654,203 @@ def print_table(rows, file=sys.stdout):
             for i, (c, w) in enumerate(zip(r, widths)))
 
 
+# -- 11. the tracer's memory at production size ------------------------------------
+
+def row_memory(q, res):
+    """The tracer's memory at its default sizes (131,072 blocks, 80 layers,
+    16 processes: bpf/kvtrace.h): the BPF maps' bytes, which the kernel
+    allocates whole at load, and the tracer's RSS, which holds only the
+    counter rows in use (tracer/kernel/session.py RowMap).  One tracer in a
+    child process (bench/memory_probe.py) over 16 kvsim processes of 5
+    layers each, 80 caches in all, every row in use; with --quick, one
+    kvsim of 5 layers: a small target under the same limits."""
+    procs, layers = (1, 5) if q else (16, 80)
+    r = subprocess.run([sys.executable, BENCH / "memory_probe.py", str(procs), str(layers),
+                        "131072"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        res["memory"] = {"skipped": f"memory_probe.py failed: {r.stderr.strip()[-300:]}"}
+        return
+    res["memory"] = json.loads(r.stdout.splitlines()[-1])
+
+
+# -- 12. vLLM's scheduler at production scale -------------------------------------
+
+# (name, requests, shared prefix tokens): blocks of 32, 64 tokens of each
+# request's own; a decode step's block table then holds requests x
+# (prefix / 32 + 3) entries: about 4k, 25k (the goal's) and 264k
+SCHED_SCALES = (("4k", 64, 2048), ("25k", 256, 3072), ("262k", 1024, 8192))
+SCHED_CYCLES = 8
+SCHED_STEPS = 20  # decode steps per measurement
+
+
+def _sched_measure(v, steps):
+    v.stdin.write(f"{steps}\n")
+    v.stdin.flush()
+    return json.loads(read_until(v.stdout, '"schedule_us"', 900)[-1])
+
+
+def _sched_scale(name, requests, prefix, cycles, steps, tmp):
+    """One scale: untraced, traced (attach -p) and untraced again (the A/A
+    control) alternating in one warm scheduler process, ABBA; then two
+    recordings (record -p) of different lengths, whose difference is the
+    trace bytes a decode step adds, and report's time on the longer."""
+    v = subprocess.Popen([VLLM_PYTHON, BENCH / "vllm_sched.py", "--model", TINY_MODEL,
+                          "--requests", str(requests), "--prefix", str(prefix)],
+                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    modes = ("untraced", "traced", "untraced_again")
+    per_step = {m: [] for m in modes}  # each measurement's median us a step
+    counted, entries = [], []
+    agg = Path(tmp) / f"sched-{name}.json"
+    try:
+        read_until(v.stderr, "READY", 600)
+        _Drain(v.stderr)
+        _sched_measure(v, 3)  # warm
+        for cycle in range(cycles):
+            for mode in (modes if cycle % 2 == 0 else modes[::-1]):
+                tp = None
+                if mode == "traced":
+                    agg.unlink(missing_ok=True)
+                    tp = subprocess.Popen(kvtrace("attach", "-p", v.pid, "-q", "--json", agg),
+                                          cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True)
+                    read_until(tp.stderr, "ready after", 300)
+                doc = _sched_measure(v, steps)
+                per_step[mode].append(statistics.median(doc["schedule_us"]))
+                entries.extend(doc["entries"])
+                if tp is not None:
+                    stop_tracer(tp)
+                    ops = json.loads(agg.read_text())["ops"]
+                    # the step's requests, and its rows: whole tables'
+                    # entries (block_table) or the rows' changes (step_rows)
+                    counted.append((ops.get("step_reqs", {}).get("calls", 0),
+                                    ops.get("block_table", {}).get("items", 0) +
+                                    ops.get("step_rows", {}).get("calls", 0)))
+        sizes, report_s = {}, None
+        for n in (steps, 3 * steps):
+            out = Path(tmp) / f"sched-{name}-{n}.kvt"
+            tp = subprocess.Popen(kvtrace("record", "-p", v.pid, "-o", out), cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
+            read_until(tp.stderr, "ready after", 300)
+            _sched_measure(v, n)
+            stop_tracer(tp)
+            sizes[n] = out.stat().st_size
+        t0 = time.monotonic()
+        r = subprocess.run(kvtrace("report", out, "--format", "json"), cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           timeout=1800)
+        if r.returncode == 0:
+            report_s = time.monotonic() - t0
+    finally:
+        _end_engine(v)
+    added = [t - u for t, u in zip(per_step["traced"], per_step["untraced"])]
+    again = [a - u for a, u in zip(per_step["untraced_again"], per_step["untraced"])]
+    return {
+        "requests": requests, "prefix_tokens": prefix, "block_size": 32,
+        "entries_per_step": stats(entries),
+        "untraced_us": stats(per_step["untraced"]), "traced_us": stats(per_step["traced"]),
+        "added_us": with_ci(stats(added)), "untraced_again_added_us": with_ci(stats(again)),
+        "traced_ratio": ratio_stats(per_step["traced"], per_step["untraced"]),
+        "untraced_again_ratio": ratio_stats(per_step["untraced_again"], per_step["untraced"]),
+        "added_ns_per_request": stats([a * 1e3 / requests for a in added]),
+        # (step_reqs calls, block_table entries) per traced measurement
+        "traced_counts": counted,
+        "trace_bytes_per_decode_step": (sizes[3 * steps] - sizes[steps]) / (2 * steps),
+        "recorded_steps": 3 * steps, "report_s": report_s,
+    }
+
+
+def row_sched(q, res):
+    """vLLM's real Scheduler.schedule() at 4k, 25k and 264k block-table
+    entries a decode step (bench/vllm_sched.py), traced against untraced
+    with the A/A control; trace bytes per decode step and report's time.
+    --quick: skipped (each scale starts vLLM's scheduler: 30-60 s)."""
+    if q:
+        res["sched"] = {"skipped": "skipped with --quick (each scale starts vLLM)"}
+        return
+    if not VLLM_PYTHON.exists():
+        res["sched"] = {"skipped": "no .venv-vllm (run make setup)"}
+        return
+    subprocess.run([sys.executable, ROOT / "scripts" / "make-tiny-model.py", TINY_MODEL],
+                   check=True, stdout=subprocess.DEVNULL)
+    out = {"cycles": SCHED_CYCLES, "steps": SCHED_STEPS, "scales": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, requests, prefix in SCHED_SCALES:
+            say(f"row 12: {name} entries a step ({requests} requests)")
+            out["scales"][name] = _sched_scale(name, requests, prefix, SCHED_CYCLES,
+                                               SCHED_STEPS, tmp)
+            res["sched"] = out
+    lo, hi = out["scales"].get("4k"), out["scales"].get("262k")
+    if lo and hi and lo["added_us"] and hi["added_us"] and lo["added_us"]["median"] > 0:
+        out["added_262k_over_4k"] = hi["added_us"]["median"] / lo["added_us"]["median"]
+    res["sched"] = out
+
+
+# -- 13. the plugin tier's traced step against table size ---------------------------
+
+PLUGIN_GRID = ("8x4", "64x64", "256x128", "256x512", "1024x256")  # rows x blocks
+
+
+def row_plugin_grid(q, res):
+    """The plugin's traced step (its Python side, fire_block_tables) at
+    PLUGIN_GRID's rows x blocks, whole tables (step_reqs + block_table)
+    against row changes (step_rows), untraced and with the tracer attached:
+    scripts/plugin-hook-cost.py --grid, run with vLLM's python and the
+    plugin built in place in plugin/ where it is (a source tree's plugin,
+    newer than the one installed in .venv-vllm)."""
+    if not VLLM_PYTHON.exists():
+        res["plugin_grid"] = {"skipped": "no .venv-vllm (run make setup)"}
+        return
+    env = {k: v for k, v in os.environ.items() if k != "KVTRACE_PLUGIN_RECORD"}
+    if list((ROOT / "plugin" / "kvtrace_vllm").glob("_probes*.so")):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "plugin"),
+                                                          env.get("PYTHONPATH"))))
+    r = subprocess.run([VLLM_PYTHON, ROOT / "scripts" / "plugin-hook-cost.py", "--grid",
+                        "--json", "--tracer-python", sys.executable,
+                        *(["--quick"] if q else [])], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1200)
+    if r.returncode != 0 or not r.stdout.strip():
+        res["plugin_grid"] = {"skipped": "plugin-hook-cost.py --grid failed: "
+                                         f"{(r.stderr or r.stdout).strip()[-300:]}"}
+        return
+    res["plugin_grid"] = json.loads(r.stdout.splitlines()[-1])
+
+
+def grid_rows(s, add, note):
+    """Row 13's lines: each size's step, us and ns per scheduled request,
+    and the goal of issue 53: at 262k entries (1024x256) the traced step
+    no more than twice its cost at 4k (64x64), for the row changes.  Its
+    proof of tracing is the script's: every probe's semaphore on."""
+    one = lambda v: {"min": v, "median": v, "max": v}  # noqa: E731
+    grid, skipped = s.get("grid", {}), s.get("traced_skipped")
+    for size, modes in grid.items():
+        rows_n = int(size.split("x")[0])
+        for label, t in modes.items():
+            for mode, name in (("tables", "block_table"), ("deltas", "step_rows")):
+                us = t.get(f"{mode}_us")
+                if us is None:
+                    continue
+                add(f"13 {size} {label}, {name}", one(us), "us")
+                add(f"13 {size} {label}, {name}, a request", one(us * 1e3 / rows_n), "ns")
+    if skipped:
+        note("13 traced", f"skipped: {skipped}")
+    lo, hi = grid.get("64x64", {}).get("traced"), grid.get("1024x256", {}).get("traced")
+    for mode, name in (("tables", "block_table"), ("deltas", "step_rows")):
+        if lo and hi and lo.get(f"{mode}_us") and hi.get(f"{mode}_us"):
+            v = hi[f"{mode}_us"] / lo[f"{mode}_us"]
+            add(f"13 traced {name}: 262k entries / 4k", one(v), "x",
+                "grid.262k_over_4k" if mode == "deltas" else None, proof=not skipped)
+
+
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
         8: ("read-probe cost", row_reads),
-        9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin)}
+        9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin),
+        11: ("memory at production size", row_memory),
+        12: ("vLLM's scheduler at scale", row_sched),
+        13: ("plugin step against table size", row_plugin_grid)}
 
 
 def main():
@@ -1572,7 +1858,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11,12,13",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     p.add_argument("--vllm-cycles", type=int, default=VLLM_CYCLES, metavar="N",

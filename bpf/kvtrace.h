@@ -174,16 +174,16 @@ enum kvtrace_callback {
 
 /* Limits; the front end may override them with -D at compile time. */
 #ifndef KVTRACE_MAX_BLOCKS
-#define KVTRACE_MAX_BLOCKS 32768 /* per cache (layer); a power of two */
+#define KVTRACE_MAX_BLOCKS 131072 /* per cache (layer); a power of two */
 #endif
 #ifndef KVTRACE_MAX_CACHES
-#define KVTRACE_MAX_CACHES 64 /* (pid, cache id) pairs, i.e. layers */
+#define KVTRACE_MAX_CACHES 80 /* (pid, cache id) pairs, i.e. layers */
 #endif
 /* caches' capacity, and cache_stats' rows: every cache that gets an entry
  * has its totals, beyond KVTRACE_MAX_CACHES too */
 #define KVTRACE_CACHE_ENTRIES 4096
 #ifndef KVTRACE_MAX_PROCS
-#define KVTRACE_MAX_PROCS 8 /* traced processes */
+#define KVTRACE_MAX_PROCS 16 /* traced processes */
 #endif
 #ifndef KVTRACE_MAX_REQUESTS
 #define KVTRACE_MAX_REQUESTS 16384 /* requests kept in `requests` (LRU) */

@@ -116,6 +116,28 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
                                                   for v in plugin["hook_ns"].values())
     assert plugin["semaphore_read_ns"] > 0 and "skipped" in plugin["vllm"]
 
+    # row 11: the tracer's memory at its default (production) sizes, over
+    # one small kvsim with --quick: the maps are the limits' size, the RSS
+    # holds the rows in use, and the counts are exact
+    mem = res["memory"]
+    assert "skipped" not in mem, mem.get("skipped")
+    assert (mem["max_blocks"], mem["max_layers"], mem["max_procs"]) >= (131072, 80, 16)
+    # the per-block rows alone: writes per layer, moves and lifecycle per process
+    assert mem["map_bytes"] >= 8 * 131072 * (80 + 16 * 9)
+    assert 0 < mem["rss_loaded_mb"] <= mem["rss_peak_mb"]
+    assert mem["exact"] is True and mem["status"] == [0]
+
+    # row 12 starts vLLM's scheduler: left out with --quick
+    assert "skipped" in res["sched"]
+    # row 13: the plugin's step at each table size, whole tables and row
+    # changes, untraced at least (traced where the tracer attached)
+    grid = res["plugin_grid"]
+    assert "skipped" not in grid, grid.get("skipped")
+    assert set(grid["grid"]) == {"8x4", "64x64", "256x128", "256x512", "1024x256"}
+    for size, modes in grid["grid"].items():
+        assert modes["untraced"]["tables_us"] > 0 and modes["untraced"]["deltas_us"] > 0, size
+        assert ("traced" in modes) == (grid["traced_skipped"] is None), size
+
     # the printed table is the same data, one line per figure
     lines = r.stdout.splitlines()[2:]  # after the header and its rule
     assert len(lines) == len(res["table"])

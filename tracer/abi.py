@@ -60,6 +60,7 @@ STACK_BUCKETS = define("KVTRACE_STACK_BUCKETS")  # the stack map's default size
 STACK_COLLIDED = define("KVTRACE_STACK_COLLIDED")  # ids from here up: collided_stacks
 COLLIDED_STACKS = define("KVTRACE_COLLIDED_STACKS")  # collided_stacks' room
 DEFAULT_MAX_CACHES = define("KVTRACE_MAX_CACHES")
+DEFAULT_MAX_PROCS = define("KVTRACE_MAX_PROCS")
 CACHE_ENTRIES = define("KVTRACE_CACHE_ENTRIES")  # caches' capacity, cache_stats' rows
 DEFAULT_MAX_GROUPS = define("KVTRACE_MAX_GROUPS")
 TABLE_CHUNK = define("KVTRACE_TABLE_CHUNK")

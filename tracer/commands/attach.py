@@ -67,7 +67,7 @@ PROMETHEUS_LINGER_S = 60.0
 
 
 # The per-block counters are one BPF array of --max-layers rows of
-# --max-blocks u64s: at most 2 GiB (8192 layers at the default 32768
+# --max-blocks u64s: at most 2 GiB (2048 layers at the default 131072
 # blocks).  Beyond, the kernel refuses the map, and bcc prints its own line.
 MAX_COUNTERS = 1 << 28
 

@@ -88,7 +88,7 @@ def _import_bcc():
 # default is the measured better one: docs/bench.md.
 TRANSPORTS = ("perf", "ring")
 # processes traced at once: the target and its descendants with probes
-DEFAULT_MAX_PROCS = 8
+DEFAULT_MAX_PROCS = abi.DEFAULT_MAX_PROCS
 DEFAULT_TRANSPORT = "perf"
 # When the reader is woken (each wake-up is an IPI, an exit to the
 # hypervisor in a VM: docs/bench.md).  WAKE_BY_FILL, the default: the perf
@@ -185,6 +185,43 @@ def held_back(probes, verify_rows: bool) -> frozenset:
     if verify_rows or "step_rows" not in names or names & set(abi.WRITE_OPS):
         return frozenset()
     return VERIFY_ROWS_OPS & names
+
+
+class RowMap:
+    """The rows of an mmapable BPF array map of u64 rows, each mapped
+    read-only when first asked for: rows[i] is a numpy view of row i, of
+    `shape` (the first words of a row of `row_bytes`).  Mapping a row maps
+    its pages only, so the tracer's RSS holds the rows in use, not the
+    map's size."""
+
+    def __init__(self, map_fd: int, rows: int, shape: tuple, row_bytes: int = None):
+        self.fd, self.rows, self.shape = map_fd, rows, shape
+        self.row_bytes = row_bytes or 8 * int(np.prod(shape))
+        self._mmaps, self._views = {}, {}  # row -> its mmap, its view
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        if not 0 <= row < self.rows:
+            raise IndexError(row)
+        if row not in self._views:
+            # an mmap's offset is in whole pages; a row need not start on one
+            start = row * self.row_bytes
+            first = start - start % mmap.PAGESIZE
+            m = mmap.mmap(self.fd, start + self.row_bytes - first, mmap.MAP_SHARED,
+                          mmap.PROT_READ, offset=first)
+            view = np.frombuffer(m, dtype=np.uint64, count=int(np.prod(self.shape)),
+                                 offset=start - first).reshape(self.shape)
+            self._mmaps[row], self._views[row] = m, view
+        return self._views[row]
+
+    def close(self):
+        # the views first: an mmap with live views cannot close
+        self._views.clear()
+        mmaps, self._mmaps = self._mmaps, {}
+        for m in mmaps.values():
+            m.close()
 
 
 class Tracer:
@@ -284,22 +321,27 @@ class Tracer:
                 raise EnvironmentProblem("the kernel refused the empty program: "
                                          + os.strerror(ctypes.get_errno()))
 
-        # the counter maps, read in place (BPF_F_MMAPABLE arrays of u64)
+        # the counter maps, read in place (BPF_F_MMAPABLE arrays of u64).
+        # The per-block ones are mapped a row at a time, when a row is first
+        # read: the kernel allocates a map whole at load, and an mmap of it
+        # puts every page in the tracer's RSS at once, so mapping them whole
+        # would make the tracer's RSS the defaults' size (131072 blocks x 80
+        # layers x 16 processes: about 260 MiB) for the smallest target
+        # (docs/design.md, "Sized for the largest single-GPU caches")
         self._maps = []
-        # reads: one row per (process, KV-cache group), and the sink row,
-        # mapped but never read (bpf/kvtrace.h struct kvtrace_read_row:
-        # (reads, last_step) per block)
-        read_rows = self._map_u64("block_reads", (max_groups, max_blocks, 2),
-                                  words=(max_groups + 1) * max_blocks * 2)
-        self.reads, self.last_read = read_rows[:, :, 0], read_rows[:, :, 1]
-        self.writes = self._map_u64("block_writes", (max_caches, max_blocks))
-        self.moves = self._map_u64("block_moves", (max_procs, len(abi.MOVES), max_blocks))
+        # reads: one row per (process, KV-cache group), and a sink row,
+        # never read (bpf/kvtrace.h struct kvtrace_read_row: (reads,
+        # last_step) per block)
+        self.reads = RowMap(self.bpf["block_reads"].map_fd, max_groups, (max_blocks, 2))
+        self.writes = RowMap(self.bpf["block_writes"].map_fd, max_caches, (max_blocks,))
+        self.moves = RowMap(self.bpf["block_moves"].map_fd, max_procs,
+                            (len(abi.MOVES), max_blocks))
         # block generations' fill per cache (struct kvtrace_fill_row): the
         # u64 head of each row, ended[] by fill then ended_unseen and skipped
         self.fill = None
         if gen_fill:
-            row_words = abi.fill_row_bytes(max_blocks) // 8
-            self.fill = self._map_u64("block_fill", (max_caches, row_words))[:, :abi.FILL_BINS + 2]
+            self.fill = RowMap(self.bpf["block_fill"].map_fd, max_caches,
+                               (abi.FILL_BINS + 2,), row_bytes=abi.fill_row_bytes(max_blocks))
         # every op's totals per (proc index, op), and its items' log2
         # histogram per op (struct kvtrace_op_stats: u64 fields)
         self.op_stat_fields = [name for name, _ in self.bpf["op_stats"].Leaf._fields_]
@@ -311,7 +353,7 @@ class Tracer:
         self.cache_stats = self._map_u64("cache_stats",
                                          (abi.CACHE_ENTRIES, len(self.cache_stat_fields)))
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
-        self.life = self._map_u64("block_life", (max_procs, len(abi.LIFE), max_blocks))
+        self.life = RowMap(self.bpf["block_life"].map_fd, max_procs, (len(abi.LIFE), max_blocks))
 
         self.records = 0
         # records shed by a poll that ran past its budget: op records, and
@@ -555,7 +597,10 @@ class Tracer:
     def close(self):
         self.detach()
         # numpy views first: an mmap with live views cannot close
-        self.writes = self.moves = self.reads = self.last_read = self.life = self.fill = None
+        for rows in (self.writes, self.moves, self.reads, self.life, self.fill):
+            if rows is not None:
+                rows.close()
+        self.writes = self.moves = self.reads = self.life = self.fill = None
         self.op_stats = self.op_log2 = self.cache_stats = None
         for m in self._maps:
             m.close()
@@ -611,8 +656,9 @@ class Tracer:
                      **{name: int(getattr(v, name)) for name, _ in v._fields_
                         if not name.startswith("pad")})
             if g["index"] < self.max_groups:
-                g["reads_per_block"] = self.reads[g["index"]].copy()
-                g["last_read_step"] = self.last_read[g["index"]].copy()
+                row = self.reads[g["index"]]
+                g["reads_per_block"] = row[:, 0].copy()
+                g["last_read_step"] = row[:, 1].copy()
                 # block 0, the null block, is never counted: the table stage
                 # sends the entries it does not count there and stamps them
                 g["last_read_step"][0] = 0
