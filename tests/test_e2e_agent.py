@@ -1,0 +1,325 @@
+"""`kvtrace-bpf agent`, scraped by a real Prometheus server: engines that
+come and go under one agent, each one's figures queried in PromQL and held
+against the engine's own truth (kvsim's C bookkeeping; vLLM's identities),
+never against the tracer's code (docs/agent.md).
+
+The agent follows the whole node, and this machine may run other people's
+vLLM and kvsim: every agent here is started with --include of the test's
+own temporary directory, which only the command lines of the test's own
+targets name."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from conftest import (KVSIM, ROOT, Kvsim, kvtrace_cmd, read_line, semaphore_values,
+                      uprobe_events)
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+PROMETHEUS = ROOT / "build" / "prometheus"
+PROMTOOL = ROOT / "build" / "promtool"
+# the agent's first start compiles its program (a minute or two on a busy
+# 2-CPU machine); later starts load it from the cache
+READY_S = 600
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    """`kvtrace-bpf agent` in the background, limited to the test's targets."""
+
+    def __init__(self, tmp_path, *args):
+        self.port = free_port()
+        self.state = tmp_path / "agent-state.json"
+        self.proc = subprocess.Popen(
+            kvtrace_cmd("agent", "--prometheus", f"127.0.0.1:{self.port}", "-i", "0.2",
+                        "--include", str(tmp_path), "--state", self.state, *args),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err = ""
+        self.wait_for("agent ready", READY_S)
+
+    def wait_for(self, needle, timeout=60):
+        try:
+            self.err += "".join(read_line(self.proc.stderr, needle, timeout))
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nagent's stderr so far:\n{self.err[-4000:]}") from None
+
+    def traced(self, pid, timeout=60):
+        self.wait_for(f"tracing pid {pid} ", timeout)
+
+    def stop(self, sig=signal.SIGTERM, timeout=120):
+        self.proc.send_signal(sig)
+        out, err = self.proc.communicate(timeout=timeout)
+        self.err += err
+        return self.proc.returncode
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def rss_kb(self):
+        """The agent's own memory: RssAnon, its heap.  Not VmRSS, which also
+        counts the pages of the BPF arrays it has mapped and touched (the
+        kernel allocated them all with the maps: memlock_kb)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+    def memlock_kb(self):
+        """The BPF maps' memory the agent holds: fdinfo's memlock of each
+        map fd it has open (what the kernel charges for them)."""
+        total = 0
+        for fd in os.listdir(f"/proc/{self.proc.pid}/fdinfo"):
+            try:
+                with open(f"/proc/{self.proc.pid}/fdinfo/{fd}") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if "map_type:" in text:
+                total += int(next(l.split()[1] for l in text.splitlines()
+                                  if l.startswith("memlock:")))
+        return total // 1024
+
+
+class Prometheus:
+    """A real Prometheus server on 127.0.0.1, scraping the agent every
+    200 ms, its data in a temporary directory (make setup unpacks the
+    binary from the distribution's package: scripts/setup-promtool.sh)."""
+
+    def __init__(self, tmp_path, target_port):
+        assert PROMETHEUS.exists(), f"{PROMETHEUS} is missing: run make setup"
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(
+            "global:\n  scrape_interval: 200ms\n  scrape_timeout: 200ms\n"
+            "scrape_configs:\n  - job_name: kvtrace\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [str(PROMETHEUS), f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready",
+                                            timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "Prometheus not ready within 60 s"
+            time.sleep(0.1)
+
+    def query(self, expr) -> dict:
+        """An instant query: {frozenset(labels): value}."""
+        url = (f"http://127.0.0.1:{self.port}/api/v1/query?" +
+               urllib.parse.urlencode({"query": expr}))
+        with urllib.request.urlopen(url, timeout=10) as r:
+            doc = json.loads(r.read())
+        assert doc["status"] == "success", doc
+        return {frozenset(x["metric"].items()): float(x["value"][1])
+                for x in doc["data"]["result"]}
+
+    def one(self, expr):
+        got = self.query(expr)
+        assert len(got) == 1, f"{expr}: {got}"
+        return next(iter(got.values()))
+
+    def scraped_after(self, t, timeout=60):
+        """Wait until Prometheus holds a scrape of an agent snapshot taken
+        after Unix time t: every count of what ended before t is in it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.query("kvtrace_snapshot_timestamp_seconds")
+            if got and max(got.values()) > t:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"no scrape of a snapshot after {t} within {timeout}s")
+
+    def gone(self, expr, timeout=60):
+        """Wait until expr has no series (a series the agent stopped serving
+        is stale in Prometheus from the next scrape on)."""
+        deadline = time.monotonic() + timeout
+        while self.query(expr):
+            assert time.monotonic() < deadline, f"{expr} still has series after {timeout}s"
+            time.sleep(0.1)
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def agent_and_prometheus(tmp_path, bpf_env):
+    made = []
+
+    def start(*args):
+        agent = Agent(tmp_path, *args)
+        made.append(agent)
+        prom = Prometheus(tmp_path, agent.port)
+        made.append(prom)
+        return agent, prom
+
+    yield start
+    for x in reversed(made):
+        x.kill() if isinstance(x, Agent) else x.close()
+
+
+def assert_exact(prom, pid, truth):
+    """kvsim's truth, summed per engine in PromQL from Prometheus's data."""
+    sel = f'{{pid="{pid}"}}'
+    assert prom.one(f"sum(kvtrace_slots_written_total{sel})") == truth["slots_written"]
+    assert prom.one(f"sum(kvtrace_block_reads_total{sel})") == truth["reads"]["reads"]
+    assert prom.one(f"sum(kvtrace_steps_total{sel})") == truth["reads"]["steps"]
+    for op, want in truth["ops"].items():
+        if want["calls"]:
+            assert prom.one(f'sum(kvtrace_ops_total{{pid="{pid}",op="{op}"}})') == \
+                want["calls"], op
+    for want in truth["layers"]:
+        assert prom.one(f'sum(kvtrace_layer_slots_written_total{{pid="{pid}",'
+                        f'layer="{want["layer"]}"}})') == sum(want["writes"])
+
+
+def test_kvsim_engines_come_and_go(tmp_path, agent_and_prometheus):
+    """The agent first; then kvsims start at different times, one is
+    SIGKILLed mid-run (between its rounds) and another starts after it.
+    Each one's figures in Prometheus equal its truth from its first op; the
+    killed one's series go after --grace; SIGTERM leaves nothing attached.
+
+    Their ops run one engine at a time, though several are alive: on a
+    machine with fewer CPUs than running engines, a uprobe hit on a CPU
+    where another engine's hit is preempted inside the program is skipped
+    by the kernel (kvtrace_probe_misses_total), and no count is exact."""
+    # each engine is checked soon after its exit, within the grace
+    agent, prom = agent_and_prometheus("--grace", "5")
+
+    def run_and_check(sim):
+        agent.traced(sim.pid)
+        sim.go()
+        assert sim.wait() == 0
+        prom.scraped_after(time.time())
+        assert prom.one("kvtrace_probe_misses_total") == 0
+        assert_exact(prom, sim.pid, sim.truth())
+
+    run_and_check(Kvsim(tmp_path, "beam"))
+    # b: one round of three, then it waits for the next: killed there
+    b = Kvsim(tmp_path, "default", "--rounds", "3")
+    agent.traced(b.pid)
+    b.go()
+    read_line(b.proc.stderr, "paused", 60)
+    prom.scraped_after(time.time())
+    assert_exact(prom, b.pid, b.truth())
+    run_and_check(Kvsim(tmp_path, "swap"))  # b still alive
+    b.kill()  # SIGKILL, mid-run
+    agent.wait_for(f"pid {b.pid} exited")
+    run_and_check(Kvsim(tmp_path, "prefix"))  # started after the kill
+    # the killed one: its series, there while it ran, go after the grace
+    prom.gone(f'kvtrace_ops_total{{pid="{b.pid}"}}')
+    # the others exited too: after the grace, no engine's series is left
+    prom.gone("kvtrace_ops_total")
+    state = wait_state(agent, lambda st: st["states"]["exited"] == 0)
+    assert state["maps"]["traced_pids"] == state["maps"]["caches"] == 0, state
+    assert agent.stop() == 0
+    assert "SIGTERM: detaching" in agent.err
+
+
+def test_sigterm_and_sigkill_leave_targets_running_untouched(tmp_path, agent_and_prometheus):
+    """Paused kvsims with the agent attached: their semaphores count it.
+    SIGTERM, and (a second agent) SIGKILL: every semaphore back at 0, the
+    kvsims still running, and then exact and KV-correct when they go."""
+    sims = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        agent = Agent(tmp_path)
+        try:
+            sim = Kvsim(tmp_path, "default")
+            sims.append(sim)
+            agent.traced(sim.pid)
+            assert all(v == 1 for v in semaphore_values(sim.pid).values()), \
+                semaphore_values(sim.pid)
+            agent.proc.send_signal(sig)
+            agent.proc.wait(120)
+            assert all(v == 0 for v in semaphore_values(sim.pid).values()), \
+                semaphore_values(sim.pid)
+            assert sim.proc.poll() is None
+        finally:
+            agent.kill()
+    assert "kvsim" not in uprobe_events()
+    for sim in sims:
+        sim.go()
+        assert sim.wait() == 0  # kvsim checks its KV bytes: exit 1 on a mismatch
+        assert sim.truth()["kv_checksum_ok"]
+
+
+def cycle(agent, tmp_path, n):
+    """n kvsims one after the other, each traced, run and gone."""
+    for _ in range(n):
+        sim = Kvsim(tmp_path, "default", "--layers", "2", "--blocks", "64")
+        agent.traced(sim.pid)
+        sim.go()
+        assert sim.wait() == 0
+        agent.wait_for(f"pid {sim.pid} exited")
+
+
+def wait_state(agent, cond, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = json.loads(agent.state.read_text())
+            if cond(state):
+                return state
+        except (OSError, ValueError):
+            pass  # being rewritten
+        assert time.monotonic() < deadline, agent.state.read_text()
+        time.sleep(0.1)
+
+
+def test_memory_bounded_over_50_starts_and_exits(tmp_path, agent_and_prometheus):
+    """50 kvsims come and go: the agent's map entries, BPF map memory and
+    RSS after 50 equal those after 5, and the 50th kvsim, on rows others
+    used before, is still exact against its truth."""
+    agent, prom = agent_and_prometheus("--grace", "0")
+
+    def settled(state):
+        return state["states"]["traced"] == 0 and state["states"]["exited"] == 0
+
+    cycle(agent, tmp_path, 5)
+    after5 = wait_state(agent, settled)["maps"]
+    rss5, mem5 = agent.rss_kb(), agent.memlock_kb()
+    cycle(agent, tmp_path, 44)
+    # the 50th: held alive after its run (--rounds 2 waits for a second
+    # SIGUSR1) so that its series stay to be queried
+    last = Kvsim(tmp_path, "beam", "--rounds", "2")
+    agent.traced(last.pid)
+    last.go()
+    read_line(last.proc.stderr, "paused", 60)  # its truth is written before
+    prom.scraped_after(time.time())
+    assert_exact(prom, last.pid, last.truth())
+    last.kill()
+    agent.wait_for(f"pid {last.pid} exited")
+    after50 = wait_state(agent, settled)["maps"]
+    rss50, mem50 = agent.rss_kb(), agent.memlock_kb()
+    assert after50 == after5, (after5, after50)
+    assert after50["traced_pids"] == after50["caches"] == after50["groups"] == 0
+    assert mem50 == mem5
+    print(f"RssAnon after 5: {rss5} kB, after 50: {rss50} kB; memlock {mem5} kB")
+    # the heap: the same after 45 more engines as after 5, up to what
+    # Python's allocator keeps of its arenas (not 45 engines' worth more)
+    assert rss50 <= rss5 + 1024, (rss5, rss50)

@@ -1,0 +1,344 @@
+"""Find every traceable vLLM process on the node, as they start (the agent).
+
+attach follows one process tree (follow.Follower).  The agent follows the
+node: its candidates are the processes that may become traceable, and
+follow.Follower's scan (maps read only when a process's code changed,
+tensor-layout discovery, the plugin's status) runs over them instead of
+one tree.  A process is a candidate when
+
+  - its command line names vLLM (`vllm serve`, `python -m vllm...`, a
+    script of that name), or it maps a file with kvtrace probes (a kvtrace
+    build of vLLM, kvsim), or
+  - its parent is a candidate (vLLM's engine core and workers: forked, or
+    spawned with an interpreter whose command line says nothing of vLLM).
+
+New processes are seen from two tracepoints, not a poll of /proc: perf
+events on sched:sched_process_exec and task:task_newtask (whose threads,
+CLONE_THREAD, are dropped) put each exec and each new process in perf
+buffers, which the agent's loop reads after each poll.  No BPF program and
+no compiler: the records are the tracepoints' own fields.  A candidate is scanned at once and
+then at every scan until it exits: vLLM maps its library while it imports,
+seconds after the exec.  /proc is listed once, when the agent starts (and
+at a reload), for what runs already.
+
+A process that runs vLLM but whose command line does not say so, and that
+descends from none that does, is found once it maps a file with kvtrace
+probes at an exec, or at the next full listing (SIGHUP): `--include`
+cannot add it, since it is not a candidate.
+"""
+
+import ctypes
+import os
+import re
+import shlex
+
+from ..errors import EnvironmentProblem, TargetError
+from . import discover, follow
+
+CLONE_THREAD = 0x00010000
+EXEC, FORK = 1, 2
+# (kind, tracepoint, the field read: its pid)
+TRACEPOINTS = ((EXEC, "sched/sched_process_exec", "pid"),
+               (FORK, "task/task_newtask", "pid"))
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+_PERF_TYPE_TRACEPOINT = 2
+
+
+def _tracepoint(name: str) -> tuple:
+    """(id, {field: (offset, size)}) of a tracepoint, from tracefs."""
+    for root in TRACEFS:
+        try:
+            with open(f"{root}/events/{name}/id") as f:
+                tp_id = int(f.read())
+            with open(f"{root}/events/{name}/format") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = {}
+        for m in re.finditer(r"field:[^;]*?(\w+)(?:\[\d*\])?;\s*offset:(\d+);\s*size:(\d+);",
+                             text):
+            fields[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+        return tp_id, fields
+    raise EnvironmentProblem(f"no tracepoint {name} in tracefs (mounted at "
+                             f"{TRACEFS[0]}? `make setup` mounts it)")
+
+
+class ProcessEvents:
+    """Execs and new processes, node-wide: one perf event per CPU on each of
+    TRACEPOINTS, whose raw records (the tracepoint's fields, no BPF
+    program) are read with bcc's perf reader.  task_newtask fires for
+    threads too: those (CLONE_THREAD) are dropped here."""
+
+    def __init__(self, pages: int = 16):
+        from ..kernel import uprobes
+        from ..kernel.bpf import LOST_CB, RAW_CB, libbcc_bpf
+
+        self.pending, self.lost = [], 0
+        self._readers, self._callbacks = [], []
+        lib = libbcc_bpf()
+        try:
+            for kind, name, field in TRACEPOINTS:
+                tp_id, fields = _tracepoint(name)
+                pid_at = fields[field][0]
+                flags_at = fields["clone_flags"][0] if kind == FORK else None
+                for cpu in _online_cpus():
+                    fd = self._open(uprobes, tp_id, cpu, name)
+
+                    def raw(_cookie, data, size, kind=kind, pid_at=pid_at, flags_at=flags_at):
+                        buf = ctypes.string_at(data, size)
+                        if flags_at is not None and \
+                                int.from_bytes(buf[flags_at:flags_at + 8], "little") & CLONE_THREAD:
+                            return
+                        self.pending.append((kind, int.from_bytes(buf[pid_at:pid_at + 4],
+                                                                  "little")))
+
+                    raw_fn = RAW_CB(raw)
+                    lost_fn = LOST_CB(lambda _cookie, n: self._lost(n))
+                    reader = lib.perf_reader_new(raw_fn, lost_fn, None, pages)
+                    if not reader:
+                        os.close(fd)
+                        raise OSError(ctypes.get_errno(), "perf_reader_new")
+                    self._readers.append(reader)  # perf_reader_free closes its fd
+                    self._callbacks.append((raw_fn, lost_fn))
+                    lib.perf_reader_set_fd(reader, fd)
+                    if lib.perf_reader_mmap(reader) < 0:
+                        raise OSError(ctypes.get_errno(), f"mapping the {name} buffer")
+                    uprobes.enable(fd)
+        except OSError as e:
+            self.close()
+            raise EnvironmentProblem(f"cannot follow execs and forks: {e.strerror or e}") \
+                from None
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _open(uprobes, tp_id, cpu, name) -> int:
+        attr = uprobes._PerfEventAttr()
+        attr.type = _PERF_TYPE_TRACEPOINT
+        attr.size = ctypes.sizeof(attr)
+        attr.config = tp_id
+        attr.sample_type = uprobes._PERF_SAMPLE_RAW
+        attr.sample_period = 1
+        attr.wakeup_events = 1
+        attr.flags = uprobes._ATTR_DISABLED
+        fd = uprobes._libc.syscall(uprobes._SYS_perf_event_open, ctypes.byref(attr), -1, cpu,
+                                   -1, uprobes._PERF_FLAG_FD_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"perf_event_open of {name} on CPU {cpu}: {os.strerror(err)}")
+        return fd
+
+    def _lost(self, count):
+        self.lost += count
+
+    def take(self) -> list:
+        """[(kind, pid)] since the last take, without waiting."""
+        from ..kernel.bpf import libbcc_bpf
+
+        if self._readers:
+            arr = (ctypes.c_void_p * len(self._readers))(*self._readers)
+            libbcc_bpf().perf_reader_poll(len(self._readers), arr, 0)
+        out, self.pending = self.pending, []
+        return out
+
+    def close(self):
+        from ..kernel.bpf import libbcc_bpf
+
+        for reader in self._readers:
+            libbcc_bpf().perf_reader_free(reader)
+        self._readers, self._callbacks = [], []
+
+
+def _online_cpus() -> list:
+    from ..kernel.program import _online_cpus as cpus
+
+    return cpus()
+
+
+def ppid(pid: int) -> int:
+    try:
+        stat = discover.read_proc(pid, "stat")
+    except TargetError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+def names_vllm(cmdline: str) -> bool:
+    return "vllm" in cmdline.lower()
+
+
+def _option(argv: list, flag: str) -> str:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return ""
+
+
+def _argv(cmdline: str) -> list:
+    try:
+        return shlex.split(cmdline)
+    except ValueError:
+        return cmdline.split()
+
+
+class Selection:
+    """--include / --exclude: regular expressions matched (search) against
+    a process's model name and its command line, and its ancestors' up to
+    the first that is no candidate.  A process is traced when it matches an
+    --include (or none is given) and no --exclude."""
+
+    def __init__(self, include=(), exclude=()):
+        self.include = [re.compile(p) for p in include]
+        self.exclude = [re.compile(p) for p in exclude]
+
+    def wants(self, texts: list) -> bool:
+        def hit(pats):
+            return any(p.search(t) for p in pats for t in texts if t)
+        if self.include and not hit(self.include):
+            return False
+        return not hit(self.exclude)
+
+
+class NodeFollower(follow.Follower):
+    """follow.Follower over the node's candidates instead of one tree."""
+
+    def __init__(self, selection: Selection, calls_only: bool = False):
+        super().__init__(0, calls_only=calls_only)
+        self.selection = selection
+        self.candidates = set()
+        self.passed = set()  # candidates --include/--exclude left out, once said
+        self._cmdlines = {}  # pid -> its command line, read once
+        self._labels = {}  # pid -> (model name, engine index, port)
+
+    # -- the candidates ----------------------------------------------------
+
+    def cmdline(self, pid: int) -> str:
+        if pid not in self._cmdlines:
+            self._cmdlines[pid] = follow.cmdline(pid)
+        return self._cmdlines[pid]
+
+    def list_all(self):
+        """Every process running now that is a candidate (the start, a reload)."""
+        kids = follow.children_map()
+        todo = [(0, pid) for pid in kids.get(0, [])]
+        while todo:
+            parent, pid = todo.pop()
+            if parent in self.candidates or pid in self.candidates or \
+                    self._is_candidate(pid):
+                self.parent_of[pid] = parent
+                self.candidates.add(pid)
+            else:
+                self.forget(pid)
+            todo.extend((pid, kid) for kid in kids.get(pid, ()))
+
+    def _is_candidate(self, pid: int) -> bool:
+        if pid == os.getpid():
+            return False
+        if names_vllm(self.cmdline(pid)):
+            return True
+        try:
+            return bool(self._files(pid))
+        except TargetError:
+            return False
+
+    def on_events(self, events: list) -> bool:
+        """Execs and new processes: True when a candidate is new."""
+        new = False
+        # What is kept of a process is kept only while it is a candidate:
+        # the node's other processes come and go by the thousand
+        for kind, pid in events:
+            if kind == FORK:
+                parent = ppid(pid)  # 0: gone already
+                if parent in self.candidates:
+                    self.parent_of[pid] = parent
+                    self.candidates.add(pid)
+                    new = True
+                continue
+            # an exec: a new command line, maybe a new program with probes
+            was = pid in self.candidates
+            self.forget(pid)
+            parent = ppid(pid)
+            if was or parent in self.candidates or self._is_candidate(pid):
+                self.parent_of[pid] = parent
+                self.candidates.add(pid)
+                new = True
+            else:
+                self.forget(pid)  # what _is_candidate read
+        return new
+
+    def forget(self, pid: int):
+        """pid exited: nothing of it stays (memory bounded across exits)."""
+        self.candidates.discard(pid)
+        self.passed.discard(pid)
+        self.refused.discard(pid)
+        for d in (self._cmdlines, self._labels, self.parent_of, self._maps_seen,
+                  self._code_sizes, self.plugin_status):
+            d.pop(pid, None)
+
+    def prune(self):
+        """Candidates that exited before they had probes."""
+        for pid in [p for p in self.candidates if not os.path.exists(f"/proc/{p}")]:
+            self.forget(pid)
+
+    # -- follow.Follower's hooks -------------------------------------------
+
+    def tree(self) -> list:
+        return sorted(p for p in self.candidates if p not in self.passed)
+
+    def scan(self) -> dict:
+        found = super().scan()
+        for pid in list(found):
+            if not self.selection.wants(self.texts(pid)):
+                del found[pid]
+                if pid not in self.passed:
+                    self.passed.add(pid)
+                    self.notices.append(f"pid {pid} ({discover.comm(pid)}): left out by "
+                                        "--include/--exclude")
+        return found
+
+    # -- what the metrics say of a process ---------------------------------
+
+    def chain(self, pid: int) -> list:
+        """pid and its candidate ancestors, pid first."""
+        out, p = [], pid
+        while p and p not in out and len(out) < 16:
+            out.append(p)
+            p = self.parent_of.get(p, 0)
+            if p not in self.candidates:
+                break
+        return out
+
+    def texts(self, pid: int) -> list:
+        chain = self.chain(pid)
+        model = self.labels(pid)[0]
+        return [model] + [self.cmdline(p) for p in chain]
+
+    def labels(self, pid: int) -> tuple:
+        """(model_name, engine, port) of pid: vLLM's --served-model-name or
+        --model (or `vllm serve MODEL`) and --port from its command line or
+        an ancestor's; the engine index from vLLM's process name
+        (EngineCore_DP<n>: data parallel) or --data-parallel-rank.  Each
+        '' where vLLM does not say."""
+        if pid not in self._labels:
+            from ..exporters import prometheus
+
+            model = port = engine = ""
+            for p in self.chain(pid):
+                argv = _argv(self.cmdline(p))
+                model = model or prometheus.model_name(argv)
+                port = port or _option(argv, "--port")
+                engine = engine or _option(argv, "--data-parallel-rank")
+            if not port.isdigit():
+                port = ""
+            self._labels[pid] = (model, engine, port)
+        model, engine, port = self._labels[pid]
+        if not engine:
+            # vLLM names its engine process after it started: read until found
+            m = re.search(r"_DP(\d+)", discover.comm(pid))
+            if m:
+                engine = m.group(1)
+                self._labels[pid] = (model, engine, port)
+        return model, engine, port
