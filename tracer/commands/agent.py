@@ -223,7 +223,7 @@ def run(args) -> int:
 
     check_privileges()
     selection, grace = _settings(args)
-    follower = node.NodeFollower(selection, calls_only=args.calls_only)
+    follower = node.NodeFollower(selection, prometheus.model_name, calls_only=args.calls_only)
     residency = lifecycle.LiveResidency(lifecycle.StreamTap())
     exporter = AgentExporter(follower, residency)
     # bound before any BPF is loaded: a busy port fails in a second
@@ -256,6 +256,7 @@ class Agent:
         self.tracer = None
 
     def run(self, stop) -> int:
+        from ..kernel import process_events
         from ..kernel.session import Tracer
         from . import attach
 
@@ -267,7 +268,7 @@ class Agent:
                              collector=self.residency.tap, gen_fill=True, reuse_rows=True)
         events = None
         try:
-            events = node.ProcessEvents()
+            events = process_events.ProcessEvents()
             self.attacher = _Attacher(self.tracer)
             self.follower.list_all()
             self._scan()
@@ -297,6 +298,7 @@ class Agent:
         self._publish_states()
         now = time.monotonic()
         next_refresh, next_scan = now + self.args.interval, now + SCAN_S
+        lost = 0
         while stop["signal"] is None:
             due = min(next_scan, next_refresh)
             self.tracer.poll(math.ceil(max(0.0, min(due - time.monotonic(), POLL_S)) * 1000))
@@ -307,6 +309,13 @@ class Agent:
                 next_scan = 0.0
             if self.follower.on_events(events.take()):
                 next_scan = 0.0  # a new candidate: scan it now
+            if events.lost != lost:
+                # a fork storm filled the buffers: what was lost is found
+                # by listing /proc, once
+                lost = events.lost
+                _say(f"{lost} exec/fork events lost so far: listing every process again")
+                self.follower.list_all()
+                next_scan = 0.0
             now = time.monotonic()
             self._reap(now)
             if now >= next_scan:
