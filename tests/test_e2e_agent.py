@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
-from conftest import (KVSIM, ROOT, Kvsim, kvtrace_cmd, read_line, semaphore_values,
-                      uprobe_events)
+from conftest import (ROOT, Kvsim, kvtrace_cmd, listening_sockets, read_line,
+                      semaphore_values, uprobe_events)
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -186,6 +186,9 @@ def agent_and_prometheus(tmp_path, bpf_env):
 def assert_exact(prom, pid, truth):
     """kvsim's truth, summed per engine in PromQL from Prometheus's data."""
     sel = f'{{pid="{pid}"}}'
+    # a hit the kernel skipped (another BPF program preempted on that CPU:
+    # any tracer's, on a busy machine) is an op the counts lack, and says so
+    assert prom.one("kvtrace_probe_misses_total") == 0
     assert prom.one(f"sum(kvtrace_slots_written_total{sel})") == truth["slots_written"]
     assert prom.one(f"sum(kvtrace_block_reads_total{sel})") == truth["reads"]["reads"]
     assert prom.one(f"sum(kvtrace_steps_total{sel})") == truth["reads"]["steps"]
@@ -216,7 +219,6 @@ def test_kvsim_engines_come_and_go(tmp_path, agent_and_prometheus):
         sim.go()
         assert sim.wait() == 0
         prom.scraped_after(time.time())
-        assert prom.one("kvtrace_probe_misses_total") == 0
         assert_exact(prom, sim.pid, sim.truth())
 
     run_and_check(Kvsim(tmp_path, "beam"))
@@ -268,6 +270,62 @@ def test_sigterm_and_sigkill_leave_targets_running_untouched(tmp_path, agent_and
         assert sim.truth()["kv_checksum_ok"]
 
 
+def test_default_endpoint_binds_loopback_only(tmp_path, bpf_env):
+    """Without an address the agent listens on 127.0.0.1 alone: the bound
+    address, from the kernel's socket table (a scrape of 127.0.0.1 would
+    also succeed on 0.0.0.0)."""
+    port = free_port()
+    proc = subprocess.Popen(kvtrace_cmd("agent", "--prometheus", str(port), "--include",
+                                        str(tmp_path)),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        err = "".join(read_line(proc.stderr, "agent ready", READY_S))
+        assert f"metrics on http://127.0.0.1:{port}/metrics" in err
+        assert listening_sockets(proc.pid) == {("127.0.0.1", port)}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_refused_engine_is_a_log_line_and_a_metric_then_traced(tmp_path,
+                                                               agent_and_prometheus):
+    """--max-procs 1 and two kvsims: the second is refused, one log line and
+    kvtrace_targets{state="refused"}, and the agent goes on; once the first
+    has gone, the second is traced and exact.  SIGHUP with a config file
+    that excludes it detaches it."""
+    conf = tmp_path / "agent.conf"
+    conf.write_text("grace 0\n")
+    agent, prom = agent_and_prometheus("--max-procs", "1", "--config", conf)
+    first = Kvsim(tmp_path, "default")
+    agent.traced(first.pid)
+    second = Kvsim(tmp_path, "beam", "--rounds", "2")
+    agent.wait_for(f"pid {second.pid}")
+    assert "at once" in agent.err.splitlines()[-1], agent.err
+    wait_state(agent, lambda st: st["states"]["refused"] == 1)
+    prom.scraped_after(time.time())
+    assert prom.one('kvtrace_targets{state="refused"}') == 1
+    assert prom.one('kvtrace_targets{state="traced"}') == 1
+    first.go()
+    assert first.wait() == 0
+    agent.traced(second.pid)  # its place came free
+    second.go()
+    read_line(second.proc.stderr, "paused", 60)  # round 1 done, truth written
+    prom.scraped_after(time.time())
+    assert prom.one('kvtrace_targets{state="refused"}') == 0
+    assert_exact(prom, second.pid, second.truth())
+    # a reload that leaves it out: detached, its semaphores back at 0
+    conf.write_text(f"exclude {second.truth_path.name}\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    agent.wait_for(f"pid {second.pid}: left out by --include/--exclude: detached")
+    assert all(v == 0 for v in semaphore_values(second.pid).values())
+    second.go()
+    assert second.wait() == 0
+    assert agent.stop() == 0
+
+
 def cycle(agent, tmp_path, n):
     """n kvsims one after the other, each traced, run and gone."""
     for _ in range(n):
@@ -301,7 +359,8 @@ def test_memory_bounded_over_50_starts_and_exits(tmp_path, agent_and_prometheus)
         return state["states"]["traced"] == 0 and state["states"]["exited"] == 0
 
     cycle(agent, tmp_path, 5)
-    after5 = wait_state(agent, settled)["maps"]
+    state5 = wait_state(agent, settled)
+    after5 = state5["maps"]
     rss5, mem5 = agent.rss_kb(), agent.memlock_kb()
     cycle(agent, tmp_path, 44)
     # the 50th: held alive after its run (--rounds 2 waits for a second
@@ -314,12 +373,136 @@ def test_memory_bounded_over_50_starts_and_exits(tmp_path, agent_and_prometheus)
     assert_exact(prom, last.pid, last.truth())
     last.kill()
     agent.wait_for(f"pid {last.pid} exited")
-    after50 = wait_state(agent, settled)["maps"]
+    state50 = wait_state(agent, settled)
+    after50 = state50["maps"]
     rss50, mem50 = agent.rss_kb(), agent.memlock_kb()
     assert after50 == after5, (after5, after50)
     assert after50["traced_pids"] == after50["caches"] == after50["groups"] == 0
     assert mem50 == mem5
-    print(f"RssAnon after 5: {rss5} kB, after 50: {rss50} kB; memlock {mem5} kB")
-    # the heap: the same after 45 more engines as after 5, up to what
-    # Python's allocator keeps of its arenas (not 45 engines' worth more)
-    assert rss50 <= rss5 + 1024, (rss5, rss50)
+    blocks5, blocks50 = state5["python_blocks"], state50["python_blocks"]
+    print(f"RssAnon after 5: {rss5} kB, after 50: {rss50} kB; memlock {mem5} kB; "
+          f"Python's blocks {blocks5}, {blocks50}")
+    # Python's objects: what 45 more engines left behind (each engine's
+    # state is thousands of them: its sites, caches, labels, residency)
+    assert blocks50 <= blocks5 * 1.01, (blocks5, blocks50)
+    # the process's heap: glibc keeps the stacks of ended threads (each
+    # scrape is served by one) and free pages in its arenas, up to a bound
+    # (the agent allows two arenas); one engine's refresh copies alone
+    # (its per-block rows) are 0.5 MiB, so a leak of them over 45 engines
+    # would be 20 MiB and more
+    assert rss50 <= rss5 + 8192, (rss5, rss50)
+
+
+# -- real vLLM engines under one agent -------------------------------------------
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+WORKLOAD = ROOT / "scripts" / "vllm-workload.py"
+REQUESTS = "100:8,40:8,7:3,33:5"
+
+
+def tree(root):
+    """root and its descendants now."""
+    kids = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            kids.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, ()))
+    return out
+
+
+class Engine:
+    """scripts/vllm-workload.py --wait: vLLM built, then waiting for SIGUSR1."""
+
+    def __init__(self, tmp_path, model, name, plugin):
+        self.out, self.log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
+        # one model, two names: each engine's model_name label is its own
+        self.model = tmp_path / name
+        self.model.symlink_to(model)
+        # the plugin, or (an explicit list naming no installed plugin) none
+        env = dict(os.environ, VLLM_PLUGINS="kvtrace" if plugin else "none")
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(
+                [str(VLLM_PYTHON), str(WORKLOAD), "--model", str(self.model),
+                 "--requests", REQUESTS, "--prefix-caching", "off", "--out", str(self.out),
+                 "--wait"], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                start_new_session=True)
+
+    def ready(self, timeout=600):
+        deadline = time.monotonic() + timeout
+        while f"READY {self.proc.pid}" not in self.log.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                self.log.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def wait_traced(agent, engine, tiers, timeout=300):
+    """Until the agent said it traces a process of the engine's tree with
+    each of `tiers` ('stock uprobes', 'plugin USDT probes')."""
+    import re
+
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = set(tree(engine.proc.pid))
+        said = {m.group(2) for m in re.finditer(r"tracing pid (\d+) \(.*?\): \d+ (.+?) in ",
+                                                agent.err) if int(m.group(1)) in pids}
+        if set(tiers) <= said:
+            return
+        agent.wait_for("tracing pid", max(1, deadline - time.monotonic()))
+
+
+@pytest.mark.vllm
+def test_vllm_engines_under_one_agent(tmp_path, tiny_model, agent_and_prometheus):
+    """The agent first; then two real vLLM CPU engines, one with the kvtrace
+    plugin and one without, start at different times.  The agent finds
+    each one's processes (the plugin's probes in the first's engine core,
+    stock uprobes in both workers) without being told a pid, and each
+    engine's slots written, summed in PromQL by its model_name, equal
+    vLLM's identity: every layer writes prompt_len + generated - 1 tokens
+    per request (prefix caching off).  The plugin engine's requests are
+    vLLM's."""
+    agent, prom = agent_and_prometheus("--grace", "30")
+    engines = []
+    try:
+        engines.append(Engine(tmp_path, tiny_model, "with-plugin", plugin=True))
+        engines[0].ready()
+        engines.append(Engine(tmp_path, tiny_model, "stock", plugin=False))
+        wait_traced(agent, engines[0], ["stock uprobes", "plugin USDT probes"])
+        engines[1].ready()
+        wait_traced(agent, engines[1], ["stock uprobes"])
+        for e in engines:  # one at a time: no engine's hit is skipped for another's
+            os.kill(e.proc.pid, signal.SIGUSR1)
+            assert e.proc.wait(600) == 0, e.log.read_text()[-3000:]
+            prom.scraped_after(time.time())
+            generated = json.loads(e.out.read_text())
+            tokens = sum(r["prompt_len"] + len(r["generated"]) - 1
+                         for r in generated["requests"])
+            sel = f'{{model_name="{e.model}"}}'
+            assert prom.one(f"sum(kvtrace_slots_written_total{sel})") == \
+                tokens * generated["num_layers"]
+            assert prom.one("kvtrace_probe_misses_total") == 0
+            # the plugin engine's scheduler took in every request; the
+            # stock engine has no plugin, so no scheduler events
+            requests = f'sum(kvtrace_requests_total{sel})'
+            if e is engines[0]:
+                assert prom.one(requests) == len(generated["requests"])
+            else:
+                assert not prom.query(requests)
+    finally:
+        for e in engines:
+            e.kill()

@@ -41,6 +41,7 @@ QUIET_AFTER_S = 10.0
 GRACE_S = 60.0  # Prometheus's default scrape interval: one scrape sees the end
 
 STATES = ("traced", "waiting", "excluded", "refused", "exited")
+OVER_MAX_PROCS = "over --max-procs"
 
 
 def add_parser(sub):
@@ -132,7 +133,7 @@ def _settings(args):
                 words.extend(shlex.split(line if line.startswith("-") else "--" + line))
             except ValueError as e:
                 raise UsageError(f"--config {args.config}:{n}: {e}") from None
-        conf = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        conf = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
         conf.add_argument("--include", action="append", default=[])
         conf.add_argument("--exclude", action="append", default=[])
         conf.add_argument("--grace", type=non_negative_float)
@@ -217,6 +218,7 @@ class _Attacher:
 
 def run(args) -> int:
     _validate(args)
+    _few_arenas()
     if args.cpu:
         os.sched_setaffinity(0, args.cpu)
     from ..kernel.session import check_privileges
@@ -343,7 +345,7 @@ class Agent:
         self.attacher.failed.clear()
         for pid in list(f.refused):
             if pid not in self.refused:
-                self.refused[pid] = "over --max-procs"
+                self.refused[pid] = OVER_MAX_PROCS
                 self._let_go(pid)
         for pid, proc in self.tracer.procs.items():
             if pid in self.targets or pid in self.exited or not proc.uprobes:
@@ -378,8 +380,10 @@ class Agent:
                     proc.attached.clear()
                 self.follower.candidates.discard(pid)
                 _say(f"pid {pid} exited: its series go in {self.grace:g}s")
+        forgot = False
         for pid, when in list(self.exited.items()):
             if now - when >= self.grace:
+                forgot = True
                 del self.exited[pid]
                 self.tracer.drain()  # records of its last ops, before its rows go
                 self.residency.tick(force=True)
@@ -387,9 +391,15 @@ class Agent:
                 self.follower.forget(pid)
                 self.exporter.forget(pid)
                 _forget_residency(self.residency, self.tracer.procs)
+                # its place is free: engines refused for want of one are tried again
+                for p in [p for p, why in self.refused.items() if why == OVER_MAX_PROCS]:
+                    del self.refused[p]
+                    self.follower.refused.discard(p)
         for pid in [p for p in self.refused if not os.path.exists(f"/proc/{p}")]:
             del self.refused[pid]
             self.follower.forget(pid)
+        if forgot:
+            _trim()
 
     def _reload(self):
         try:
@@ -422,6 +432,7 @@ class Agent:
             from ..kernel import release
 
             doc = dict(time=time.time(), states=states, maps=release.hash_entries(self.tracer),
+                       python_blocks=sys.getallocatedblocks(),
                        processes=[dict(pid=pid, comm=p.comm, tier=p.tier,
                                        state="exited" if pid in self.exited else "traced",
                                        model_name=f.labels(pid)[0])
@@ -431,6 +442,32 @@ class Agent:
                 write_file(self.args.state, json.dumps(doc, indent=1) + "\n")
             except Exception as e:  # a full disk: said, and the agent goes on
                 _say(f"--state {self.args.state}: {e}")
+
+
+def _few_arenas():
+    """At most two malloc arenas (glibc's M_ARENA_MAX), before any thread
+    starts: each scrape is served by a thread of its own, and glibc gives
+    threads arenas of their own (up to 8 per CPU), whose free pages stay
+    in the agent's RSS for as long as it runs."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _trim():
+    """Give the heap's free pages back (glibc's malloc_trim): the per-block
+    arrays each refresh copies are too big for Python's allocator and
+    small enough for malloc's heap, whose free space an engine's exit
+    leaves in the middle, where it would stay counted in the agent's RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _forget_residency(residency, traced):

@@ -29,8 +29,12 @@ import os
 import re
 import shlex
 
+from .. import abi
 from ..errors import TargetError
-from . import discover, follow
+from . import discover, follow, probe_cache
+
+# files whose parse the agent keeps, past which it keeps only its candidates'
+CACHE_BOUND = 1024
 
 FORK = 2  # kernel/process_events.py's kinds: (EXEC, FORK) = (1, 2)
 
@@ -159,9 +163,21 @@ class NodeFollower(follow.Follower):
             d.pop(pid, None)
 
     def prune(self):
-        """Candidates that exited before they had probes."""
+        """Candidates that exited before they had probes; and the caches of
+        files parsed, once they hold more than CACHE_BOUND files, cut to
+        those the candidates map: every exec on the node may add its files
+        (a busy node's temporary libraries, test runs), where attach only
+        ever sees one tree's."""
         for pid in [p for p in self.candidates if not os.path.exists(f"/proc/{p}")]:
             self.forget(pid)
+        known = probe_cache.known(abi.PROVIDER)["files"]
+        if len(self.probe_cache) > CACHE_BOUND or len(known) > CACHE_BOUND:
+            keep = {path for pid in self.candidates
+                    for path in self._maps_seen.get(pid, (frozenset(),))[0]}
+            self.probe_cache = {k: v for k, v in self.probe_cache.items() if k[0] in keep}
+            kept = {i for i in known if i.split("|", 1)[0] in keep}
+            known.clear()
+            known.update(kept)
 
     # -- follow.Follower's hooks -------------------------------------------
 
