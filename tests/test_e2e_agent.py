@@ -387,10 +387,11 @@ def test_memory_bounded_over_50_starts_and_exits(tmp_path, agent_and_prometheus)
     assert blocks50 <= blocks5 * 1.01, (blocks5, blocks50)
     # the process's heap: glibc keeps the stacks of ended threads (each
     # scrape is served by one) and free pages in its arenas, up to a bound
-    # (the agent allows two arenas); one engine's refresh copies alone
-    # (its per-block rows) are 0.5 MiB, so a leak of them over 45 engines
-    # would be 20 MiB and more
-    assert rss50 <= rss5 + 8192, (rss5, rss50)
+    # (the agent allows two arenas), which a loaded machine reaches later:
+    # +2 to +7 MiB measured here.  One engine's refresh copies alone (its
+    # rows of block_writes, block_moves and block_life) are over 2.5 MiB,
+    # so keeping one of them per engine would be 110 MiB over 45 engines
+    assert rss50 <= rss5 + 16384, (rss5, rss50)
 
 
 # -- real vLLM engines under one agent -------------------------------------------

@@ -7,8 +7,8 @@ tensor-layout discovery, the plugin's status) runs over them instead of
 one tree.  A process is a candidate when
 
   - its command line names vLLM (`vllm serve`, `python -m vllm...`, a
-    script of that name), or it maps a file with kvtrace probes (a kvtrace
-    build of vLLM, kvsim), or
+    script of that name), or it maps a file with kvtrace probes within
+    PROBATION_S of its exec (a kvtrace build of vLLM, kvsim), or
   - its parent is a candidate (vLLM's engine core and workers: forked, or
     spawned with an interpreter whose command line says nothing of vLLM).
 
@@ -28,6 +28,7 @@ cannot add it, since it is not a candidate.
 import os
 import re
 import shlex
+import time
 
 from .. import abi
 from ..errors import TargetError
@@ -35,6 +36,10 @@ from . import discover, follow, probe_cache
 
 # files whose parse the agent keeps, past which it keeps only its candidates'
 CACHE_BOUND = 1024
+# how long a process that exec'd is scanned for probe sites, when nothing
+# else makes it a candidate: its dynamic loader maps its libraries after
+# the exec event
+PROBATION_S = 2.0
 
 FORK = 2  # kernel/process_events.py's kinds: (EXEC, FORK) = (1, 2)
 
@@ -93,6 +98,7 @@ class NodeFollower(follow.Follower):
         self.selection = selection
         self.model_name = model_name  # argv -> the model vLLM serves, or ''
         self.candidates = set()
+        self.probation = {}  # pid -> until when an exec'd process is scanned
         self.passed = set()  # candidates --include/--exclude left out, once said
         self._cmdlines = {}  # pid -> its command line, read once
         self._labels = {}  # pid -> (model name, engine index, port)
@@ -148,14 +154,19 @@ class NodeFollower(follow.Follower):
             if was or parent in self.candidates or self._is_candidate(pid):
                 self.parent_of[pid] = parent
                 self.candidates.add(pid)
-                new = True
             else:
-                self.forget(pid)  # what _is_candidate read
+                # the exec tracepoint fires before the dynamic loader maps
+                # the program's libraries: a library with probes (kvsim's)
+                # shows in the maps a moment later
+                self.parent_of[pid] = parent
+                self.probation[pid] = time.monotonic() + PROBATION_S
+            new = True
         return new
 
     def forget(self, pid: int):
         """pid exited: nothing of it stays (memory bounded across exits)."""
         self.candidates.discard(pid)
+        self.probation.pop(pid, None)
         self.passed.discard(pid)
         self.refused.discard(pid)
         for d in (self._cmdlines, self._labels, self.parent_of, self._maps_seen,
@@ -182,10 +193,17 @@ class NodeFollower(follow.Follower):
     # -- follow.Follower's hooks -------------------------------------------
 
     def tree(self) -> list:
-        return sorted(p for p in self.candidates if p not in self.passed)
+        return sorted(p for p in self.candidates.union(self.probation) if p not in self.passed)
 
     def scan(self) -> dict:
         found = super().scan()
+        now = time.monotonic()
+        for pid, until in list(self.probation.items()):
+            if pid in found:  # its libraries came, with probes
+                del self.probation[pid]
+                self.candidates.add(pid)
+            elif now >= until or not os.path.exists(f"/proc/{pid}"):
+                self.forget(pid)
         for pid in list(found):
             if not self.selection.wants(self.texts(pid)):
                 del found[pid]
