@@ -1713,7 +1713,7 @@ int kvtrace_site_hit(struct pt_regs *ctx)
 		w->ev.slots = nt;
 		w->ev.rows = a[5];
 		w->ev.held_tokens = a[6];
-#if STREAM_VALUES
+#if STREAM_BLOCK_IDS
 		w->arr = a[0];
 		w->n = 5 * n;
 		w->next_arr = a[2];
