@@ -1721,11 +1721,13 @@ def _sched_scale(name, requests, prefix, cycles, steps, tmp):
                 if tp is not None:
                     stop_tracer(tp)
                     ops = json.loads(agg.read_text())["ops"]
-                    # the step's requests, and its rows: whole tables'
-                    # entries (block_table) or the rows' changes (step_rows)
-                    counted.append((ops.get("step_reqs", {}).get("calls", 0),
+                    # the steps it saw (step_reqs with whole tables, or
+                    # step_rows by default) and what they carried: the
+                    # tables' entries, or the rows step_rows sent
+                    counted.append((ops.get("step_reqs", {}).get("calls", 0) +
+                                    ops.get("step_rows", {}).get("calls", 0),
                                     ops.get("block_table", {}).get("items", 0) +
-                                    ops.get("step_rows", {}).get("calls", 0)))
+                                    ops.get("step_rows", {}).get("items", 0)))
         sizes, report_s = {}, None
         for n in (steps, 3 * steps):
             out = Path(tmp) / f"sched-{name}-{n}.kvt"
@@ -1754,7 +1756,7 @@ def _sched_scale(name, requests, prefix, cycles, steps, tmp):
         "traced_ratio": ratio_stats(per_step["traced"], per_step["untraced"]),
         "untraced_again_ratio": ratio_stats(per_step["untraced_again"], per_step["untraced"]),
         "added_ns_per_request": stats([a * 1e3 / requests for a in added]),
-        # (step_reqs calls, block_table entries) per traced measurement
+        # (steps seen, entries or rows carried) per traced measurement
         "traced_counts": counted,
         "trace_bytes_per_decode_step": (sizes[3 * steps] - sizes[steps]) / (2 * steps),
         "recorded_steps": 3 * steps, "report_s": report_s,

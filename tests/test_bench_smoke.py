@@ -25,7 +25,7 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
     subprocess.run(["make", "-s", "-C", ROOT / "bench"], check=True)
     out = tmp_path / "results.json"
     r = subprocess.run([sys.executable, ROOT / "bench" / "run.py", "--quick", "--out", out],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["schema"] == "kvtrace-bpf/bench" and res["quick"] is True
