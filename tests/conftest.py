@@ -193,7 +193,7 @@ class Tracer:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.early_err = ""
 
-    def wait_attached(self, timeout=60):
+    def wait_attached(self, timeout=300):
         try:
             self.early_err = "".join(read_line(self.proc.stderr, "ready after", timeout))
         except AssertionError as e:

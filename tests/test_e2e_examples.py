@@ -167,7 +167,7 @@ def test_example_works_as_written(where, line, workdir, running_kvsim, tmp_path)
         p = subprocess.Popen(["bash", "-c", cmd], cwd=d, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            read_line(p.stderr, "ready after", 120)
+            read_line(p.stderr, "ready after", 300)
             os.killpg(p.pid, signal.SIGINT)  # the Ctrl-C the help speaks of
             out, err = p.communicate(timeout=120)
         finally:
