@@ -327,6 +327,23 @@ fail:
 	return NULL;
 }
 
+/* A KVCacheBlock's block_id as an int32, into *out: 0, or -1 with an
+ * exception set (named after the probe whose table it was for). */
+static int block_id_of(PyObject *block, const char *probe, int32_t *out)
+{
+	PyObject *id = PyObject_GetAttr(block, block_id_name);
+	long long v = id ? PyLong_AsLongLong(id) : -1;
+	Py_XDECREF(id);
+	if (v == -1 && PyErr_Occurred())
+		return -1;
+	if (v < 0 || v > INT32_MAX) {
+		PyErr_Format(PyExc_ValueError, "%s: block id %lld", probe, v);
+		return -1;
+	}
+	*out = (int32_t)v;
+	return 0;
+}
+
 /* The blocks of request `rid` in `owners` ({req id: [KVCacheBlock]}):
  * borrowed, NULL if it has none (*err set with an exception). */
 static PyObject *blocks_of(PyObject *owners, PyObject *rid, int *err)
@@ -401,18 +418,9 @@ static PyObject *probe_block_table(PyObject *self, PyObject *const *args,
 			PyErr_SetString(PyExc_RuntimeError, "block_table: a row grew while read");
 			goto fail;
 		}
-		for (Py_ssize_t j = 0; j < len; j++) {
-			PyObject *id = PyObject_GetAttr(PyList_GET_ITEM(blocks, j), block_id_name);
-			long long v = id ? PyLong_AsLongLong(id) : -1;
-			Py_XDECREF(id);
-			if (v == -1 && PyErr_Occurred())
+		for (Py_ssize_t j = 0; j < len; j++)
+			if (block_id_of(PyList_GET_ITEM(blocks, j), "block_table", &row[j]) < 0)
 				goto fail;
-			if (v < 0 || v > INT32_MAX) {
-				PyErr_Format(PyExc_ValueError, "block_table: block id %lld", v);
-				goto fail;
-			}
-			row[j] = (int32_t)v;
-		}
 		memset(row + len, 0, (size_t)(width - len) * 4);
 		if (get_i64(PySequence_Fast_GET_ITEM(seqs, i), &seq) < 0)
 			goto fail;
@@ -519,18 +527,10 @@ static PyObject *probe_step_rows(PyObject *self, PyObject *const *args, Py_ssize
 			/* +1: room for the padding to an even count */
 			if (reserve((void **)&tail_buf, &tail_cap, (size_t)(nt + len - from + 1), 4) < 0)
 				goto fail;
-			for (Py_ssize_t j = from; j < len; j++) {
-				PyObject *id = PyObject_GetAttr(PyList_GET_ITEM(blocks, j), block_id_name);
-				long long v = id ? PyLong_AsLongLong(id) : -1;
-				Py_XDECREF(id);
-				if (v == -1 && PyErr_Occurred())
+			for (Py_ssize_t j = from; j < len; j++)
+				if (block_id_of(PyList_GET_ITEM(blocks, j), "step_rows",
+						&tail_buf[nt++]) < 0)
 					goto fail;
-				if (v < 0 || v > INT32_MAX) {
-					PyErr_Format(PyExc_ValueError, "step_rows: block id %lld", v);
-					goto fail;
-				}
-				tail_buf[nt++] = (int32_t)v;
-			}
 		}
 		if (was != len) {
 			PyObject *v = PyLong_FromSsize_t(len);
