@@ -82,6 +82,48 @@ def test_derived_reads_of_a_production_sized_cache(tmp_path):
     assert int(d.rows.max()) == 1024 and v["steps"] == len(st) > 0
 
 
+def test_a_tracer_attached_mid_run_gets_every_row_whole_first(tmp_path):
+    """A tracer that attaches while kvsim runs knows no row from before: the
+    first step_rows it sees sends every row from 0 (kvsim, as the plugin,
+    starts its rows over after a step no tracer saw), so the replay is exact
+    from there and equals the tables step by step."""
+    import time
+    from conftest import Kvsim
+    from tracer.probes import discover
+    from tracer.kernel.session import Tracer
+
+    sim = Kvsim(tmp_path, "prefix", "--repeat", 1000, "--step-delay-us", 2000)
+    tracer = None
+    try:
+        tracer = Tracer(index_stream=True)  # compiled before kvsim goes
+        sim.go()
+        time.sleep(0.5)  # steps no tracer sees (checked below from the truth)
+        tracer.attach(sim.pid, discover.process_probe_files(sim.pid))
+        batches = []
+        for _ in range(20):  # about a second of traced steps
+            tracer.poll(50)
+            batches.append(tracer.stream.take())
+        assert sim.stop() == 0
+        tracer.detach()
+        tracer.drain()
+        batches.append(tracer.stream.take())
+    finally:
+        if tracer is not None:
+            tracer.close()
+        sim.kill()
+    ops, truth = stream.decode(batches), sim.truth()
+    sr = stream.step_rows(ops)
+    d, st, rows = derived_and_counted(ops, truth)
+    assert 0 < len(d) < truth["reads"]["steps"], "not attached mid-run"
+    first = sr.tail_from[int(sr.lo[0]):int(sr.lo[1])]
+    assert len(first) and not first.any(), first
+    assert d.exact, d.reasons
+    v = derived_rows.verify(d, d._t["pos"], st, rows, rows.scan())
+    assert v["steps"] == len(st) and v["rows"] > 0
+    assert (v["steps_differ"], v["rows_differ"], v["blocks_differ"], v["unmatched"]) == \
+        (0, 0, 0, 0), v["first"]
+
+
 @pytest.mark.parametrize("workload", ["prefix", "window", "swap"])
 def test_report_from_derived_reads_alone(tmp_path, workload, monkeypatch):
     """A recording's report where the group's tables are left out (as

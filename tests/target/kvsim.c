@@ -406,8 +406,10 @@ struct seq {
 	bool finished;
 	uint64_t new_step;  /* 1 + the step of new_tokens */
 	int64_t new_tokens; /* tokens it wrote at that step (step_reqs) */
-	/* table entries step_rows last reported (0: none, or freed since) */
+	/* table entries step_rows last reported (0: none, or freed since),
+	 * in the sim's rows_epoch reported_epoch */
 	int64_t reported;
+	uint64_t reported_epoch;
 	/*
 	 * [layer] the checksum attention must get over positions [0, len):
 	 * the sum of the expected values of the tokens this sequence holds
@@ -482,6 +484,9 @@ struct sim {
 	int64_t *row_new;
 	/* step_rows' arrays: 5 int64 a row, and the rows' new entries */
 	int64_t *delta_rows;
+	/* bumped at each step_rows no tracer saw: every row is sent whole
+	 * at the next (a tracer attached mid-run knows no row before it) */
+	uint64_t rows_epoch;
 	int32_t *delta_tail;
 	bool dirty; /* a run wrote the KV buffers (calloc's are zero) */
 
@@ -1518,7 +1523,8 @@ static void fire_step_rows(struct sim *s, uint64_t step)
 	for (int64_t i = 0; i < s->nrows; i++) {
 		struct seq *q = s->row_seq[i];
 		int64_t *r = s->delta_rows + 5 * i;
-		int64_t from = q->reported <= q->nblocks ? q->reported : 0;
+		int64_t from = q->reported_epoch == s->rows_epoch &&
+			       q->reported <= q->nblocks ? q->reported : 0;
 		r[0] = (int64_t)s->step_rows[i];
 		r[1] = q->len;
 		r[2] = s->row_new[i];
@@ -1527,13 +1533,17 @@ static void fire_step_rows(struct sim *s, uint64_t step)
 		for (int64_t j = from; j < q->nblocks; j++)
 			s->delta_tail[nt++] = q->table[j];
 		q->reported = q->nblocks;
+		q->reported_epoch = s->rows_epoch;
 	}
 	s->delta_tail[nt] = 0; /* the padding to whole 8-byte words */
-	kv_step_rows(s->delta_rows, s->nrows, s->delta_tail, nt, 0, s->bs,
-		     s->nblocks);
-	s->t.step_rows_calls++;
-	s->t.step_rows_rows += (uint64_t)s->nrows;
-	s->t.step_rows_tail += (uint64_t)nt;
+	if (kv_step_rows(s->delta_rows, s->nrows, s->delta_tail, nt, 0, s->bs,
+			 s->nblocks)) {
+		s->t.step_rows_calls++;
+		s->t.step_rows_rows += (uint64_t)s->nrows;
+		s->t.step_rows_tail += (uint64_t)nt;
+	} else {
+		s->rows_epoch++;
+	}
 	if (!f)
 		return;
 	fprintf(f, "{\"step\": %" PRIu64 ", \"rows\": [", step);

@@ -378,9 +378,9 @@ void kv_step_reqs(const uint64_t *rows, int64_t num_reqs)
 	}
 }
 
-void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
-		  int64_t num_tail, int64_t group_id, int64_t block_size,
-		  int64_t num_blocks)
+int kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
+		 int64_t num_tail, int64_t group_id, int64_t block_size,
+		 int64_t num_blocks)
 {
 	(void)rows;
 	(void)num_rows;
@@ -402,7 +402,9 @@ void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
 		}
 		KVTRACE_STEP_ROWS(rows, num_rows, tail, num_tail, group_id,
 				  block_size, num_blocks);
+		return 1;
 	}
+	return 0;
 }
 
 void kv_req_finish(uint64_t req, int64_t output_tokens)

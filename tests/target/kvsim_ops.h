@@ -162,10 +162,12 @@ void kv_step_reqs(const uint64_t *rows, int64_t num_reqs);
  * (a 0: the tracer reads whole 8-byte words).  --ops-log: "step_rows
  * GROUP", the 5 * num_rows row values, then the tail's (num_tail + 1) / 2
  * 8-byte words as int64: the values as the tracer streams them.
+ * Returns whether the probe fired: a caller sending deltas starts every
+ * row from 0 again after a step no tracer saw, as the plugin does.
  */
-void kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
-		  int64_t num_tail, int64_t group_id, int64_t block_size,
-		  int64_t num_blocks);
+int kv_step_rows(const int64_t *rows, int64_t num_rows, const int32_t *tail,
+		 int64_t num_tail, int64_t group_id, int64_t block_size,
+		 int64_t num_blocks);
 
 /*
  * A block event with its blocks' content hashes (block_hit, block_cache,
