@@ -10,10 +10,10 @@ PROMTOOL := build/promtool
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
-.PHONY: setup packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool test test-fast demo \
+.PHONY: setup packages kernel-headers tracefs venv bytecode bpf-program target vllm-env vllm-plugin vllm-sources vllm-fork promtool test test-fast demo \
 	demo-vllm findings bench clean distclean
 
-setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool
+setup: packages kernel-headers tracefs venv bytecode target vllm-env vllm-plugin vllm-sources vllm-fork promtool bpf-program
 	@echo "setup: done"
 
 # Slow steps are guarded by stamps: a second `make setup` takes a second.
@@ -41,6 +41,18 @@ $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 # Not stamped: it redoes only what changed.
 bytecode: venv
 	@$(VENV)/bin/python -m compileall -q tracer
+
+# The BPF program compiled for attach, attach --folded, record and
+# --prometheus into its cache (/var/cache/kvtrace-bpf), so that the first
+# attach takes a second, not a compile: 20-60 s each, two at a time.
+# Stamped on what the program's text and flags come from; a lost cache
+# entry is compiled again by the attach that misses it.
+bpf-program: $(STAMPS)/bpf-program
+$(STAMPS)/bpf-program: $(wildcard bpf/*.c bpf/*.h) tracer/kernel/session.py \
+		tracer/kernel/program.py tracer/commands/attach.py scripts/compile-bpf.py \
+		$(STAMPS)/venv | kernel-headers
+	$(VENV)/bin/python scripts/compile-bpf.py
+	@touch $@
 
 target: packages
 	@$(MAKE) -s -C tests/target

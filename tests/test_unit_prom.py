@@ -244,6 +244,6 @@ def test_index_stream_only_with_o_or_prometheus(argv, streams):
     from tracer.commands import attach as cmd_attach
 
     args = cli.build_parser().parse_args(["attach", *argv])
-    cmd_attach._validate(args)
+    cmd_attach.validate(args)
     assert cmd_attach.index_stream(args) == streams
     assert (args.perf_pages == 64) is (streams != "all")

@@ -156,7 +156,7 @@ def add_parser(sub):
     return p
 
 
-def _validate(args):
+def validate(args):
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if bool(args.pid) == bool(args.command):
@@ -204,6 +204,17 @@ def _validate(args):
         check_writable(cmd_output)
 
 
+def program_options(args) -> dict:
+    """The Tracer options these arguments choose that pick the BPF program
+    (its cflags, so its cache entry: scripts/compile-bpf.py compiles the
+    common ones at setup)."""
+    return dict(max_blocks=args.max_blocks, max_caches=args.max_layers,
+                max_procs=args.max_procs, stacks=bool(args.folded or args.output),
+                stack_buckets=args.stack_storage_size, perf_pages=args.perf_pages,
+                index_stream=index_stream(args), transport=args.transport,
+                gen_fill=bool(args.prometheus_at))
+
+
 def index_stream(args):
     """What the BPF program streams: every op's index values, to record
     them (-o: "all"); only the plugin's block events' ids, which the
@@ -225,7 +236,7 @@ def stream_perf_pages() -> int:
 
 def run(args) -> int:
     t_start = time.monotonic()
-    _validate(args)
+    validate(args)
     # pinned before any thread or child starts, so that they inherit it; the
     # command of -- CMD gets back every CPU (target.launch)
     args.every_cpu = os.sched_getaffinity(0)
@@ -278,13 +289,8 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
     tracer = target = recorder = None
     traced = False  # the loop ended without an exception
     try:
-        tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
-                        max_procs=args.max_procs, stacks=bool(args.folded or args.output),
-                        stack_buckets=args.stack_storage_size,
-                        perf_pages=args.perf_pages, index_stream=index_stream(args),
-                        transport=args.transport,
+        tracer = Tracer(**program_options(args),
                         collector=residency.tap if residency else None,
-                        gen_fill=bool(args.prometheus_at),
                         verify_rows=args.verify_rows)
         # the views' and the endpoint's reads of groups the kernel does not
         # count (step_rows without block_table), fed by the residency's tick
