@@ -391,7 +391,7 @@ def entry_costs(ops, reps):
 
 
 def row_site(q, res):
-    from tracer.kernel.session import Tracer
+    from tracer.kernel.session import DEFAULT_MAX_PROCS, Tracer
     big = 4096  # per slot: (t(4096) - t(1)) / 4095, well above the noise per op
     ops, reps = (300_000, 3) if q else (2_000_000, 9)
     sizes = f"1,{big}"
@@ -402,7 +402,7 @@ def row_site(q, res):
     a, b, a_again = runs["a"], runs["b"], runs["a_again"]
     twin_ratios = twins(300_000 if q else 1_000_000, reps, 10 if q else 40)
     c = {1: [], big: []}
-    tr = Tracer(max_procs=4)
+    tr = Tracer()  # the defaults: the program make setup compiled for attach
     try:
         cops = ops // 10
         for m in traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(cops), "--reps",
@@ -429,7 +429,10 @@ def row_site(q, res):
     try:
         for flags, dst in (({}, prog), ({"gen_fill": True}, prog_fill),
                            ({"op_records": True}, prog_records)):
-            tr = Tracer(max_procs=64, **flags)  # one process per run: 3 * reps
+            # one process per run: 3 * reps; the default limit where it is
+            # enough (--quick), so that one is the program attach uses
+            tr = Tracer(max_procs=DEFAULT_MAX_PROCS if 3 * reps <= DEFAULT_MAX_PROCS else 64,
+                        **flags)
             try:
                 for _ in range(reps):
                     for n in (1, big):
@@ -522,7 +525,7 @@ def _site_costs(q, flag, big):
     runs = alternate([("a", KVBENCH_NOPROBES), ("b", KVBENCH), ("a_again", KVBENCH_NOPROBES)],
                      [flag, "--ops", ops, "--reps", 1, "--slots", sizes], reps)
     a, b, c = runs["a"], runs["b"], {1: [], big: []}
-    tr = Tracer(max_procs=4)
+    tr = Tracer()  # the defaults: the program make setup compiled for attach
     passed = {}
     try:
         for m in traced_loop(tr, [str(KVBENCH), "loop", flag, "--ops", str(ops // 10),
