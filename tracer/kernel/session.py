@@ -234,7 +234,8 @@ class Tracer:
                  perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  collector: records.Collector = None, gen_fill: bool = False,
-                 op_records: bool = None, verify_rows: bool = False):
+                 op_records: bool = None, verify_rows: bool = False,
+                 reuse_rows: bool = False):
         check_privileges()
         discover.check_arch()
         if max_blocks & (max_blocks - 1):
@@ -253,6 +254,10 @@ class Tracer:
         self.gen_fill = gen_fill
         if gen_fill:
             cflags.append("-DKVTRACE_WITH_GEN_FILL")
+        # the agent's: rows of processes that exited are used again (release.py)
+        self.reuse_rows = reuse_rows
+        if reuse_rows:
+            cflags.append("-DKVTRACE_WITH_INDEX_REUSE")
         if index_stream == "block_ids":  # the block events' ids only (--prometheus)
             cflags.append("-DKVTRACE_WITH_BLOCK_ID_STREAM")
         elif index_stream:  # every op's values (record, attach -o); off costs nothing
@@ -379,7 +384,10 @@ class Tracer:
                 wakeup_bytes=0 if wakeup_every else perf_pages * mmap.PAGESIZE // 4)
             self._poll_fns = (self.bpf.perf_buffer_poll, self.bpf.perf_buffer_consume)
         self.procs = {}  # pid -> TracedProcess
-        self.site_rows = {}  # (pid, address) -> its row in `sites`, never reused
+        self.site_rows = {}  # (pid, address) -> its row in `sites`
+        # rows of `sites` and process indices handed back by release.forget
+        # (the agent); without it, never reused
+        self.free_site_rows = []
         self.started = time.monotonic()
 
     def _map_u64(self, name: str, shape: tuple, words: int = None) -> np.ndarray:
@@ -461,7 +469,8 @@ class Tracer:
             return self.procs[pid]
         if len(self.procs) >= self.max_procs:
             raise TargetError(f"cannot trace more than {self.max_procs} processes at once")
-        proc = TracedProcess(pid, len(self.procs), discover.comm(pid))
+        used = {p.index for p in self.procs.values()}
+        proc = TracedProcess(pid, min(set(range(self.max_procs)) - used), discover.comm(pid))
         table = self.bpf["traced_pids"]
         value = table.Leaf()
         value.index = proc.index
@@ -510,7 +519,10 @@ class Tracer:
                 if probe.stock and tensor_layout is None:
                     specs = catalog.arg_specs(probe.recipe, calls_only=True)
                     proc.calls_only = True
-                row = self.site_rows.get((pid, ip), len(self.site_rows))
+                row = self.site_rows.get((pid, ip))
+                if row is None:
+                    row = self.free_site_rows.pop() if self.free_site_rows else \
+                        len(self.site_rows)
                 if row >= abi.MAX_SITES:
                     proc.skipped.append((probe, f"more than {abi.MAX_SITES} probe sites"))
                     continue
