@@ -645,7 +645,14 @@ class Tracer:
 
     def read_maps(self) -> dict:
         """A raw, consistent-enough copy of every counter map, which
-        aggregate.Aggregate.from_maps turns into per-block histograms."""
+        aggregate.Aggregate.from_maps turns into per-block histograms.
+        Its time is when the reading began: every op that ended before it
+        is in every count read, while an op during the read may be in the
+        counts read last (op_stats, globals) and not in those read first
+        (caches, groups).  Stamped at the end, a scraper that waits for a
+        snapshot taken after a target's last op could get one whose caches
+        were read before that op (a short kvsim run fits in one read)."""
+        started = time.monotonic()
         caches = []
         for k, v in self.bpf["caches"].items():
             totals = self.cache_stats[v.index] if v.index < len(self.cache_stats) else \
@@ -709,7 +716,7 @@ class Tracer:
         glob["missed_hits"] = self.prog_misses()
         if self.empty_prog_fd >= 0:
             glob["empty_program"] = 1  # aggregate.py: nothing was counted
-        return dict(time=time.monotonic(), caches=caches, groups=groups, op_stats=op_stats,
+        return dict(time=started, caches=caches, groups=groups, op_stats=op_stats,
                     log2=log2,
                     moves=moves, life=life, requests=requests, stacks=stacks, globals=glob,
                     records=self.records,
