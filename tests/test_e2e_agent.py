@@ -176,6 +176,11 @@ def agent_and_prometheus(tmp_path, bpf_env):
         made.append(agent)
         prom = Prometheus(tmp_path, agent.port)
         made.append(prom)
+        # Prometheus hands its scrape loops their targets some seconds
+        # after it is ready (its discovery updates are batched): a target
+        # run before its first scrape, and gone after a short --grace,
+        # would never be seen
+        prom.scraped_after(0)
         return agent, prom
 
     yield start
