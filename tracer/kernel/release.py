@@ -25,19 +25,23 @@ from .. import abi
 
 def _zero_row(tracer, name: str, rows: int, row: int):
     """Zero one row of an mmapable array map of `rows` rows, through a
-    writable view mapped once per Tracer (its own views are read-only)."""
-    views = tracer.__dict__.setdefault("_release_views", {})
-    if name not in views:
-        table = tracer.bpf[name]
-        words = table.max_entries * ctypes.sizeof(table.Leaf) // 8
-        m = mmap.mmap(table.map_fd, words * 8, mmap.MAP_SHARED,
-                      mmap.PROT_READ | mmap.PROT_WRITE)
-        # not among Tracer._maps: close() closes those after it dropped its
-        # own views; these go with the Tracer
-        views[name] = np.frombuffer(m, dtype=np.uint64, count=words)
-    view = views[name]
-    per = len(view) // rows
-    view[row * per:(row + 1) * per] = 0
+    writable mmap of that row's pages only, closed at once.  Not the whole
+    map: an mmap of it puts every page of it in the agent's RSS at once
+    (all of block_writes, block_moves, block_life, block_reads and
+    block_fill: hundreds of MiB at the defaults, docs/design.md), which
+    the read-only RowMap views exist to avoid."""
+    table = tracer.bpf[name]
+    per = table.max_entries * ctypes.sizeof(table.Leaf) // rows
+    start = row * per
+    first = start - start % mmap.PAGESIZE  # an mmap's offset is in whole pages
+    m = mmap.mmap(table.map_fd, start + per - first, mmap.MAP_SHARED,
+                  mmap.PROT_READ | mmap.PROT_WRITE, offset=first)
+    try:
+        view = np.frombuffer(m, dtype=np.uint8, count=per, offset=start - first)
+        view[:] = 0
+        del view  # an mmap with a live view cannot close
+    finally:
+        m.close()
 
 
 def forget(tracer, pid: int):
