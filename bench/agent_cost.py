@@ -11,8 +11,8 @@ Over the window, measured when every kvsim is traced and running:
 
   - the agent's CPU seconds per second (schedstat: every thread, exact);
   - its RssAnon (its heap; VmRSS also counts the BPF arrays it mapped);
-  - the BPF maps' memory it holds (fdinfo memlock), which --max-procs,
-    --max-layers and --max-blocks fix at the start, whatever N.
+  - the BPF maps' memory it holds (fdinfo memlock, each map once), which
+    --max-procs, --max-layers and --max-blocks fix at the start, whatever N.
 
 Prints one line per N and writes the figures as JSON (default
 bench/agent-results.json).  bench/run.py calls row() for its table.
@@ -72,7 +72,10 @@ def _rss_anon_mb(pid):
 
 
 def _memlock_mb(pid):
-    total = 0
+    """Each map's memlock once, by map_id: the agent holds a map through
+    several fds (its own, and one per mmap of it, which Python's mmap
+    dups), and fdinfo shows the whole map's memlock on each."""
+    maps = {}
     for fd in os.listdir(f"/proc/{pid}/fdinfo"):
         try:
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
@@ -80,9 +83,9 @@ def _memlock_mb(pid):
         except OSError:
             continue
         if "map_type:" in text:
-            total += int(next(l.split()[1] for l in text.splitlines()
-                              if l.startswith("memlock:")))
-    return total / 2**20
+            info = dict(l.split(":", 1) for l in text.splitlines() if ":" in l)
+            maps[int(info["map_id"])] = int(info["memlock"])
+    return sum(maps.values()) / 2**20
 
 
 def measure(n: int, seconds: float, tmp: str) -> dict:

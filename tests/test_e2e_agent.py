@@ -80,8 +80,11 @@ class Agent:
 
     def memlock_kb(self):
         """The BPF maps' memory the agent holds: fdinfo's memlock of each
-        map fd it has open (what the kernel charges for them)."""
-        total = 0
+        map it has open (what the kernel charges for them), once per map
+        id: a map is open through several fds (the program's, and one per
+        mmap of it, which Python's mmap dups), each showing the whole
+        map's memlock."""
+        maps = {}
         for fd in os.listdir(f"/proc/{self.proc.pid}/fdinfo"):
             try:
                 with open(f"/proc/{self.proc.pid}/fdinfo/{fd}") as f:
@@ -89,9 +92,9 @@ class Agent:
             except OSError:
                 continue
             if "map_type:" in text:
-                total += int(next(l.split()[1] for l in text.splitlines()
-                                  if l.startswith("memlock:")))
-        return total // 1024
+                info = dict(l.split(":", 1) for l in text.splitlines() if ":" in l)
+                maps[int(info["map_id"])] = int(info["memlock"])
+        return sum(maps.values()) // 1024
 
 
 class Prometheus:
