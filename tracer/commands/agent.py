@@ -449,25 +449,38 @@ def _few_arenas():
     starts: each scrape is served by a thread of its own, and glibc gives
     threads arenas of their own (up to 8 per CPU), whose free pages stay
     in the agent's RSS for as long as it runs."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX
-    except (OSError, AttributeError):  # not glibc
-        pass
+    if _LIBC:
+        _LIBC.mallopt(-8, 2)  # M_ARENA_MAX
 
 
 def _trim():
-    """Give the heap's free pages back (glibc's malloc_trim): the per-block
-    arrays each refresh copies are too big for Python's allocator and
-    small enough for malloc's heap, whose free space an engine's exit
-    leaves in the middle, where it would stay counted in the agent's RSS."""
+    """After an engine is forgotten: collect the cyclic garbage, then give
+    the heap's free pages back (glibc's malloc_trim).  The collection frees
+    what the refreshes since the last one left in cycles (each --state
+    write's indented JSON encoder is a few closures that refer to each
+    other), before the trim and before the next --state counts Python's
+    blocks.  The trim: the per-block arrays each refresh copies are too
+    big for Python's allocator and small enough for malloc's heap, whose
+    free space an engine's exit leaves in the middle, where it would stay
+    counted in the agent's RSS."""
+    import gc
+
+    gc.collect()
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
+_LIBC = _libc()
 
 
 def _forget_residency(residency, traced):
@@ -481,3 +494,7 @@ def _forget_residency(residency, traced):
         del r.samples[pid]
     for key in [k for k in r._blocks if k[0] not in traced]:
         del r._blocks[key]
+    # the step_rows it fed to the derived reads (derived_rows.LiveRows)
+    rows = residency.rows.groups
+    for key in [k for k in rows if k[0] not in traced]:
+        del rows[key]
