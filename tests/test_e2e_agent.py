@@ -60,6 +60,12 @@ class Agent:
     def traced(self, pid, timeout=60):
         self.wait_for(f"tracing pid {pid} ", timeout)
 
+    def traced_all(self, pids, timeout=60):
+        """Until the agent said it traces each of pids, in any order."""
+        deadline = time.monotonic() + timeout
+        while any(f"tracing pid {pid} " not in self.err for pid in pids):
+            self.wait_for("tracing pid ", max(1, deadline - time.monotonic()))
+
     def stop(self, sig=signal.SIGTERM, timeout=120):
         self.proc.send_signal(sig)
         out, err = self.proc.communicate(timeout=timeout)
@@ -300,38 +306,50 @@ def test_default_endpoint_binds_loopback_only(tmp_path, bpf_env):
 
 def test_refused_engine_is_a_log_line_and_a_metric_then_traced(tmp_path,
                                                                agent_and_prometheus):
-    """--max-procs 1 and two kvsims: the second is refused, one log line and
-    kvtrace_targets{state="refused"}, and the agent goes on; once the first
-    has gone, the second is traced and exact.  SIGHUP with a config file
-    that excludes it detaches it."""
+    """As many paused kvsims as --max-procs (its default: the program the
+    other tests load, no compile of its own), and one more: that one is
+    refused, one log line and kvtrace_targets{state="refused"}, and the
+    agent goes on; once the first has gone, it is traced and exact.
+    SIGHUP with a config file that excludes it detaches it."""
+    from tracer.abi import DEFAULT_MAX_PROCS
+
     conf = tmp_path / "agent.conf"
     conf.write_text("grace 0\n")
-    agent, prom = agent_and_prometheus("--max-procs", "1", "--config", conf)
-    first = Kvsim(tmp_path, "default")
-    agent.traced(first.pid)
-    second = Kvsim(tmp_path, "beam", "--rounds", "2")
-    agent.wait_for(f"pid {second.pid}")
-    assert "at once" in agent.err.splitlines()[-1], agent.err
-    wait_state(agent, lambda st: st["states"]["refused"] == 1)
-    prom.scraped_after(time.time())
-    assert prom.one('kvtrace_targets{state="refused"}') == 1
-    assert prom.one('kvtrace_targets{state="traced"}') == 1
-    first.go()
-    assert first.wait() == 0
-    agent.traced(second.pid)  # its place came free
-    second.go()
-    read_line(second.proc.stderr, "paused", 60)  # round 1 done, truth written
-    prom.scraped_after(time.time())
-    assert prom.one('kvtrace_targets{state="refused"}') == 0
-    assert_exact(prom, second.pid, second.truth())
-    # a reload that leaves it out: detached, its semaphores back at 0
-    conf.write_text(f"exclude {second.truth_path.name}\n")
-    agent.proc.send_signal(signal.SIGHUP)
-    agent.wait_for(f"pid {second.pid}: left out by --include/--exclude: detached")
-    assert all(v == 0 for v in semaphore_values(second.pid).values())
-    second.go()
-    assert second.wait() == 0
-    assert agent.stop() == 0
+    agent, prom = agent_and_prometheus("--config", conf)
+    sims = []
+    try:
+        first = Kvsim(tmp_path, "default")
+        sims.append(first)
+        # the others stay paused: no op of theirs runs beside another's
+        sims += [Kvsim(tmp_path, "default") for _ in range(DEFAULT_MAX_PROCS - 1)]
+        agent.traced_all([sim.pid for sim in sims])
+        second = Kvsim(tmp_path, "beam", "--rounds", "2")
+        sims.append(second)
+        agent.wait_for(f"pid {second.pid}")
+        assert "at once" in agent.err.splitlines()[-1], agent.err
+        wait_state(agent, lambda st: st["states"]["refused"] == 1)
+        prom.scraped_after(time.time())
+        assert prom.one('kvtrace_targets{state="refused"}') == 1
+        assert prom.one('kvtrace_targets{state="traced"}') == DEFAULT_MAX_PROCS
+        first.go()
+        assert first.wait() == 0
+        agent.traced(second.pid)  # its place came free
+        second.go()
+        read_line(second.proc.stderr, "paused", 60)  # round 1 done, truth written
+        prom.scraped_after(time.time())
+        assert prom.one('kvtrace_targets{state="refused"}') == 0
+        assert_exact(prom, second.pid, second.truth())
+        # a reload that leaves it out: detached, its semaphores back at 0
+        conf.write_text(f"exclude {second.truth_path.name}\n")
+        agent.proc.send_signal(signal.SIGHUP)
+        agent.wait_for(f"pid {second.pid}: left out by --include/--exclude: detached")
+        assert all(v == 0 for v in semaphore_values(second.pid).values())
+        second.go()
+        assert second.wait() == 0
+        assert agent.stop() == 0
+    finally:
+        for sim in sims:
+            sim.kill()
 
 
 def cycle(agent, tmp_path, n):

@@ -83,9 +83,10 @@ def add_parser(sub):
     p.add_argument("--state", metavar="FILE",
                    help="rewrite FILE (JSON, 0600) at every refresh with each process's "
                    "state: for a person or a script to look at")
-    p.add_argument("--max-procs", type=positive_int, default=16, metavar="N",
-                   help="processes traced at once, every engine's together (default 16: "
-                   "the per-block arrays take memory per process, docs/agent.md)")
+    p.add_argument("--max-procs", type=positive_int, default=abi.DEFAULT_MAX_PROCS,
+                   metavar="N", help="processes traced at once, every engine's together "
+                   f"(default {abi.DEFAULT_MAX_PROCS}: the per-block arrays take memory "
+                   "per process, docs/agent.md)")
     p.add_argument("--max-layers", type=positive_int, default=abi.DEFAULT_MAX_CACHES,
                    metavar="N", help="layers (caches) counted per block at once, every "
                    f"engine's together (default {abi.DEFAULT_MAX_CACHES})")
