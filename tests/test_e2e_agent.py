@@ -185,11 +185,6 @@ def agent_and_prometheus(tmp_path, bpf_env):
         made.append(agent)
         prom = Prometheus(tmp_path, agent.port)
         made.append(prom)
-        # Prometheus hands its scrape loops their targets some seconds
-        # after it is ready (its discovery updates are batched): a target
-        # run before its first scrape, and gone after a short --grace,
-        # would never be seen
-        prom.scraped_after(0)
         return agent, prom
 
     yield start
@@ -227,6 +222,12 @@ def test_kvsim_engines_come_and_go(tmp_path, agent_and_prometheus):
     by the kernel (kvtrace_probe_misses_total), and no count is exact."""
     # each engine is checked soon after its exit, within the grace
     agent, prom = agent_and_prometheus("--grace", "5")
+    # Prometheus hands its scrape loops their targets some seconds after
+    # it is ready (its discovery updates are batched): an engine that ran
+    # before the first scrape, and was gone after the grace, would never
+    # be seen.  (The other tests' first query waits for a scrape of a
+    # target still there.)
+    prom.scraped_after(0)
 
     def run_and_check(sim):
         agent.traced(sim.pid)
