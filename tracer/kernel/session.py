@@ -643,7 +643,7 @@ class Tracer:
             out[name] += n
         return out
 
-    def read_maps(self) -> dict:
+    def read_maps(self, used_only: bool = False) -> dict:
         """A raw, consistent-enough copy of every counter map, which
         aggregate.Aggregate.from_maps turns into per-block histograms.
         Its time is when the reading began: every op that ended before it
@@ -651,8 +651,20 @@ class Tracer:
         counts read last (op_stats, globals) and not in those read first
         (caches, groups).  Stamped at the end, a scraper that waits for a
         snapshot taken after a target's last op could get one whose caches
-        were read before that op (a short kvsim run fits in one read)."""
+        were read before that op (a short kvsim run fits in one read).
+
+        used_only: copy of each per-block row only what from_maps keeps of
+        it (a cache's and a group's first num_blocks entries, a process's
+        moves up to its layers' largest num_blocks, its lifecycle rows up
+        to their last non-zero entry) instead of the whole row, for the
+        same Aggregate.  The agent's refresh: at the default sizes a
+        row is 1 to 5 MiB whatever the target's pool, and copying each
+        engine's whole rows every refresh (16 MiB for a two-layer kvsim)
+        left the agent's heap as large as those copies' peak."""
         started = time.monotonic()
+
+        def first(row, n):  # the first n entries of a row's last axis; all if n <= 0
+            return (row[..., :n] if n > 0 else row).copy()
         caches = []
         for k, v in self.bpf["caches"].items():
             totals = self.cache_stats[v.index] if v.index < len(self.cache_stats) else \
@@ -664,7 +676,8 @@ class Tracer:
                                                             totals.tolist())}))
         for c in caches:
             if c["index"] < self.max_caches:
-                c["writes"] = self.writes[c["index"]].copy()
+                c["writes"] = first(self.writes[c["index"]],
+                                   int(c["num_blocks"]) if used_only else 0)
                 if self.fill is not None:
                     head = self.fill[c["index"]].copy()
                     c["fill_ended"] = head[:abi.FILL_BINS]
@@ -676,6 +689,8 @@ class Tracer:
                         if not name.startswith("pad")})
             if g["index"] < self.max_groups:
                 row = self.reads[g["index"]]
+                if used_only and g["num_blocks"] > 0:
+                    row = row[:g["num_blocks"]]
                 g["reads_per_block"] = row[:, 0].copy()
                 g["last_read_step"] = row[:, 1].copy()
                 # block 0, the null block, is never counted: the table stage
@@ -696,10 +711,19 @@ class Tracer:
             log2.setdefault(abi.OP_NAMES[op], {})[slot] = int(hist[op, slot])
         # processes without probe sites (a launched command that only
         # starts vLLM) can have no counts: they are not shown
-        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()
-                 if p.probe_files}
-        life = {pid: self.life[p.index].copy() for pid, p in self.procs.items()
-                if p.probe_files}
+        moves, life = {}, {}
+        for pid, p in self.procs.items():
+            if not p.probe_files:
+                continue
+            length = used = 0
+            if used_only:
+                # from_maps cuts moves to the layers' largest num_blocks,
+                # and each lifecycle row to its last non-zero entry
+                length = max([int(c["num_blocks"]) for c in caches if c["pid"] == pid] + [0])
+                nz = np.flatnonzero(self.life[p.index].any(axis=0))
+                used = int(nz[-1]) + 1 if len(nz) else 1
+            moves[pid] = first(self.moves[p.index], length)
+            life[pid] = first(self.life[p.index], used)
         requests = []
         for k, v in self.bpf["requests"].items():
             r = {name: int(getattr(v, name)) for name, _ in v._fields_
