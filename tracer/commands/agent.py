@@ -256,6 +256,7 @@ class Agent:
         self.targets = {}  # pid -> target.Target (its pidfd: the exit)
         self.exited = {}  # pid -> when it exited (series kept until + grace)
         self.refused = {}  # pid -> why
+        self.sweep_until = 0.0  # forgotten engines' late events: _forget_residency until then
         self.tracer = None
 
     def run(self, stop) -> int:
@@ -294,9 +295,7 @@ class Agent:
         return 0
 
     def _loop(self, stop, events):
-        from . import attach
-
-        prev = agg = attach._aggregate(self.tracer)
+        prev = agg = self._aggregate()
         self.exporter.publish(agg)
         self._publish_states()
         now = time.monotonic()
@@ -306,6 +305,8 @@ class Agent:
             due = min(next_scan, next_refresh)
             self.tracer.poll(math.ceil(max(0.0, min(due - time.monotonic(), POLL_S)) * 1000))
             self.residency.tick()
+            if self.sweep_until and time.monotonic() <= self.sweep_until:
+                _forget_residency(self.residency, self.tracer.procs)
             if stop["reload"]:
                 stop["reload"] = False
                 self._reload()
@@ -326,10 +327,17 @@ class Agent:
                 quiet = now - self.follower.changed_at >= QUIET_AFTER_S
                 next_scan = now + (SCAN_QUIET_S if quiet else SCAN_S)
             if now >= next_refresh:
-                prev, agg = agg, attach._aggregate(self.tracer)
+                prev, agg = agg, self._aggregate()
                 self.exporter.publish(agg, prev)
                 self._publish_states()
                 next_refresh = now + self.args.interval
+
+    def _aggregate(self):
+        from . import attach
+
+        # only what the Aggregate keeps of each per-block row is copied
+        # (Tracer.read_maps): the engines' pools, not the maps' sizes
+        return attach._aggregate(self.tracer, self.tracer.read_maps(used_only=True))
 
     def _scan(self):
         f = self.follower
@@ -392,6 +400,9 @@ class Agent:
                 self.follower.forget(pid)
                 self.exporter.forget(pid)
                 _forget_residency(self.residency, self.tracer.procs)
+                # its block events still held back come in after it, and
+                # would make its state again: swept until they are all in
+                self.sweep_until = now + 2 * lifecycle.LiveResidency.HOLD_S
                 # its place is free: engines refused for want of one are tried again
                 for p in [p for p, why in self.refused.items() if why == OVER_MAX_PROCS]:
                     del self.refused[p]
