@@ -7,6 +7,7 @@ VENV := .venv
 VLLM_VENV := .venv-vllm
 TINY_MODEL := build/tiny-llama
 PROMTOOL := build/promtool
+PROMETHEUS := build/prometheus
 STAMPS := .stamps
 KVSIM := tests/target/kvsim
 
@@ -106,11 +107,12 @@ $(STAMPS)/vllm-fork-deps: scripts/vllm-fork/compile-deps.sh $(STAMPS)/venv
 	scripts/vllm-fork/compile-deps.sh $(FORK_BUILD)/deps $(VENV)/bin/python
 	@mkdir -p $(STAMPS) && touch $@
 
-# Prometheus's checker of the exposition format, for the scrape tests: only
-# its binary, unpacked from the distribution's prometheus package (a second)
-promtool: $(PROMTOOL)
-$(PROMTOOL): scripts/setup-promtool.sh $(STAMPS)/packages
-	scripts/setup-promtool.sh $@
+# Prometheus's checker of the exposition format and the server itself, for
+# the scrape tests (the agent's are scraped by a real Prometheus): only the
+# two binaries, unpacked from the distribution's prometheus package (seconds)
+promtool: $(PROMTOOL) $(PROMETHEUS)
+$(PROMTOOL) $(PROMETHEUS): scripts/setup-promtool.sh $(STAMPS)/packages
+	scripts/setup-promtool.sh $(PROMTOOL) $(PROMETHEUS)
 
 test: setup
 	$(VENV)/bin/python -m pytest --durations=25 tests

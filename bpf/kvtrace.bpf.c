@@ -61,6 +61,14 @@ BPF_HASH(site_index, struct kvtrace_site_key, u32, KVTRACE_MAX_SITES);
 #endif
 BPF_ARRAY(cache_memo, struct kvtrace_cache_memo, KVTRACE_MAX_SITES);
 BPF_HASH(caches, struct kvtrace_cache_key, struct kvtrace_cache, KVTRACE_CACHE_ENTRIES);
+#ifdef KVTRACE_WITH_INDEX_REUSE
+/* The agent's rows of exited processes, zeroed and handed back by the front
+ * end (tracer/kernel/release.py): a new cache or group (cache_of, group_of)
+ * takes one of these before a new row, so that engines that come and go
+ * never run out of rows. */
+BPF_QUEUE(free_caches, u32, KVTRACE_CACHE_ENTRIES);
+BPF_QUEUE(free_groups, u32, KVTRACE_MAX_GROUPS);
+#endif
 BPF_F_TABLE("array", u32, struct kvtrace_cache_stats, cache_stats, KVTRACE_CACHE_ENTRIES,
 	    BPF_F_MMAPABLE);
 /*
@@ -498,14 +506,25 @@ static __always_inline struct kvtrace_cache *cache_of(u32 pid, u64 cache_id,
 	if (!next)
 		return 0;
 	struct kvtrace_cache init = {};
-	init.index = __sync_fetch_and_add(next, 1);
+	u32 row;
+#ifdef KVTRACE_WITH_INDEX_REUSE
+	if (free_caches.pop(&row) != 0)
+#endif
+		row = __sync_fetch_and_add(next, 1);
+	init.index = row;
 	init.op = op;
 	if (init.index >= KVTRACE_MAX_CACHES)
 		global_add(KVTRACE_G_CACHE_FULL, 1);
 	/* BPF_NOEXIST: if another CPU won the race, use its entry (our
 	 * index is then simply never used) */
 	caches.insert(&key, &init);
-	return caches.lookup(&key);
+	c = caches.lookup(&key);
+#ifdef KVTRACE_WITH_INDEX_REUSE
+	/* a racing CPU's entry won the insert: the row taken goes back */
+	if (c && c->index != row)
+		free_caches.push(&row, 0);
+#endif
+	return c;
 }
 
 /* The KV-cache group a block_table op reads for; a new one gets the next
@@ -524,14 +543,24 @@ static __always_inline struct kvtrace_group *group_of(u32 pid, u64 group_id,
 	if (!next)
 		return 0;
 	struct kvtrace_group init = {};
-	init.index = __sync_fetch_and_add(next, 1);
+	u32 row;
+#ifdef KVTRACE_WITH_INDEX_REUSE
+	if (free_groups.pop(&row) != 0)
+#endif
+		row = __sync_fetch_and_add(next, 1);
+	init.index = row;
 	init.leader = layer_id;
 	init.block_size = bs;
 	init.num_blocks = nblocks;
 	if (init.index >= KVTRACE_MAX_GROUPS)
 		global_add(KVTRACE_G_GROUP_FULL, 1);
 	groups.insert(&key, &init); /* BPF_NOEXIST: a racing CPU's entry wins */
-	return groups.lookup(&key);
+	g = groups.lookup(&key);
+#ifdef KVTRACE_WITH_INDEX_REUSE
+	if (g && g->index != row)
+		free_groups.push(&row, 0);
+#endif
+	return g;
 }
 
 /*

@@ -568,3 +568,35 @@ def invariants_of_every_recording(request, tmp_path_factory, private_tmpdir):
         assert not fails and r.returncode in (0, 4), \
             f"report --check {path}: rc {r.returncode}\n{r.stdout}{r.stderr[-2000:]}"
         assert r.returncode == 0 or (not r.stdout and "kvtrace-bpf:" in r.stderr), r.stderr
+
+
+def listening_sockets(pid) -> set:
+    """(address, port) of every TCP socket process pid listens on, read
+    from the kernel's tables (/proc/PID/net/tcp, tcp6) for the socket
+    inodes among its fds: the address it actually bound, which a connect to
+    127.0.0.1 cannot tell from 0.0.0.0."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    out = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:  # 0A: TCP_LISTEN
+                    continue
+                addr_hex, port_hex = local.split(":")
+                raw = bytes.fromhex(addr_hex)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                out.add((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
+    return out

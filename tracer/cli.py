@@ -20,6 +20,7 @@ examples:
   kvtrace-bpf export --folded run.kvt --by block > run.folded
   kvtrace-bpf probes tests/target/libkvsim_ops.so
   sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # can it be traced?
+  sudo kvtrace-bpf agent                             # every engine on the node: /metrics
 
 exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data, 5 output
 """
@@ -33,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # the subcommands, in --help's order, by module (commands/)
-COMMANDS = ("attach", "record", "report", "export", "probes", "doctor")
+COMMANDS = ("attach", "record", "report", "export", "probes", "doctor", "agent")
 
 
 def chosen_command(argv):

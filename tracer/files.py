@@ -14,15 +14,28 @@ import tempfile
 from .errors import OutputError, UsageError
 
 
+def symlink_refused(path: str) -> str:
+    """The one-line error for an output path that is a symbolic link."""
+    return (f"cannot write {path}: it is a symbolic link, which the tracer does not "
+            "follow (it runs as root: a link could point it at any file); name the "
+            "file itself")
+
+
 def open_private(path: str, binary: bool = False):
     """Open path for writing (text, or bytes unbuffered), created with mode
     0600 (an existing regular file is truncated and narrowed to 0600 too; a
-    device such as /dev/null keeps its mode: it is not ours)."""
+    device such as /dev/null keeps its mode: it is not ours).  A symbolic
+    link is refused (O_NOFOLLOW): the tracer runs as root, and a link
+    planted where it writes (a shared directory, a name reused) would have
+    it truncate whatever file the link names."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC |
+                     os.O_NOFOLLOW, 0o600)
         if stat.S_ISREG(os.fstat(fd).st_mode):
             os.fchmod(fd, 0o600)
     except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise UsageError(symlink_refused(path)) from None
         raise UsageError(f"cannot write {path}: {e.strerror}") from None
     return os.fdopen(fd, "wb", buffering=0) if binary else os.fdopen(fd, "w")
 
@@ -32,6 +45,8 @@ def check_writable(path: str):
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"cannot write {path}: no such directory {parent}")
+    if os.path.islink(path):
+        raise UsageError(symlink_refused(path))
     if os.path.isdir(path):
         raise UsageError(f"cannot write {path}: is a directory")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):

@@ -318,7 +318,7 @@ class Exporter:
             # block_table's "slots" are blocks read, and moves have none
             write_ops = {op: st for op, st in p.ops.items() if op in abi.WRITE_OPS}
             procs.append(dict(
-                pid=str(p.pid), role=self._role(p),
+                pid=str(p.pid), role=self._role(p), labels=self.label_values(p.pid),
                 ops={op: dict(st) for op, st in p.ops.items()},
                 slots=sum(st["slots"] for st in write_ops.values()),
                 layers=[(l.layer, l.slots) for l in p.layers],
@@ -336,8 +336,11 @@ class Exporter:
                 groups=groups,
                 generation_fill=_generation_fill(p),
                 written=_buckets(written, WRITE_BUCKETS)))
+        # the time the maps were read, not now: a scraper that waits for a
+        # snapshot after some moment must get counts read after it
+        taken = time.time() - max(0.0, time.monotonic() - agg.time)
         self._snap = dict(
-            time=time.time(), procs=procs, exact=not agg.inexact_reasons(),
+            time=taken, procs=procs, exact=not agg.inexact_reasons(),
             lost=int(agg.lost), records=int(agg.records),
             missed=int(agg.globals.get("missed_hits", 0)),
             foreign=int(agg.globals.get("foreign", 0)),
@@ -349,6 +352,14 @@ class Exporter:
         since the last refresh."""
         self.publish(agg, self._last_agg)
         self.final.set()
+
+    def label_names(self) -> list:
+        """The labels every process's series have after pid and role
+        (the agent's Exporter has more: commands/agent.py)."""
+        return ["model_name"] if self.model else []
+
+    def label_values(self, pid: int) -> list:
+        return [self.model] if self.model else []
 
     def _role(self, p):
         """The role by the process's comm now: vLLM renames its engine and
@@ -370,9 +381,7 @@ class Exporter:
                                             GaugeMetricFamily, HistogramMetricFamily)
 
         snap = self._snap  # one reference read: the loop may swap it meanwhile
-        model = [self.model] if self.model else []
-        extra = ["model_name"] if self.model else []
-        base = ["pid", "role", *extra]
+        base = ["pid", "role", *self.label_names()]
 
         def fam(kind, name, doc, labels=()):
             return kind(name, doc, labels=[*base, *labels])
@@ -495,7 +504,7 @@ class Exporter:
                     "at least once)")
 
         for p in snap["procs"]:
-            lv = [p["pid"], p["role"], *model]
+            lv = [p["pid"], p["role"], *p["labels"]]
             for op, st in p["ops"].items():
                 ops.add_metric([*lv, op], st["calls"])
                 items.add_metric([*lv, op], st["items"])

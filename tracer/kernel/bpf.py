@@ -54,6 +54,7 @@ def libbcc_bpf():
                 ("bpf_lookup_elem", i, [i, vp, vp]),
                 ("bpf_update_elem", i, [i, vp, vp, ctypes.c_ulonglong]),
                 ("bpf_delete_elem", i, [i, vp]),
+                ("bpf_lookup_and_delete", i, [i, vp, vp]),
                 ("bpf_get_next_key", i, [i, vp, vp]),
                 ("bpf_obj_get_info", i, [i, vp, ctypes.POINTER(ctypes.c_uint32)]),
                 ("perf_reader_new", vp, [RAW_CB, LOST_CB, ctypes.py_object, i]),

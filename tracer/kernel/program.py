@@ -69,6 +69,16 @@ _CTYPES = {
 }
 
 
+def _desc(text: bytes):
+    """bcc's JSON description of a map's key or leaf; None for a keyless
+    map (a queue), which bcc describes with an empty string."""
+    return json.loads(text) if text else None
+
+
+def _key_type(desc):
+    return None if desc is None else decode_type(desc)
+
+
 def decode_type(desc):
     """A ctypes type from bcc's JSON description of a C type: a scalar's
     name, or [name, [[field, type], [field, type, [n]] (array),
@@ -254,6 +264,17 @@ class Map:
                 pass
         return out
 
+    # a queue map's (BPF_QUEUE: no key)
+    def push(self, leaf):
+        if libbcc_bpf().bpf_update_elem(self.map_fd, None, ctypes.byref(leaf), 0) < 0:
+            raise oserror(f"pushing to map {self.name}")
+
+    def pop(self):
+        leaf = self.Leaf()
+        if libbcc_bpf().bpf_lookup_and_delete(self.map_fd, None, ctypes.byref(leaf)) < 0:
+            raise KeyError(f"{self.name} is empty")
+        return leaf
+
     def walk(self, stack_id: int):
         """The addresses of a stack-trace map's entry, innermost first."""
         return stack_ips(self[self.Key(stack_id)].ip)
@@ -300,8 +321,9 @@ class LoadedProgram:
                     raise oserror(f"creating map {spec['name']}")
                 self._fds.append(fd)
                 fds.append(fd)
-                self.maps[spec["name"]] = Map(spec["name"], fd, decode_type(spec["key"]),
+                self.maps[spec["name"]] = Map(spec["name"], fd, _key_type(spec["key"]),
                                               decode_type(spec["leaf"]))
+                self.maps[spec["name"]].max_entries = spec["max_entries"]
             license_ = entry["license"].encode()
 
             btf_fd = None
@@ -492,7 +514,7 @@ def read_entry(path: str, key: str):
         if entry.get("format") != FORMAT or entry.get("key") != key:
             return None
         for spec in entry["maps"]:
-            decode_type(spec["key"]), decode_type(spec["leaf"])
+            _key_type(spec["key"]), decode_type(spec["leaf"])
         for prog in entry["progs"]:
             if not isinstance(prog.get("verified_insns", 0), int):
                 return None
@@ -624,7 +646,7 @@ def _compile_main(out_path: str, key: str, cflags: list) -> int:
         index_of_fd[fd] = len(maps)
         maps.append(dict(name=lib.bpf_table_name(module, i).decode(), type=mtype,
                          key_size=key_size, value_size=value_size, max_entries=entries,
-                         flags=flags, key=json.loads(lib.bpf_table_key_desc_id(module, i)),
+                         flags=flags, key=_desc(lib.bpf_table_key_desc_id(module, i)),
                          leaf=json.loads(lib.bpf_table_leaf_desc_id(module, i))))
     functions = {}
     for i in range(lib.bpf_num_functions(module)):

@@ -234,7 +234,8 @@ class Tracer:
                  perf_pages: int = 64, index_stream=None,
                  transport: str = DEFAULT_TRANSPORT, wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  collector: records.Collector = None, gen_fill: bool = False,
-                 op_records: bool = None, verify_rows: bool = False):
+                 op_records: bool = None, verify_rows: bool = False,
+                 reuse_rows: bool = False):
         check_privileges()
         discover.check_arch()
         if max_blocks & (max_blocks - 1):
@@ -253,6 +254,10 @@ class Tracer:
         self.gen_fill = gen_fill
         if gen_fill:
             cflags.append("-DKVTRACE_WITH_GEN_FILL")
+        # the agent's: rows of processes that exited are used again (release.py)
+        self.reuse_rows = reuse_rows
+        if reuse_rows:
+            cflags.append("-DKVTRACE_WITH_INDEX_REUSE")
         if index_stream == "block_ids":  # the block events' ids only (--prometheus)
             cflags.append("-DKVTRACE_WITH_BLOCK_ID_STREAM")
         elif index_stream:  # every op's values (record, attach -o); off costs nothing
@@ -379,7 +384,10 @@ class Tracer:
                 wakeup_bytes=0 if wakeup_every else perf_pages * mmap.PAGESIZE // 4)
             self._poll_fns = (self.bpf.perf_buffer_poll, self.bpf.perf_buffer_consume)
         self.procs = {}  # pid -> TracedProcess
-        self.site_rows = {}  # (pid, address) -> its row in `sites`, never reused
+        self.site_rows = {}  # (pid, address) -> its row in `sites`
+        # rows of `sites` and process indices handed back by release.forget
+        # (the agent); without it, never reused
+        self.free_site_rows = []
         self.started = time.monotonic()
 
     def _map_u64(self, name: str, shape: tuple, words: int = None) -> np.ndarray:
@@ -461,7 +469,8 @@ class Tracer:
             return self.procs[pid]
         if len(self.procs) >= self.max_procs:
             raise TargetError(f"cannot trace more than {self.max_procs} processes at once")
-        proc = TracedProcess(pid, len(self.procs), discover.comm(pid))
+        used = {p.index for p in self.procs.values()}
+        proc = TracedProcess(pid, min(set(range(self.max_procs)) - used), discover.comm(pid))
         table = self.bpf["traced_pids"]
         value = table.Leaf()
         value.index = proc.index
@@ -510,7 +519,10 @@ class Tracer:
                 if probe.stock and tensor_layout is None:
                     specs = catalog.arg_specs(probe.recipe, calls_only=True)
                     proc.calls_only = True
-                row = self.site_rows.get((pid, ip), len(self.site_rows))
+                row = self.site_rows.get((pid, ip))
+                if row is None:
+                    row = self.free_site_rows.pop() if self.free_site_rows else \
+                        len(self.site_rows)
                 if row >= abi.MAX_SITES:
                     proc.skipped.append((probe, f"more than {abi.MAX_SITES} probe sites"))
                     continue
@@ -631,9 +643,28 @@ class Tracer:
             out[name] += n
         return out
 
-    def read_maps(self) -> dict:
+    def read_maps(self, used_only: bool = False) -> dict:
         """A raw, consistent-enough copy of every counter map, which
-        aggregate.Aggregate.from_maps turns into per-block histograms."""
+        aggregate.Aggregate.from_maps turns into per-block histograms.
+        Its time is when the reading began: every op that ended before it
+        is in every count read, while an op during the read may be in the
+        counts read last (op_stats, globals) and not in those read first
+        (caches, groups).  Stamped at the end, a scraper that waits for a
+        snapshot taken after a target's last op could get one whose caches
+        were read before that op (a short kvsim run fits in one read).
+
+        used_only: copy of each per-block row only what from_maps keeps of
+        it (a cache's and a group's first num_blocks entries, a process's
+        moves up to its layers' largest num_blocks, its lifecycle rows up
+        to their last non-zero entry) instead of the whole row, for the
+        same Aggregate.  The agent's refresh: at the default sizes a
+        row is 1 to 5 MiB whatever the target's pool, and copying each
+        engine's whole rows every refresh (16 MiB for a two-layer kvsim)
+        left the agent's heap as large as those copies' peak."""
+        started = time.monotonic()
+
+        def first(row, n):  # the first n entries of a row's last axis; all if n <= 0
+            return (row[..., :n] if n > 0 else row).copy()
         caches = []
         for k, v in self.bpf["caches"].items():
             totals = self.cache_stats[v.index] if v.index < len(self.cache_stats) else \
@@ -645,7 +676,8 @@ class Tracer:
                                                             totals.tolist())}))
         for c in caches:
             if c["index"] < self.max_caches:
-                c["writes"] = self.writes[c["index"]].copy()
+                c["writes"] = first(self.writes[c["index"]],
+                                   int(c["num_blocks"]) if used_only else 0)
                 if self.fill is not None:
                     head = self.fill[c["index"]].copy()
                     c["fill_ended"] = head[:abi.FILL_BINS]
@@ -657,6 +689,8 @@ class Tracer:
                         if not name.startswith("pad")})
             if g["index"] < self.max_groups:
                 row = self.reads[g["index"]]
+                if used_only and g["num_blocks"] > 0:
+                    row = row[:g["num_blocks"]]
                 g["reads_per_block"] = row[:, 0].copy()
                 g["last_read_step"] = row[:, 1].copy()
                 # block 0, the null block, is never counted: the table stage
@@ -677,10 +711,19 @@ class Tracer:
             log2.setdefault(abi.OP_NAMES[op], {})[slot] = int(hist[op, slot])
         # processes without probe sites (a launched command that only
         # starts vLLM) can have no counts: they are not shown
-        moves = {pid: self.moves[p.index].copy() for pid, p in self.procs.items()
-                 if p.probe_files}
-        life = {pid: self.life[p.index].copy() for pid, p in self.procs.items()
-                if p.probe_files}
+        moves, life = {}, {}
+        for pid, p in self.procs.items():
+            if not p.probe_files:
+                continue
+            length = used = 0
+            if used_only:
+                # from_maps cuts moves to the layers' largest num_blocks,
+                # and each lifecycle row to its last non-zero entry
+                length = max([int(c["num_blocks"]) for c in caches if c["pid"] == pid] + [0])
+                nz = np.flatnonzero(self.life[p.index].any(axis=0))
+                used = int(nz[-1]) + 1 if len(nz) else 1
+            moves[pid] = first(self.moves[p.index], length)
+            life[pid] = first(self.life[p.index], used)
         requests = []
         for k, v in self.bpf["requests"].items():
             r = {name: int(getattr(v, name)) for name, _ in v._fields_
@@ -697,7 +740,7 @@ class Tracer:
         glob["missed_hits"] = self.prog_misses()
         if self.empty_prog_fd >= 0:
             glob["empty_program"] = 1  # aggregate.py: nothing was counted
-        return dict(time=time.monotonic(), caches=caches, groups=groups, op_stats=op_stats,
+        return dict(time=started, caches=caches, groups=groups, op_stats=op_stats,
                     log2=log2,
                     moves=moves, life=life, requests=requests, stacks=stacks, globals=glob,
                     records=self.records,
