@@ -3,8 +3,8 @@
 cache (tracer/kernel/program.py), for the commands people start with, so
 that their first attach loads it in a second instead of compiling for
 20-60 s (a compile parses the kernel headers).  The command lines are
-parsed by the CLI itself (attach.program_options), so the entries are the
-ones those commands look up.  Two compile at a time: each is one CPU's
+parsed by the CLI itself (each command's program_options), so the
+entries are the ones those commands look up.  Two compile at a time: each is one CPU's
 work, in a child process.  An entry already cached costs a load.
 
     .venv/bin/python scripts/compile-bpf.py
@@ -26,17 +26,22 @@ COMMANDS = {
     "attach --folded": ["attach", "--folded", "F", "--", "true"],
     "record, attach -o": ["record", "-o", "F", "--", "true"],
     "attach --prometheus": ["attach", "--prometheus", "9090", "--", "true"],
+    "agent": ["agent"],
 }
 
 
 def options(argv, where):
+    import importlib
+
     from tracer import cli
-    from tracer.commands import attach
 
     argv = [os.path.join(where, "out") if a == "F" else a for a in argv]
     args = cli.build_parser(argv[0]).parse_args(argv)
-    attach.validate(args)
-    return attach.program_options(args)
+    # record is attach's loop (commands/record.py)
+    command = importlib.import_module(
+        f"tracer.commands.{'attach' if argv[0] == 'record' else argv[0]}")
+    command.validate(args)
+    return command.program_options(args)
 
 
 def load(name, opts):

@@ -13,15 +13,17 @@ def script():
     return mod
 
 
-def test_four_distinct_programs_as_the_cli_chooses_them(tmp_path):
+def test_five_distinct_programs_as_the_cli_chooses_them(tmp_path):
     mod = script()
     got = {name: mod.options(argv, str(tmp_path)) for name, argv in mod.COMMANDS.items()}
-    picks = {name: (o["stacks"], o["index_stream"], o["gen_fill"]) for name, o in got.items()}
+    picks = {name: (o.get("stacks", False), o["index_stream"], o["gen_fill"],
+                    o.get("reuse_rows", False)) for name, o in got.items()}
     assert picks == {
-        "attach": (False, None, False),
-        "attach --folded": (True, None, False),
-        "record, attach -o": (True, "all", False),
-        "attach --prometheus": (False, "block_ids", True),
+        "attach": (False, None, False, False),
+        "attach --folded": (True, None, False, False),
+        "record, attach -o": (True, "all", False, False),
+        "attach --prometheus": (False, "block_ids", True, False),
+        "agent": (False, "block_ids", True, True),
     }
     # the production defaults, as a plain attach has them
     from tracer import abi

@@ -101,7 +101,7 @@ def add_parser(sub):
     return p
 
 
-def _validate(args):
+def validate(args):
     args.prometheus_at = prometheus.parse_endpoint(args.prometheus)
     if args.max_blocks > 1 << 18:
         raise UsageError("--max-blocks must be at most 262144")
@@ -113,6 +113,14 @@ def _validate(args):
     if args.state:
         check_writable(args.state)
     _settings(args)
+
+
+def program_options(args) -> dict:
+    """The Tracer options that pick the agent's BPF program (its cache
+    entry: scripts/compile-bpf.py compiles it at setup)."""
+    return dict(max_blocks=args.max_blocks, max_caches=args.max_layers,
+                max_procs=args.max_procs, perf_pages=64, index_stream="block_ids",
+                transport=DEFAULT_TRANSPORT, gen_fill=True, reuse_rows=True)
 
 
 def _settings(args):
@@ -218,7 +226,7 @@ class _Attacher:
 
 
 def run(args) -> int:
-    _validate(args)
+    validate(args)
     _few_arenas()
     if args.cpu:
         os.sched_setaffinity(0, args.cpu)
@@ -266,10 +274,7 @@ class Agent:
 
         args = self.args
         t0 = time.monotonic()
-        self.tracer = Tracer(max_blocks=args.max_blocks, max_caches=args.max_layers,
-                             max_procs=args.max_procs, perf_pages=64,
-                             index_stream="block_ids", transport=DEFAULT_TRANSPORT,
-                             collector=self.residency.tap, gen_fill=True, reuse_rows=True)
+        self.tracer = Tracer(**program_options(args), collector=self.residency.tap)
         events = None
         try:
             events = process_events.ProcessEvents()
