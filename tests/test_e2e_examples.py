@@ -5,7 +5,7 @@ Each example runs in a shell, as a user would paste it, with `kvtrace-bpf`
 on PATH and `sudo` dropped (the suite runs as root); PID and 1234 stand for
 a running kvsim, CMD [ARG...] for a kvsim command, [-d 60] for `-d 60`.
 Examples that run until Ctrl-C (attach or record -p) get SIGINT once they
-are ready.  A pipe into flamegraph.pl (not installed here) is cut off and
+are ready; the agent's, which runs until SIGTERM, gets SIGTERM.  A pipe into flamegraph.pl (not installed here) is cut off and
 what would go into it is checked to be folded stacks.  Examples that need a
 running vLLM (`$(pgrep ...)`, `$!`, a fork's library path) are parsed by
 the real argument parser here, and their pgrep expression is run against a
@@ -140,6 +140,12 @@ def _runs_until_ctrl_c(line):
     return re.search(r"kvtrace-bpf (attach|record) .*-p \{pid\}", line) is not None
 
 
+def _runs_until_sigterm(line):
+    """The agent runs until SIGTERM (a service's stop): the examples get one
+    once it says it is ready, and must end with 0."""
+    return re.match(r"kvtrace-bpf agent\b", line) is not None
+
+
 @pytest.mark.parametrize("where,line", EXAMPLES, ids=[l for _, l in EXAMPLES])
 def test_example_works_as_written(where, line, workdir, running_kvsim, tmp_path):
     d, env = workdir
@@ -163,12 +169,13 @@ def test_example_works_as_written(where, line, workdir, running_kvsim, tmp_path)
     piped = " | " in cmd and "flamegraph.pl" in cmd
     if piped:
         cmd = cmd.split(" | ", 1)[0]  # flamegraph.pl is not installed: check its input
-    if _runs_until_ctrl_c(line):
+    if _runs_until_ctrl_c(line) or _runs_until_sigterm(line):
         p = subprocess.Popen(["bash", "-c", cmd], cwd=d, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             read_line(p.stderr, "ready after", 300)
-            os.killpg(p.pid, signal.SIGINT)  # the Ctrl-C the help speaks of
+            # the Ctrl-C the help speaks of; the agent's service stop
+            os.killpg(p.pid, signal.SIGTERM if _runs_until_sigterm(line) else signal.SIGINT)
             out, err = p.communicate(timeout=120)
         finally:
             if p.poll() is None:
