@@ -13,7 +13,9 @@ Rows: 1 probe-site cost (bench/kvbench, three builds and states),
 (perf buffer vs BPF ring buffer), 5 attach / detach latency, 6 offline
 speed (record/report/export), 7 the tracer's own footprint (from row 2),
 8 the read probe's cost (vllm:block_table, per op and per entry),
-9 the tracer's CPU with --prometheus, scraped every second or not.
+9 the tracer's CPU with --prometheus, scraped every second or not,
+10-13 the plugin tier and the scheduler at scale (docs/bench.md),
+14 the node agent's own CPU and memory with 1, 4 and 8 engines.
 """
 
 import argparse
@@ -1614,6 +1616,14 @@ def table_rows(res):
         note("13 plugin step against table size", s["skipped"])
     elif s:
         grid_rows(s, add, note)
+    s = res.get("agent")
+    if s:
+        one = lambda v: {"min": v, "median": v, "max": v}  # noqa: E731
+        for e in s["engines"]:
+            row = f"14 agent, {e['engines']} engine(s) traced"
+            add(f"{row}: its CPU", one(e["agent_cpu_s_per_s"]), "s/s")
+            add(f"{row}: its RssAnon (heap)", one(e["agent_rss_anon_mb"]), "MB")
+            add(f"{row}: BPF maps it holds", one(e["bpf_maps_mb"]), "MB")
     return rows
 
 
@@ -1848,6 +1858,17 @@ def grid_rows(s, add, note):
                 "grid.262k_over_4k" if mode == "deltas" else None, proof=not skipped)
 
 
+# -- 14. the node agent's own cost ------------------------------------------------
+
+def row_agent(q, res):
+    """The node agent's own CPU, heap and BPF map memory with N kvsims
+    traced at once, scraped once a second (bench/agent_cost.py,
+    docs/agent.md): N = 1, 4 and 8 for 10 s each; with --quick, N = 1 for 3 s."""
+    sys.path.insert(0, str(BENCH))
+    import agent_cost
+    res["agent"] = {"engines": agent_cost.row((1,) if q else (1, 4, 8), 3.0 if q else 10.0)}
+
+
 ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_stress),
         3: ("real vLLM", row_vllm), 4: ("carrying capacity", row_capacity),
         5: ("attach latency", row_attach), 6: ("offline speed", row_offline),
@@ -1855,7 +1876,8 @@ ROWS = {1: ("probe-site cost", row_site), 2: ("kvsim stress + footprint", row_st
         9: ("--prometheus cost", row_prometheus), 10: ("plugin tier cost", row_plugin),
         11: ("memory at production size", row_memory),
         12: ("vLLM's scheduler at scale", row_sched),
-        13: ("plugin step against table size", row_plugin_grid)}
+        13: ("plugin step against table size", row_plugin_grid),
+        14: ("node agent", row_agent)}
 
 
 def main():
@@ -1863,7 +1885,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter repetitions and no vLLM (CI smoke; under 2 minutes)")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11,12,13",
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,9,10,11,12,13,14",
                    help="which rows to run (7 comes with 2; default all)")
     p.add_argument("--out", default=str(BENCH / "results.json"))
     p.add_argument("--vllm-cycles", type=int, default=VLLM_CYCLES, metavar="N",

@@ -138,6 +138,13 @@ def test_quick_bench_writes_well_formed_results(tmp_path, bpf_env, no_leftovers)
         assert modes["untraced"]["tables_us"] > 0 and modes["untraced"]["deltas_us"] > 0, size
         assert ("traced" in modes) == (grid["traced_skipped"] is None), size
 
+    # row 14: the node agent with one engine (--quick): its CPU while it
+    # traced and was scraped, its heap, and the maps its limits fix
+    (agent,) = res["agent"]["engines"]
+    assert agent["engines"] == 1 and agent["scrapes"] >= 1
+    assert agent["agent_cpu_s_per_s"] > 0 and agent["agent_rss_anon_mb"] > 0
+    assert agent["bpf_maps_mb"] >= 8 * 131072 * 80 / 2**20  # the write counters alone
+
     # the printed table is the same data, one line per figure
     lines = r.stdout.splitlines()[2:]  # after the header and its rule
     assert len(lines) == len(res["table"])
