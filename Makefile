@@ -43,14 +43,16 @@ $(STAMPS)/venv: setup.cfg pyproject.toml $(STAMPS)/packages
 bytecode: venv
 	@$(VENV)/bin/python -m compileall -q tracer
 
-# The BPF program compiled for attach, attach --folded, record and
-# --prometheus into its cache (/var/cache/kvtrace-bpf), so that the first
-# attach takes a second, not a compile: 20-60 s each, two at a time.
+# The BPF program compiled for attach, attach --folded, record,
+# --prometheus and the agent into its cache (/var/cache/kvtrace-bpf), so
+# that the first attach takes a second, not a compile: 20-60 s each, two
+# at a time.
 # Stamped on what the program's text and flags come from; a lost cache
 # entry is compiled again by the attach that misses it.
 bpf-program: $(STAMPS)/bpf-program
 $(STAMPS)/bpf-program: $(wildcard bpf/*.c bpf/*.h) tracer/kernel/session.py \
-		tracer/kernel/program.py tracer/commands/attach.py scripts/compile-bpf.py \
+		tracer/kernel/program.py tracer/commands/attach.py tracer/commands/agent.py \
+		scripts/compile-bpf.py \
 		$(STAMPS)/venv | kernel-headers
 	$(VENV)/bin/python scripts/compile-bpf.py
 	@touch $@

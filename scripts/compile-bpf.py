@@ -4,8 +4,9 @@ cache (tracer/kernel/program.py), for the commands people start with, so
 that their first attach loads it in a second instead of compiling for
 20-60 s (a compile parses the kernel headers).  The command lines are
 parsed by the CLI itself (each command's program_options), so the
-entries are the ones those commands look up.  Two compile at a time: each is one CPU's
-work, in a child process.  An entry already cached costs a load.
+entries are the ones those commands look up.  Two compile at a time:
+each is one CPU's work, in a child process.  An entry already cached
+costs a load.
 
     .venv/bin/python scripts/compile-bpf.py
 """

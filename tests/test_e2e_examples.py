@@ -5,8 +5,9 @@ Each example runs in a shell, as a user would paste it, with `kvtrace-bpf`
 on PATH and `sudo` dropped (the suite runs as root); PID and 1234 stand for
 a running kvsim, CMD [ARG...] for a kvsim command, [-d 60] for `-d 60`.
 Examples that run until Ctrl-C (attach or record -p) get SIGINT once they
-are ready; the agent's, which runs until SIGTERM, gets SIGTERM.  A pipe into flamegraph.pl (not installed here) is cut off and
-what would go into it is checked to be folded stacks.  Examples that need a
+are ready; the agent's, which runs until SIGTERM, gets SIGTERM.  A pipe
+into flamegraph.pl (not installed here) is cut off and what would go into
+it is checked to be folded stacks.  Examples that need a
 running vLLM (`$(pgrep ...)`, `$!`, a fork's library path) are parsed by
 the real argument parser here, and their pgrep expression is run against a
 real vLLM server in test_e2e_vllm.py.

@@ -406,8 +406,8 @@ struct seq {
 	bool finished;
 	uint64_t new_step;  /* 1 + the step of new_tokens */
 	int64_t new_tokens; /* tokens it wrote at that step (step_reqs) */
-	/* table entries step_rows last reported (0: none, or freed since),
-	 * in the sim's rows_epoch reported_epoch */
+	/* table entries step_rows last reported (0: none, or freed since);
+	 * stale unless reported_epoch is the sim's rows_epoch */
 	int64_t reported;
 	uint64_t reported_epoch;
 	/*
