@@ -45,8 +45,8 @@ bytecode: venv
 
 # The BPF program compiled for attach, attach --folded, record,
 # --prometheus and the agent into its cache (/var/cache/kvtrace-bpf), so
-# that the first attach takes a second, not a compile: 20-60 s each, two
-# at a time.
+# that the first attach takes a second, not a compile (3-8 s each, two at
+# a time).
 # Stamped on what the program's text and flags come from; a lost cache
 # entry is compiled again by the attach that misses it.
 bpf-program: $(STAMPS)/bpf-program

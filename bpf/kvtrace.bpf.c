@@ -87,15 +87,35 @@ BPF_ARRAY(globals, u64, KVTRACE_NR_GLOBALS);
 BPF_PROG_ARRAY(stages, KVTRACE_NR_STAGES);
 
 /*
+ * bcc builds a host-side printer and parser of every map's key and value
+ * type (its "rw engine"), with one LLVM instruction per array element: a
+ * row of KVTRACE_MAX_BLOCKS counters made the compile take most of a
+ * minute.  The per-block rows are therefore declared to bcc as opaque
+ * bytes, which it prints as one string, and each lookup casts them back.
+ * The front end reads them through mmap with its own layout (abi.py).
+ */
+#define KVTRACE_ROW_BYTES(type, size)                                       \
+	struct type##_bytes { char bytes[size]; };                           \
+	_Static_assert(sizeof(struct type##_bytes) == sizeof(struct type),   \
+		       #type "_bytes is not the size of " #type)
+/* sizes spelt out: bcc's type description cannot take a sizeof here */
+KVTRACE_ROW_BYTES(kvtrace_block_row, 8 * KVTRACE_MAX_BLOCKS);
+KVTRACE_ROW_BYTES(kvtrace_read_row, 16 * KVTRACE_MAX_BLOCKS);
+#ifdef KVTRACE_WITH_GEN_FILL
+KVTRACE_ROW_BYTES(kvtrace_fill_row,
+		  (8 * KVTRACE_FILL_BINS + 16 + 4 * KVTRACE_MAX_BLOCKS + 7) / 8 * 8);
+#endif
+
+/*
  * Per-block counters as arrays, not hashes: one masked index and one atomic
  * add per slot.  Mmapable, so the front end reads them as numpy arrays
  * without a syscall per element.
  *   block_writes: row = cache index (one layer of one process)
  *   block_moves:  row = proc index * KVTRACE_NR_MOVES + enum kvtrace_move
  */
-BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_writes,
+BPF_F_TABLE("array", u32, struct kvtrace_block_row_bytes, block_writes,
 	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
-BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
+BPF_F_TABLE("array", u32, struct kvtrace_block_row_bytes, block_moves,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_MOVES, BPF_F_MMAPABLE);
 /* Generation fill per cache (struct kvtrace_fill_row): row = cache index.
  * Plain loads and stores, not atomics: one thread writes a cache (vLLM's
@@ -104,7 +124,7 @@ BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_moves,
  * a stage run per write op (docs/design.md). */
 #ifdef KVTRACE_WITH_GEN_FILL
 #define GEN_FILL 1
-BPF_F_TABLE("array", u32, struct kvtrace_fill_row, block_fill,
+BPF_F_TABLE("array", u32, struct kvtrace_fill_row_bytes, block_fill,
 	    KVTRACE_MAX_CACHES, BPF_F_MMAPABLE);
 #else
 #define GEN_FILL 0
@@ -115,14 +135,14 @@ BPF_F_TABLE("array", u32, struct kvtrace_fill_row, block_fill,
  * row, which is never reported, so the per-entry loop needs no flag.
  */
 BPF_HASH(groups, struct kvtrace_group_key, struct kvtrace_group, 1024);
-BPF_F_TABLE("array", u32, struct kvtrace_read_row, block_reads,
+BPF_F_TABLE("array", u32, struct kvtrace_read_row_bytes, block_reads,
 	    KVTRACE_MAX_GROUPS + 1, BPF_F_MMAPABLE);
 
 /*
  * The plugin tier's lifecycle events, per block: row = proc index *
  * KVTRACE_NR_LIFE + enum kvtrace_life.  Per request: `requests`.
  */
-BPF_F_TABLE("array", u32, struct kvtrace_block_row, block_life,
+BPF_F_TABLE("array", u32, struct kvtrace_block_row_bytes, block_life,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_LIFE, BPF_F_MMAPABLE);
 BPF_TABLE("lru_hash", struct kvtrace_request_key, struct kvtrace_request, requests,
 	  KVTRACE_MAX_REQUESTS);
@@ -891,7 +911,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	if (stage_state(&w, &buf))
 		return 0;
 	u32 row_idx = w->row;
-	struct kvtrace_block_row *row = block_writes.lookup(&row_idx);
+	struct kvtrace_block_row *row = (struct kvtrace_block_row *)block_writes.lookup(&row_idx);
 	if (!row)
 		return 0;
 	u64 keep = w->keep, block_size = w->block_size, shift = w->block_shift;
@@ -908,7 +928,7 @@ static __always_inline int count_slots(struct pt_regs *ctx, const int pow2)
 	OPAQUE(keep);
 #if GEN_FILL
 	u64 first = 0, last = 0;
-	struct kvtrace_fill_row *fr = block_fill.lookup(&row_idx);
+	struct kvtrace_fill_row *fr = (struct kvtrace_fill_row *)block_fill.lookup(&row_idx);
 	u32 zero = 0;
 	struct fill_runs *runs = fill_runs.lookup(&zero);
 	if (!fr || !runs)
@@ -1043,8 +1063,8 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	if (stage_state(&w, &buf))
 		return 0;
 	u32 s = w->src_row, d = w->dst_row;
-	struct kvtrace_block_row *src_row = block_moves.lookup(&s);
-	struct kvtrace_block_row *dst_row = block_moves.lookup(&d);
+	struct kvtrace_block_row *src_row = (struct kvtrace_block_row *)block_moves.lookup(&s);
+	struct kvtrace_block_row *dst_row = (struct kvtrace_block_row *)block_moves.lookup(&d);
 	if (!src_row || !dst_row)
 		return 0;
 #if GEN_FILL
@@ -1053,7 +1073,7 @@ int kvtrace_stage_pairs(struct pt_regs *ctx)
 	 * block keeps the device block's, for its swap-in */
 	u64 ci = w->ev.cache_index, fill_on = lt(ci, KVTRACE_MAX_CACHES);
 	u32 fi = ci & -fill_on;
-	struct kvtrace_fill_row *fr = block_fill.lookup(&fi);
+	struct kvtrace_fill_row *fr = (struct kvtrace_fill_row *)block_fill.lookup(&fi);
 	if (!fr)
 		return 0;
 #endif
@@ -1188,7 +1208,7 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 	u32 zero = 0;
 	struct table_chunk *tb = table_scratch.lookup(&zero);
 	u32 r = w->row;
-	struct kvtrace_block_row *row = block_life.lookup(&r);
+	struct kvtrace_block_row *row = (struct kvtrace_block_row *)block_life.lookup(&r);
 	if (!tb || !row)
 		return 0;
 	struct ids_loop s = {.ctx = ctx, .w = w, .buf = buf, .tb = tb, .row = row};
@@ -1449,7 +1469,7 @@ int kvtrace_stage_table(struct pt_regs *ctx)
 	u32 zero = 0;
 	struct table_chunk *tb = table_scratch.lookup(&zero);
 	u32 row_idx = w->row;
-	struct kvtrace_read_row *row = block_reads.lookup(&row_idx);
+	struct kvtrace_read_row *row = (struct kvtrace_read_row *)block_reads.lookup(&row_idx);
 	if (!tb || !row)
 		return 0;
 	struct table_loop s = {

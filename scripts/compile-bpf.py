@@ -2,7 +2,7 @@
 """make setup's last step: the BPF program compiled now, into the program
 cache (tracer/kernel/program.py), for the commands people start with, so
 that their first attach loads it in a second instead of compiling for
-20-60 s (a compile parses the kernel headers).  The command lines are
+3-8 s (more beside a busy vLLM).  The command lines are
 parsed by the CLI itself (each command's program_options), so the
 entries are the ones those commands look up.  Two compile at a time:
 each is one CPU's work, in a child process.  An entry already cached

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 PROMETHEUS = ROOT / "build" / "prometheus"
 PROMTOOL = ROOT / "build" / "promtool"
-# the agent's first start compiles its program (a minute or two on a busy
+# the agent's first start may compile its program (seconds, more on a busy
 # 2-CPU machine); later starts load it from the cache
 READY_S = 600
 
