@@ -75,6 +75,14 @@ struct KitTensor {
 
 extern "C" {
 
+// 1 while a tracer has every probe of this library attached (their
+// semaphores are set): the driver waits for it after loading the library,
+// since the tracer finds a dlopen()ed library by rescanning the process.
+int kit_probes_attached(void) {
+  return KVTRACE_ENABLED(reshape_and_cache_flash) &&
+         KVTRACE_ENABLED(copy_blocks) && KVTRACE_ENABLED(swap_blocks);
+}
+
 // The fork's reshape_and_cache_flash, "auto" dtype, NHD layout, contiguous
 // float tensors: key/value [num_tokens, num_heads, head_size], caches
 // [num_blocks, block_size, num_heads, head_size], slot_mapping int64
