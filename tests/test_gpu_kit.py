@@ -94,6 +94,16 @@ def test_pinned_entry_checked(kit, tmp_path, field, value, says):
     assert len(lines) == 1 and "KVTRACE_PROGRAM_ENTRY" in lines[0] and says in lines[0], lines
 
 
+def test_pinned_entry_writable_by_others(kit, tmp_path):
+    bad = tmp_path / "entry.json"
+    bad.write_bytes((kit / "bpf-entry.json").read_bytes())
+    bad.chmod(0o666)
+    r = run_kvtrace("attach", "-q", "--", "true",
+                    env=dict(os.environ, KVTRACE_PROGRAM_ENTRY=str(bad)))
+    assert r.returncode == 2, r.stderr
+    assert "writable by others" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_pinned_entry_not_a_program(tmp_path, bpf_env):
     bad = Path(tmp_path / "entry.json")
     bad.write_text('{"format": 3}')

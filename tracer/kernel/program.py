@@ -528,6 +528,11 @@ def read_pinned(path: str, cflags: list) -> dict:
     entry = None
     try:
         with open(path, "rb") as f:
+            # what is in it is loaded into the kernel: a file that others
+            # could have written is not (the cache's rule, cache.py)
+            if os.fstat(f.fileno()).st_mode & 0o022:
+                raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} is writable by "
+                                         f"others than its owner: not loaded")
             entry = json.loads(f.read())
     except OSError as e:
         raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: cannot read {path}: "
