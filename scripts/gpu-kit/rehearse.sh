@@ -36,7 +36,9 @@ set -e
 for lib in "$1"/libbcc_bpf.so.0.* "$1"/libbpf.so.1.* "$1"/libelf-*.so "$1"/libelf.so.1*; do
 	[ -f "$lib" ] && [ ! -L "$lib" ] && mount --bind /dev/null "$lib"
 done
-mount --bind /dev/null /usr/lib/python3/dist-packages/bcc/__init__.py
+for py in /usr/lib/python3/dist-packages/bcc/__init__.py; do
+	[ -f "$py" ] && mount --bind /dev/null "$py"
+done
 exec env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin "$2/py/bin/python" \
 	"$3/scripts/gpu-kit/driver.py" --cpu --kit "$4" --out "$2/run"
 ' rehearse "$LIBDIR" "$WORK" "$ROOT" "$KIT"
