@@ -275,8 +275,8 @@ def outer(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="kvtrace-kit-"))
     out.mkdir(parents=True, exist_ok=True)
     print(mount_tracefs())
-    site = out / "site"
-    site.mkdir(exist_ok=True)
+    # not under out: the device tool brings back at most 8 files from $OUT
+    site = Path(tempfile.mkdtemp(prefix="kvtrace-kit-site-"))
     print(f"wheels: {', '.join(unpack_wheels(kit, site)) or 'none fit'}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]),
                LD_LIBRARY_PATH=os.pathsep.join(
