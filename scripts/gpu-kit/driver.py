@@ -301,6 +301,7 @@ def outer(args) -> int:
     with open(out / "attach.log", "w") as log:  # the summary: agg.json has it all
         r = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.PIPE,
                            text=True)
+    shutil.rmtree(site, ignore_errors=True)
     sys.stderr.write(r.stderr)
     if r.returncode != 0 or not agg.exists() or not truth_path.exists():
         sys.stdout.write((out / "attach.log").read_text()[-3000:])
