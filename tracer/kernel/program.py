@@ -477,6 +477,94 @@ def _loader_identity() -> str:
     return "unknown"
 
 
+def _program_text_hash() -> str:
+    """sha256 over every file of bpf/ (name and bytes): the program's text."""
+    h = hashlib.sha256()
+    for path in sorted(abi.BPF_DIR.iterdir()):
+        if path.is_file():
+            data = path.read_bytes()
+            h.update(f"{path.name}:{len(data)}:".encode() + data)
+    return h.hexdigest()
+
+
+def _portable_cflags(cflags: list) -> list:
+    """The cflags without include paths: those name where bpf/ lies on the
+    machine that compiled, which says nothing about the program's text (its
+    hash does)."""
+    return [flag for flag in cflags if not flag.startswith("-I")]
+
+
+def _kernel_version(release: str) -> str:
+    """6.18.44 of 6.18.44-fc-v310-gpu: the kernel's own version, without the
+    local build suffix."""
+    return release.split("-", 1)[0]
+
+
+def built_for(cflags: list) -> dict:
+    """What a compiled entry was made for, recorded in it so that a pinned
+    entry (KVTRACE_PROGRAM_ENTRY) can be checked on another machine."""
+    uname = os.uname()
+    return dict(bpf=_program_text_hash(), cflags=_portable_cflags(cflags),
+                kernel=uname.release, machine=uname.machine)
+
+
+BPF_MAP_TYPE_PERF_EVENT_ARRAY = 4
+
+
+def _possible_cpus() -> int:
+    with open("/sys/devices/system/cpu/possible") as f:
+        return int(f.read().strip().split(",")[-1].split("-")[-1]) + 1
+
+
+def read_pinned(path: str, cflags: list) -> dict:
+    """The entry a user names with KVTRACE_PROGRAM_ENTRY, compiled on
+    another machine (docs/design.md, "A pinned entry"), checked for what
+    the cache key would otherwise cover: the entry's format, the program's
+    text (bpf/), its flags, the kernel's version and the machine.  What
+    the key covers and this does not: the kernel's local release suffix and
+    build string, its headers' path, the CPUs and bcc's build.  The perf
+    event array, which bcc sizes by the possible CPUs, is sized here for
+    this machine's, as bcc would; the other maps do not depend on them."""
+    entry = None
+    try:
+        with open(path, "rb") as f:
+            # what is in it is loaded into the kernel: a file that others
+            # could have written is not (the cache's rule, cache.py)
+            if os.fstat(f.fileno()).st_mode & 0o022:
+                raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} is writable by "
+                                         f"others than its owner: not loaded")
+            entry = json.loads(f.read())
+    except OSError as e:
+        raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: cannot read {path}: "
+                                 f"{e.strerror}") from None
+    except ValueError:
+        pass
+    if not isinstance(entry, dict) or read_entry(path, entry.get("key")) is None:
+        raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} is not a compiled "
+                                 f"program of format {FORMAT}")
+    made = entry.get("built_for")
+    if not isinstance(made, dict):
+        raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} does not say what it "
+                                 f"was compiled for (an entry from before pinning)")
+    here = built_for(cflags)
+    if made.get("bpf") != here["bpf"]:
+        raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} was compiled from "
+                                 f"another bpf/ than this tracer's")
+    if made.get("cflags") != here["cflags"]:
+        raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} was compiled for other "
+                                 f"options: {' '.join(made.get('cflags') or [])} "
+                                 f"(this attach: {' '.join(here['cflags'])})")
+    if (_kernel_version(str(made.get("kernel"))), made.get("machine")) != \
+            (_kernel_version(here["kernel"]), here["machine"]):
+        raise EnvironmentProblem(f"KVTRACE_PROGRAM_ENTRY: {path} was compiled for kernel "
+                                 f"{made.get('kernel')} on {made.get('machine')}, this is "
+                                 f"{here['kernel']} on {here['machine']}")
+    for spec in entry["maps"]:
+        if spec["type"] == BPF_MAP_TYPE_PERF_EVENT_ARRAY:
+            spec["max_entries"] = _possible_cpus()
+    return entry
+
+
 def cache_key(cflags: list) -> str:
     """What the compiled program depends on: its text (every file of bpf/,
     headers included), its flags, the kernel, its headers, the CPUs bcc
@@ -560,6 +648,9 @@ def load(cflags: list, kind: int, before_compile=lambda: None) -> tuple:
     kind: the expected_attach_type every program is loaded with, for the
     way they will be attached (attach_type(): links; 0: perf events).
     before_compile() runs before a compile (the checks only it needs)."""
+    pinned = os.environ.get("KVTRACE_PROGRAM_ENTRY")
+    if pinned:
+        return LoadedProgram(read_pinned(pinned, cflags), kind), f"from {pinned}"
     key = cache_key(cflags)
     directory, why_not = cache.directory()
     if directory is not None:
@@ -689,7 +780,8 @@ def _compile_main(out_path: str, key: str, cflags: list) -> int:
             prog["subprogs"] = subprogs
         progs.append(prog)
     entry = dict(format=FORMAT, key=key, license=lib.bpf_module_license(module).decode(),
-                 kern_version=lib.bpf_module_kern_version(module), maps=maps, progs=progs)
+                 kern_version=lib.bpf_module_kern_version(module), maps=maps, progs=progs,
+                 built_for=built_for(cflags))
     costs = _verifier_costs(entry)
     for prog in progs:
         prog["verified_insns"] = costs.get(prog["name"], 0)
