@@ -69,12 +69,13 @@ $(STAMPS)/vllm-env: scripts/setup-vllm-env.sh $(STAMPS)/packages
 # The plugin tier (docs/plugin.md): kvtrace's vLLM plugin, its C extension
 # compiled against bpf/kvtrace_probes.h, installed into the vLLM venv (a second).
 PLUGIN_SRC := plugin/pyproject.toml plugin/setup.py $(wildcard plugin/kvtrace_vllm/*.py) \
-	plugin/kvtrace_vllm/_probes.c plugin/kvtrace_vllm/_status.c bpf/kvtrace_probes.h
+	plugin/kvtrace_vllm/_probes.c plugin/kvtrace_vllm/_status.c bpf/kvtrace_probes.h \
+	scripts/vllm-releases.txt scripts/setup-vllm-env.sh
 vllm-plugin: $(STAMPS)/vllm-plugin
 $(STAMPS)/vllm-plugin: $(PLUGIN_SRC) $(STAMPS)/vllm-env
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation \
 		--no-deps --force-reinstall ./plugin
-	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm._status, kvtrace_vllm.hooks"
+	$(VLLM_VENV)/bin/python -c "import kvtrace_vllm._probes, kvtrace_vllm._status, kvtrace_vllm._releases, kvtrace_vllm.hooks"
 	@touch $@
 
 # The python sources of every release in the tested matrix

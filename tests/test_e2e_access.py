@@ -16,10 +16,15 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 LIVE_SET = ("step", "requests", "reads", "distinct", "tokens", "null_entries", "held_tokens")
 
 
-@pytest.mark.parametrize("workload", ["prefix", "default", "swap", "window", "beam"])
-def test_report_access_matches_truth(tmp_path, workload, monkeypatch):
-    trace, truth = record(tmp_path, workload, "--truth-steps")
+# the prefix workload also at vLLM 0.34's default block size, 64: the
+# utilization (tokens held / the blocks' slots) uses the target's size
+@pytest.mark.parametrize("workload,extra", [(w, ()) for w in
+                                            ("prefix", "default", "swap", "window", "beam")] +
+                         [("prefix", ("--block-size", "64"))])
+def test_report_access_matches_truth(tmp_path, workload, extra, monkeypatch):
+    trace, truth = record(tmp_path, workload, "--truth-steps", *extra)
     reads = truth["reads"]
+    assert reads["block_size"] == (int(extra[1]) if extra else 16)
     doc = report_json(trace, "--kind", "reads")
     (acc,) = doc["access"]
     # totals of the stream's steps, and the group's shape

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def record(tmp, workload, *extra):
-    trace, truth = tmp / f"{workload}.kvt", tmp / f"{workload}.truth.json"
+def record(tmp, workload, *extra, name=None):
+    name = name or workload
+    trace, truth = tmp / f"{name}.kvt", tmp / f"{name}.truth.json"
     r = run_kvtrace("record", "-o", trace, "--", KVSIM, "--workload", workload,
                     "--truth", truth, "--quiet", *extra)
     assert r.returncode == 0, r.stderr
@@ -35,9 +36,12 @@ def record(tmp, workload, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """kvsim's prefix workload (reads, prefix hits, the plugin tier) and its
-    swap workload (preemptions, swaps), recorded, with their truths."""
+    swap workload (preemptions, swaps), recorded, with their truths; and
+    the prefix workload at vLLM 0.34's default block size, 64."""
     tmp = tmp_path_factory.mktemp("pics")
-    return {w: record(tmp, w) for w in ("prefix", "swap")}
+    out = {w: record(tmp, w) for w in ("prefix", "swap")}
+    out["prefix-64"] = record(tmp, "prefix", "--block-size", "64", name="prefix-64")
+    return out
 
 
 def docs_of(*paths):
@@ -116,12 +120,13 @@ def residency_buckets(ns):
     return np.bincount(idx, minlength=len(bounds) + 1)
 
 
-@pytest.mark.parametrize("workload", ["prefix", "swap"])
+@pytest.mark.parametrize("workload", ["prefix", "swap", "prefix-64"])
 def test_every_figure_agrees_with_kvsim(runs, workload):
     trace, truth = runs[workload]
     (label, doc), = docs_of(trace)
     f = by_name([(label, doc)])
     n, bs = truth["num_blocks"], truth["block_size"]
+    assert bs == (64 if workload.endswith("-64") else 16)
     # the heatmaps' cells sum to kvsim's slot writes and block reads
     assert f["heatmap_writes"].data[label]["total"] == truth["slots_written"]
     assert f["heatmap_reads"].data[label]["total"] == truth["reads"]["reads"]
@@ -137,6 +142,7 @@ def test_every_figure_agrees_with_kvsim(runs, workload):
         hot[:max(1, round(0.1 * len(hot)))].sum() / hot.sum())
     # fill: generations by tokens held at their end, as kvsim counted them
     fill = f["fill"].data[label]
+    assert len(fill["fill_hist"]) == bs + 1  # 0 to the target's block size
     assert fill["fill_hist"].tolist() == np.bincount(
         truth["generations"]["fill"], minlength=bs + 1).tolist()
     # the working set: kvsim's distinct blocks at each step

