@@ -404,7 +404,9 @@ def row_site(q, res):
     a, b, a_again = runs["a"], runs["b"], runs["a_again"]
     twin_ratios = twins(300_000 if q else 1_000_000, reps, 10 if q else 40)
     c = {1: [], big: []}
-    tr = Tracer()  # the defaults: the program make setup compiled for attach
+    # attach's program (make setup compiled it): the plugin tier's events
+    # streamed, which these write ops are not (they send no record)
+    tr = Tracer(index_stream="block_ids")
     try:
         cops = ops // 10
         for m in traced_loop(tr, [str(KVBENCH), "loop", "--ops", str(cops), "--reps",
@@ -527,7 +529,9 @@ def _site_costs(q, flag, big):
     runs = alternate([("a", KVBENCH_NOPROBES), ("b", KVBENCH), ("a_again", KVBENCH_NOPROBES)],
                      [flag, "--ops", ops, "--reps", 1, "--slots", sizes], reps)
     a, b, c = runs["a"], runs["b"], {1: [], big: []}
-    tr = Tracer()  # the defaults: the program make setup compiled for attach
+    # attach's program (make setup compiled it): the plugin tier's events
+    # streamed, which these write ops are not (they send no record)
+    tr = Tracer(index_stream="block_ids")
     passed = {}
     try:
         for m in traced_loop(tr, [str(KVBENCH), "loop", flag, "--ops", str(ops // 10),

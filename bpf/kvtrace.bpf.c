@@ -54,6 +54,17 @@
 #define OP_RECORDS 0
 #endif
 
+/* Which ops send their record.  The block-id stream's consumers (attach's
+ * derived reads, --prometheus's residency and miss classes, the agent's)
+ * take only the plugin tier's ops, block_alloc and after: with that stream
+ * alone, the op tiers' writes, moves and tables send none, so that it
+ * costs them one compare an op, and the plugin tier a record per event. */
+#if STREAM_VALUES || defined(KVTRACE_WITH_OP_RECORDS)
+#define RECORDED(op) 1
+#else
+#define RECORDED(op) ((op) >= KVTRACE_OP_BLOCK_ALLOC)
+#endif
+
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
 BPF_ARRAY(sites, struct kvtrace_site, KVTRACE_MAX_SITES);
 #ifndef KVTRACE_SITE_COOKIES
@@ -638,7 +649,7 @@ static __always_inline void start_record(struct work *w)
 {
 	w->ev.type = KVTRACE_REC_OP;
 	w->ev.seq = 0;
-	if (!OP_RECORDS)
+	if (!OP_RECORDS || !RECORDED(w->ev.op))
 		return;
 	u32 idx = KVTRACE_G_NEXT_SEQ;
 	u64 *next = globals.lookup(&idx);
@@ -832,7 +843,8 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 #endif
 	/* counted here, at the source: the user-space lost callback only
 	 * hears of losses once the buffer has room again */
-	if (OP_RECORDS && submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
+	if (OP_RECORDS && RECORDED(op) &&
+	    submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
 		global_add(KVTRACE_G_RECORDS_LOST, 1);
 	return 0;
 }

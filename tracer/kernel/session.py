@@ -268,6 +268,8 @@ class Tracer:
         # bench/run.py's carrying-capacity row measures what the transports
         # carry.
         self.op_records = bool(index_stream) if op_records is None else bool(op_records)
+        # the block-id stream alone: only the plugin tier's ops send records
+        self.plugin_records_only = index_stream == "block_ids"
         if self.op_records and not index_stream:
             cflags.append("-DKVTRACE_WITH_OP_RECORDS")
         if transport not in TRANSPORTS:
@@ -428,14 +430,20 @@ class Tracer:
 
     @property
     def polls_records(self) -> bool:
-        """Whether poll() reads op records (it then returns as they come)."""
-        return self._poll_fns is not None
+        """Whether poll() reads op records (it then returns as they come).
+        With the block-id stream alone, only once a process with the
+        plugin tier's probes is traced: no other op sends a record, and a
+        tracer of the op tiers sleeps as it would without a stream."""
+        if self._poll_fns is None:
+            return False
+        return not self.plugin_records_only or \
+            any(p.tier == "plugin" for p in self.procs.values())
 
     def poll(self, timeout_ms: int, wake_fds=()):
         """Read the op records waiting, waiting up to timeout_ms for them.
         Without records, sleep that long, or until one of wake_fds (the
         target's exit, a signal) is readable."""
-        if self._poll_fns is None:
+        if not self.polls_records:
             if timeout_ms > 0:
                 select.select(wake_fds, [], [], timeout_ms / 1000)
             return
