@@ -534,3 +534,77 @@ def test_vllm_engines_under_one_agent(tmp_path, tiny_model, agent_and_prometheus
     finally:
         for e in engines:
             e.kill()
+
+
+def _scrape(port) -> dict:
+    """The agent's /metrics, read directly: {sample name: [(labels, value)]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _scrape_after(port, t, timeout=60) -> dict:
+    """A scrape of a snapshot the agent took after Unix time t."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _scrape(port)
+        if max((v for _, v in m.get("kvtrace_snapshot_timestamp_seconds", [])),
+               default=0) > t:
+            return m
+        assert time.monotonic() < deadline, f"no snapshot after {t} within {timeout}s"
+        time.sleep(0.1)
+
+
+def _of(m, name, pid):
+    return sum(v for labels, v in m.get(name, []) if labels.get("pid") == str(pid))
+
+
+def test_derived_reads_of_a_plugin_tier_engine_then_none_after_it_goes(tmp_path, bpf_env):
+    """A kvsim whose reads only step_rows carries (--no-block-table, as the
+    plugin's scheduler fires no table without --verify-rows): the agent's
+    /metrics has its reads, derived from its events, equal to kvsim's own
+    count.  With --grace 0 it is forgotten as soon as it exits, while the
+    events of its last second are still held back (LiveResidency.HOLD_S):
+    they must not bring its series back once they come in."""
+    from tracer.analysis.lifecycle import LiveResidency
+
+    hold = LiveResidency.HOLD_S
+    agent = Agent(tmp_path, "--grace", "0")
+    sim = None
+    try:
+        sim = Kvsim(tmp_path, "prefix", "--no-block-table", "--rounds", "2")
+        agent.traced(sim.pid)
+        sim.go()
+        read_line(sim.proc.stderr, "paused", 60)  # round 1 done, its truth written
+        truth = sim.truth()["reads"]
+        # its events are taken in once HOLD_S old: until then, fewer reads
+        deadline = time.monotonic() + 60
+        while True:
+            m = _scrape_after(agent.port, time.time())
+            got = {k: _of(m, f"kvtrace_{k}_total", sim.pid) for k in ("block_reads", "steps")}
+            if got == {"block_reads": truth["reads"], "steps": truth["steps"]}:
+                break
+            assert time.monotonic() < deadline, (got, truth)
+        assert truth["reads"] > 0
+        # round 2, and its exit right after its last step
+        sim.go()
+        assert sim.wait() == 0
+        agent.wait_for(f"pid {sim.pid} exited")  # and forgotten: --grace 0
+        gone = time.time()
+        assert _of(_scrape_after(agent.port, gone), "kvtrace_ops_total", sim.pid) == 0
+        # every event it sent has come in by then, swept as it came
+        m = _scrape_after(agent.port, gone + 2 * hold + 1)
+        assert [labels for labels, _ in m.get("kvtrace_block_reads_total", [])
+                if labels.get("pid") == str(sim.pid)] == []
+        assert _of(m, "kvtrace_ops_total", sim.pid) == 0
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+        if sim is not None:
+            sim.kill()
