@@ -608,3 +608,44 @@ def test_derived_reads_of_a_plugin_tier_engine_then_none_after_it_goes(tmp_path,
         agent.kill()
         if sim is not None:
             sim.kill()
+
+
+@pytest.mark.parametrize("workload,max_blocks", [("prefix", None), ("swap", 1024),
+                                                 ("window", 1024), ("prefix", 256)])
+def test_refresh_copies_lifecycle_rows_to_their_last_counted_block(tmp_path, bpf_env,
+                                                                   workload, max_blocks):
+    """The agent's refresh (read_maps(used_only=True)) copies each process's
+    lifecycle rows up to their last counted block, found from the 64th of
+    the block range the kernel marks, not by scanning the whole rows: the
+    length is the one kvsim's own lifecycle counts give, and the rows are
+    kvsim's counts (several 64ths in use where --max-blocks is small)."""
+    from tracer import abi
+    from tracer.kernel.session import Tracer
+    from tracer.probes import discover
+
+    sim = Kvsim(tmp_path, workload)
+    tracer = Tracer(**({"max_blocks": max_blocks} if max_blocks else {}))
+    try:
+        tracer.attach(sim.pid, discover.process_probe_files(sim.pid))
+        sim.go()
+        assert sim.wait() == 0
+        raw = tracer.read_maps(used_only=True)
+        marks = tracer.life_pages[tracer.procs[sim.pid].index].tolist()
+    finally:
+        tracer.close()
+        sim.kill()
+    life = sim.truth()["lifecycle"]["blocks"]
+    limit = max_blocks or tracer.max_blocks
+    counted = {kind: [(b, n) for b, n in pairs if b < limit] for kind, pairs in life.items()}
+    last = max(b for pairs in counted.values() for b, _ in pairs)
+    rows = raw["life"][sim.pid]
+    assert rows.shape[1] == last + 1 > 1
+    for i, kind in enumerate(abi.LIFE):
+        want = [0] * (last + 1)
+        for b, n in counted[kind]:
+            want[b] = n
+        assert rows[i].tolist() == want, kind
+    # the kernel's marks: the 64ths of the range holding a counted block
+    page = max(1, limit // 64)
+    want = {b // page for pairs in counted.values() for b, n in pairs if b and n}
+    assert {k for k in range(64) if marks[k]} == want
