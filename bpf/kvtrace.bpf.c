@@ -54,6 +54,17 @@
 #define OP_RECORDS 0
 #endif
 
+/* Which ops send their record.  The block-id stream's consumers (attach's
+ * derived reads, --prometheus's residency and miss classes, the agent's)
+ * take only the plugin tier's ops, block_alloc and after: with that stream
+ * alone, the op tiers' writes, moves and tables send none, so that it
+ * costs them one compare an op, and the plugin tier a record per event. */
+#if STREAM_VALUES || defined(KVTRACE_WITH_OP_RECORDS)
+#define RECORDED(op) 1
+#else
+#define RECORDED(op) ((op) >= KVTRACE_OP_BLOCK_ALLOC)
+#endif
+
 BPF_HASH(traced_pids, u32, struct kvtrace_proc, 4096);
 BPF_ARRAY(sites, struct kvtrace_site, KVTRACE_MAX_SITES);
 #ifndef KVTRACE_SITE_COOKIES
@@ -144,6 +155,20 @@ BPF_F_TABLE("array", u32, struct kvtrace_read_row_bytes, block_reads,
  */
 BPF_F_TABLE("array", u32, struct kvtrace_block_row_bytes, block_life,
 	    KVTRACE_MAX_PROCS * KVTRACE_NR_LIFE, BPF_F_MMAPABLE);
+/*
+ * Per process, which 64ths of the block range its block_life rows count
+ * in: word k is set to 1 once an id in [k * LIFE_PAGE, (k + 1) * LIFE_PAGE)
+ * is counted, before the op ends (word 64 and up: a sink for the ids not
+ * counted).  A store of 1, not an OR: concurrent stores cannot undo each
+ * other.  The front end copies each row up to its last counted entry,
+ * found in the highest 64th set, instead of scanning the whole row at
+ * each refresh (session.read_maps).
+ */
+struct kvtrace_life_pages {
+	u64 v[KVTRACE_LIFE_PAGE_WORDS];
+};
+BPF_F_TABLE("array", u32, struct kvtrace_life_pages, life_pages, KVTRACE_MAX_PROCS,
+	    BPF_F_MMAPABLE);
 BPF_TABLE("lru_hash", struct kvtrace_request_key, struct kvtrace_request, requests,
 	  KVTRACE_MAX_REQUESTS);
 /* A zeroed kvtrace_request to insert from (never written): on the stack it
@@ -638,7 +663,7 @@ static __always_inline void start_record(struct work *w)
 {
 	w->ev.type = KVTRACE_REC_OP;
 	w->ev.seq = 0;
-	if (!OP_RECORDS)
+	if (!OP_RECORDS || !RECORDED(w->ev.op))
 		return;
 	u32 idx = KVTRACE_G_NEXT_SEQ;
 	u64 *next = globals.lookup(&idx);
@@ -832,7 +857,8 @@ static __always_inline int finish(struct pt_regs *ctx, struct work *w)
 #endif
 	/* counted here, at the source: the user-space lost callback only
 	 * hears of losses once the buffer has room again */
-	if (OP_RECORDS && submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
+	if (OP_RECORDS && RECORDED(op) &&
+	    submit_record(ctx, ev, sizeof(*ev), ev->seq, 1) < 0)
 		global_add(KVTRACE_G_RECORDS_LOST, 1);
 	return 0;
 }
@@ -1140,6 +1166,7 @@ struct ids_loop {
 	struct chunk *buf;
 	struct table_chunk *tb;
 	struct kvtrace_block_row *row;
+	struct kvtrace_life_pages *pages;
 	u64 valid, nulls, oor, lost;
 };
 
@@ -1152,6 +1179,7 @@ long kvtrace_cb_ids(u64 c)
 	struct chunk *buf = s->buf;
 	struct table_chunk *tb = s->tb;
 	struct kvtrace_block_row *row = s->row;
+	struct kvtrace_life_pages *pages = s->pages;
 	u32 k = c & (KVTRACE_RECORD_CHUNKS - 1);
 	u64 done = w->done, n = w->nids;
 	if (done >= n)
@@ -1179,6 +1207,9 @@ long kvtrace_cb_ids(u64 c)
 		nulls += nz ^ 1;
 		oor += nz & (ok ^ 1);
 		__sync_fetch_and_add(&row->count[id & BLOCK_MASK], ok);
+		/* its 64th of the range, or the sink (64) where not counted */
+		u64 page = ((id & BLOCK_MASK) / KVTRACE_LIFE_PAGE) & 63;
+		pages->v[(page & -ok) | (64 & -(ok ^ 1))] = 1;
 #if STREAM_BLOCK_IDS
 		buf->v[(k * KVTRACE_CHUNK + i) & (2 * RECORD_VALUES - 1)] =
 		    (s64)(s32)tb->v[i];
@@ -1209,9 +1240,12 @@ int kvtrace_stage_ids(struct pt_regs *ctx)
 	struct table_chunk *tb = table_scratch.lookup(&zero);
 	u32 r = w->row;
 	struct kvtrace_block_row *row = (struct kvtrace_block_row *)block_life.lookup(&r);
-	if (!tb || !row)
+	u32 pi = w->proc;
+	struct kvtrace_life_pages *pages = life_pages.lookup(&pi);
+	if (!tb || !row || !pages)
 		return 0;
-	struct ids_loop s = {.ctx = ctx, .w = w, .buf = buf, .tb = tb, .row = row};
+	struct ids_loop s = {.ctx = ctx, .w = w, .buf = buf, .tb = tb, .row = row,
+			     .pages = pages};
 
 	w->rec_start = w->done;
 	bpf_loop(KVTRACE_SEGMENT_CHUNKS, KVTRACE_CALLBACK(KVTRACE_CB_IDS), &s, 0);

@@ -352,6 +352,15 @@ struct kvtrace_block_row {
 	__u64 count[KVTRACE_MAX_BLOCKS];
 };
 
+/* block_life's rows per 64th of the block range (kvtrace.bpf.c life_pages):
+ * KVTRACE_MAX_BLOCKS / 64 blocks a 64th, at least 1; 64 words and a sink */
+#if KVTRACE_MAX_BLOCKS >= 64
+#define KVTRACE_LIFE_PAGE (KVTRACE_MAX_BLOCKS / 64)
+#else
+#define KVTRACE_LIFE_PAGE 1
+#endif
+#define KVTRACE_LIFE_PAGE_WORDS 128
+
 /*
  * Block generations' fill, per cache (one layer of one process), row =
  * cache index in block_fill.  A generation starts with a write at block

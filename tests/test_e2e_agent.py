@@ -534,3 +534,118 @@ def test_vllm_engines_under_one_agent(tmp_path, tiny_model, agent_and_prometheus
     finally:
         for e in engines:
             e.kill()
+
+
+def _scrape(port) -> dict:
+    """The agent's /metrics, read directly: {sample name: [(labels, value)]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _scrape_after(port, t, timeout=60) -> dict:
+    """A scrape of a snapshot the agent took after Unix time t."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _scrape(port)
+        if max((v for _, v in m.get("kvtrace_snapshot_timestamp_seconds", [])),
+               default=0) > t:
+            return m
+        assert time.monotonic() < deadline, f"no snapshot after {t} within {timeout}s"
+        time.sleep(0.1)
+
+
+def _of(m, name, pid):
+    return sum(v for labels, v in m.get(name, []) if labels.get("pid") == str(pid))
+
+
+def test_derived_reads_of_a_plugin_tier_engine_then_none_after_it_goes(tmp_path, bpf_env):
+    """A kvsim whose reads only step_rows carries (--no-block-table, as the
+    plugin's scheduler fires no table without --verify-rows): the agent's
+    /metrics has its reads, derived from its events, equal to kvsim's own
+    count.  With --grace 0 it is forgotten as soon as it exits, while the
+    events of its last second are still held back (LiveResidency.HOLD_S):
+    they must not bring its series back once they come in."""
+    from tracer.analysis.lifecycle import LiveResidency
+
+    hold = LiveResidency.HOLD_S
+    agent = Agent(tmp_path, "--grace", "0")
+    sim = None
+    try:
+        sim = Kvsim(tmp_path, "prefix", "--no-block-table", "--rounds", "2")
+        agent.traced(sim.pid)
+        sim.go()
+        read_line(sim.proc.stderr, "paused", 60)  # round 1 done, its truth written
+        truth = sim.truth()["reads"]
+        # its events are taken in once HOLD_S old: until then, fewer reads
+        deadline = time.monotonic() + 60
+        while True:
+            m = _scrape_after(agent.port, time.time())
+            got = {k: _of(m, f"kvtrace_{k}_total", sim.pid) for k in ("block_reads", "steps")}
+            if got == {"block_reads": truth["reads"], "steps": truth["steps"]}:
+                break
+            assert time.monotonic() < deadline, (got, truth)
+        assert truth["reads"] > 0
+        # round 2, and its exit right after its last step
+        sim.go()
+        assert sim.wait() == 0
+        agent.wait_for(f"pid {sim.pid} exited")  # and forgotten: --grace 0
+        gone = time.time()
+        assert _of(_scrape_after(agent.port, gone), "kvtrace_ops_total", sim.pid) == 0
+        # every event it sent has come in by then, swept as it came
+        m = _scrape_after(agent.port, gone + 2 * hold + 1)
+        assert [labels for labels, _ in m.get("kvtrace_block_reads_total", [])
+                if labels.get("pid") == str(sim.pid)] == []
+        assert _of(m, "kvtrace_ops_total", sim.pid) == 0
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+        if sim is not None:
+            sim.kill()
+
+
+@pytest.mark.parametrize("workload,max_blocks", [("prefix", None), ("swap", 1024),
+                                                 ("window", 1024), ("prefix", 256)])
+def test_refresh_copies_lifecycle_rows_to_their_last_counted_block(tmp_path, bpf_env,
+                                                                   workload, max_blocks):
+    """The agent's refresh (read_maps(used_only=True)) copies each process's
+    lifecycle rows up to their last counted block, found from the 64th of
+    the block range the kernel marks, not by scanning the whole rows: the
+    length is the one kvsim's own lifecycle counts give, and the rows are
+    kvsim's counts (several 64ths in use where --max-blocks is small)."""
+    from tracer import abi
+    from tracer.kernel.session import Tracer
+    from tracer.probes import discover
+
+    sim = Kvsim(tmp_path, workload)
+    tracer = Tracer(**({"max_blocks": max_blocks} if max_blocks else {}))
+    try:
+        tracer.attach(sim.pid, discover.process_probe_files(sim.pid))
+        sim.go()
+        assert sim.wait() == 0
+        raw = tracer.read_maps(used_only=True)
+        marks = tracer.life_pages[tracer.procs[sim.pid].index].tolist()
+    finally:
+        tracer.close()
+        sim.kill()
+    life = sim.truth()["lifecycle"]["blocks"]
+    limit = max_blocks or tracer.max_blocks
+    counted = {kind: [(b, n) for b, n in pairs if b < limit] for kind, pairs in life.items()}
+    last = max(b for pairs in counted.values() for b, _ in pairs)
+    rows = raw["life"][sim.pid]
+    assert rows.shape[1] == last + 1 > 1
+    for i, kind in enumerate(abi.LIFE):
+        want = [0] * (last + 1)
+        for b, n in counted[kind]:
+            want[b] = n
+        assert rows[i].tolist() == want, kind
+    # the kernel's marks: the 64ths of the range holding a counted block
+    page = max(1, limit // 64)
+    want = {b // page for pairs in counted.values() for b, n in pairs if b and n}
+    assert {k for k in range(64) if marks[k]} == want

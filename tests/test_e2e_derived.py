@@ -125,6 +125,40 @@ def test_a_tracer_attached_mid_run_gets_every_row_whole_first(tmp_path):
 
 
 @pytest.mark.parametrize("workload", ["prefix", "window", "swap"])
+def test_plain_attach_shows_the_derived_reads(tmp_path, workload):
+    """Plain `attach` (no -o, no --prometheus) on a target whose reads only
+    step_rows carries (kvsim --no-block-table: its attention fires no
+    block_table, as the plugin's scheduler fires none without
+    --verify-rows): the summary and --json, the aggregate every view draws,
+    hold the reads kvsim counted, per block and per step; not an empty
+    reads panel beside its writes."""
+    import json
+    from conftest import KVSIM, run_kvtrace
+    out, truth_path = tmp_path / "agg.json", tmp_path / "truth.json"
+    r = run_kvtrace("attach", "-q", "--json", out, "--", KVSIM, "--workload", workload,
+                    "--no-block-table", "--truth", truth_path, "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc, truth = json.loads(out.read_text()), json.loads(truth_path.read_text())
+    want, n = truth["reads"], truth["num_blocks"]
+    (proc,) = doc["processes"]
+    assert proc["tier"] == "plugin" and "block_table" not in proc["ops"]
+    (got,) = proc["groups"]
+    # (step_rows names the scheduler's KV-cache group, as the block events do)
+    assert (got["group_id"], got["block_size"]) == \
+        (truth["lifecycle"]["group_id"], want["block_size"])
+    for k in ("steps", "requests", "tokens", "reads", "distinct", "held_tokens"):
+        assert got[k] == want[k], k
+    assert dense(got["reads_per_block"], n) == dense(want["per_block"], n)
+    assert dense(got["last_read_step"], n) == dense(want["last_step"], n)
+    assert doc["exact"], doc["inexact_reasons"]
+    assert f"{want['reads']:,} block reads" in r.stdout
+    if workload == "window":
+        assert truth["window_drops"] > 0
+    if workload == "swap":
+        assert truth["preemptions"] > 0
+
+
+@pytest.mark.parametrize("workload", ["prefix", "window", "swap"])
 def test_report_from_derived_reads_alone(tmp_path, workload, monkeypatch):
     """A recording's report where the group's tables are left out (as
     without --verify-rows): its reads come from step_rows and the block

@@ -168,3 +168,27 @@ def test_the_plugin_grid_is_judged_on_the_row_changes_262k_against_4k():
     rows = grid_rows({}, skipped="not root")
     assert "13 traced step_rows: 262k entries / 4k" not in rows
     assert rows["13 traced"][2] == "skipped: not root"
+
+
+@pytest.mark.parametrize("counted, verdict", [
+    (12, "met"), (0, "no verdict: no proof it traced"), (None, "no verdict: no proof it traced")])
+def test_the_site_rows_attached_cost_needs_proof_that_it_traced(counted, verdict):
+    """Rows 1 and 8 judge what the attached tracer adds (traced against
+    untraced): only where the tracer counted the traced loops' ops (row 1)
+    or counted what kvbench passed (row 8)."""
+    one = {"min": 1.0, "median": 1.0, "max": 1.0, "n": 1, "values": [1.0]}
+
+    class Figures(dict):  # every figure of the row 1, one value each
+        def __missing__(self, key):
+            return one
+
+    site = Figures(big_slots=4096)
+    if counted is not None:
+        site["traced_calls_counted"] = counted
+    reads = {k: one for k in ("a_ns_per_op", "b_ns_per_op", "c_ns_per_op", "b_over_a",
+                              "attached_ns_per_op", "attached_ns_per_entry")}
+    reads["counts_equal_truth"] = bool(counted)
+    rows = {r[0]: r[-1] for r in bench.table_rows({"site": site, "reads": reads})}
+    assert rows["1 attached adds, per op"] == verdict
+    assert rows["1 attached adds, per slot"] == verdict
+    assert rows["8 read attached adds, per entry"] == verdict

@@ -60,9 +60,6 @@ def test_subcommand_help(sub, example):
     ["attach", "-p", NO_PID, "--max-blocks", "0"],
     ["attach", "-p", NO_PID, "--max-blocks", "300000"],
     ["attach", "-p", NO_PID, "--perf-pages", "3"],
-    # without a stream (-o, --prometheus) no per-op record is sent
-    ["attach", "-p", NO_PID, "--perf-pages", "64"],
-    ["attach", "-p", NO_PID, "--transport", "ring"],
     # without --folded or -o no stack is taken
     ["attach", "-p", NO_PID, "--stack-storage-size", "8"],
     ["record", "-p", NO_PID, "-o", "x.kvt", "--stack-storage-size", str(2**18 + 1)],

@@ -19,8 +19,8 @@ def test_five_distinct_programs_as_the_cli_chooses_them(tmp_path):
     picks = {name: (o.get("stacks", False), o["index_stream"], o["gen_fill"],
                     o.get("reuse_rows", False)) for name, o in got.items()}
     assert picks == {
-        "attach": (False, None, False, False),
-        "attach --folded": (True, None, False, False),
+        "attach": (False, "block_ids", False, False),
+        "attach --folded": (True, "block_ids", False, False),
         "record, attach -o": (True, "all", False, False),
         "attach --prometheus": (False, "block_ids", True, False),
         "agent": (False, "block_ids", True, True),

@@ -234,12 +234,13 @@ def test_live_residency_holds_back_recent_events_and_matches_offline():
 
 
 @pytest.mark.parametrize("argv,streams", [
-    (["-p", "1"], None), (["-p", "1", "--prometheus"], "block_ids"),
+    (["-p", "1"], "block_ids"), (["-p", "1", "--prometheus"], "block_ids"),
     (["-p", "1", "-o", "/tmp/kvtrace-unit.kvt"], "all"),
     (["-p", "1", "-o", "/tmp/kvtrace-unit.kvt", "--prometheus"], "all")])
-def test_index_stream_only_with_o_or_prometheus(argv, streams):
-    """Plain attach streams nothing; --prometheus only the block events'
-    ids; only -o streams every value and takes the larger buffers."""
+def test_index_stream_all_only_with_o(argv, streams):
+    """Plain attach and --prometheus stream the plugin tier's events alone
+    (its derived reads); only -o streams every value and takes the larger
+    buffers."""
     from tracer import cli
     from tracer.commands import attach as cmd_attach
 

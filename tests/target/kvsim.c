@@ -2186,6 +2186,8 @@ static void print_help(void)
 	       "                       concat_and_cache_mla | cpu_attn_reshape_and_cache\n"
 	       "  --ops-log FILE       one line per op fired with its probe enabled\n"
 	       "                       (traced): NAME CACHE_ID VALUES... (per-op truth)\n"
+	       "  --no-block-table     attention fires no vllm:block_table: its reads\n"
+	       "                       are in step_rows alone, as the plugin tier's\n"
 	       "  --progress           print 'kvsim: repetition N done' to stderr\n"
 	       "                       after each repetition (an event to wait on)\n"
 	       "  --quiet              no summary line\n"
@@ -2268,6 +2270,8 @@ static void parse_args(int argc, char **argv, struct config *c)
 			c->pause = true;
 		} else if (!strcmp(flag, "--quiet")) {
 			c->quiet = true;
+		} else if (!strcmp(flag, "--no-block-table")) {
+			kv_no_block_table = 1;
 		} else if (!strcmp(flag, "--truth-steps")) {
 			c->truth_steps = true;
 		} else if (!strcmp(flag, "--progress")) {

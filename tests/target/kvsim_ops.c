@@ -34,6 +34,7 @@ const char *kv_write_op_name(int write_op)
 }
 
 FILE *kv_ops_log;
+int kv_no_block_table;
 
 static void log_op(const char *name, uint64_t cache_id, const int64_t *v,
 		   int64_t n)
@@ -242,7 +243,7 @@ uint64_t kv_attention(const struct kv_layer *layer, const int32_t *block_table,
 	(void)group_id; /* only the probe needs it */
 	if (bpt % 8)
 		die("kv_attention", "bytes per token not whole words", bpt);
-	if (KVTRACE_ENABLED(block_table)) {
+	if (!kv_no_block_table && KVTRACE_ENABLED(block_table)) {
 		KVTRACE_BLOCK_TABLE(block_table, row_stride, num_reqs, seq_lens,
 				    bs, group_id, layer->num_blocks,
 				    kv_cache_id(layer));

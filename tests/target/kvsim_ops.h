@@ -63,6 +63,14 @@ static inline uint64_t kv_cache_id(const struct kv_layer *layer)
  */
 extern FILE *kv_ops_log;
 
+/*
+ * --no-block-table: kv_attention fires no vllm:block_table, so that a
+ * tracer knows the step's reads only from step_rows and the block events,
+ * as it knows the vLLM plugin's (whose whole tables it attaches only with
+ * --verify-rows).  kvsim's own count of the reads is the same either way.
+ */
+extern int kv_no_block_table;
+
 /* Probe name of a write op ("reshape_and_cache", ...), NULL if invalid. */
 const char *kv_write_op_name(int write_op);
 

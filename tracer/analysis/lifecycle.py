@@ -538,8 +538,11 @@ class LiveResidency:
     TICK_S = 0.1
     TAKE_BYTES = 1 << 20
 
-    def __init__(self, tap: StreamTap, bounds=RESIDENCY_BUCKETS):
+    def __init__(self, tap: StreamTap, bounds=RESIDENCY_BUCKETS, with_histograms: bool = True):
         self.tap = tap
+        # False: the derived reads alone (attach without --prometheus shows
+        # no residency histogram; each sample is a Python step per event)
+        self.with_histograms = with_histograms
         self.bounds = bounds
         self.residency = Residency()
         # the plugin tier's reads, derived from its step_rows and block events
@@ -583,7 +586,8 @@ class LiveResidency:
         self.incomplete += ev.incomplete
         # in seq order: a step's rows against the frees before it
         self.rows.add(joined.select(np.argsort(joined.ops["seq"], kind="stable")))
-        self.residency.add(ev)
+        if self.with_histograms:
+            self.residency.add(ev)
         if self.misses is not None:
             self.misses.add(joined, ev)
         for pid, samples in self.residency.take().items():

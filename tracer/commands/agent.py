@@ -275,6 +275,10 @@ class Agent:
         args = self.args
         t0 = time.monotonic()
         self.tracer = Tracer(**program_options(args), collector=self.residency.tap)
+        # the reads of plugin-tier engines without block_table (step_rows,
+        # the default), derived from their events as attach derives them;
+        # a forgotten engine's late events are swept (_forget_residency)
+        self.tracer.live_rows = self.residency.rows
         events = None
         try:
             events = process_events.ProcessEvents()

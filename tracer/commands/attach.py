@@ -124,12 +124,11 @@ def add_parser(sub):
                    help="processes traced at once, the target and its descendants "
                    f"(default {DEFAULT_MAX_PROCS})")
     p.add_argument("--perf-pages", type=positive_int, metavar="N",
-                   help="perf buffer pages per CPU for the per-op records, which only "
-                   "-o and --prometheus send (default: with -o, which streams every slot, "
-                   "4096 up to 256 MiB in all; else 64)")
+                   help="perf buffer pages per CPU for the per-op records: every op's "
+                   "with -o, else the plugin tier's events only (default: with -o, which "
+                   "streams every slot, 4096 up to 256 MiB in all; else 64)")
     p.add_argument("--transport", choices=TRANSPORTS,
-                   help="-o's and --prometheus's per-op records through the per-CPU "
-                   "perf buffer or one BPF "
+                   help="the per-op records through the per-CPU perf buffer or one BPF "
                    f"ring buffer of the same total size (default {DEFAULT_TRANSPORT}; "
                    "docs/bench.md)")
     p.add_argument("--cmd-output", metavar="FILE",
@@ -181,14 +180,6 @@ def validate(args):
         if getattr(args, "prometheus", None) else None
     if getattr(args, "prometheus_linger", None) is not None and not args.prometheus_at:
         raise UsageError("--prometheus-linger goes with --prometheus")
-    if not index_stream(args):
-        # plain attach sends no per-op record (docs/design.md): a buffer's
-        # size or transport would change nothing, which the user should know
-        for flag, given in (("--perf-pages", args.perf_pages is not None),
-                            ("--transport", args.transport is not None)):
-            if given:
-                raise UsageError(f"{flag} goes with -o or --prometheus: without a stream, "
-                                 "attach sends no per-op records")
     args.transport = args.transport or DEFAULT_TRANSPORT
     if args.perf_pages is None:
         args.perf_pages = stream_perf_pages() if index_stream(args) == "all" else 64
@@ -217,12 +208,13 @@ def program_options(args) -> dict:
 
 def index_stream(args):
     """What the BPF program streams: every op's index values, to record
-    them (-o: "all"); only the plugin's block events' ids, which the
-    residency histograms of --prometheus need ("block_ids": a few values a
-    step, where the slots of every layer's writes are the bulk); or nothing."""
-    if args.output:
-        return "all"
-    return "block_ids" if args.prometheus_at else None
+    them (-o: "all"); else only the plugin tier's events ("block_ids":
+    their records and ids, step_rows' rows and new entries, a few values a
+    step, and nothing of the op tiers' ops), from which the live view and
+    --prometheus derive the plugin tier's reads (derived_rows.LiveRows),
+    and --prometheus its residency histograms (docs/design.md, "Reads
+    derived from row events")."""
+    return "all" if args.output else "block_ids"
 
 
 def stream_perf_pages() -> int:
@@ -246,13 +238,14 @@ def run(args) -> int:
     from ..kernel.session import check_privileges
 
     check_privileges()
-    exporter = server = residency = None
+    exporter = server = None
+    # The plugin tier's reads (every view's) and --prometheus's residency
+    # histograms come from its events, which only the index stream
+    # carries: their ids alone, or everything with -o (the tap then drops
+    # the rest after the Recorder took it)
+    residency = lifecycle.LiveResidency(lifecycle.StreamTap(keep_all=bool(args.output)),
+                                        with_histograms=bool(args.prometheus_at))
     if args.prometheus_at:
-        # The plugin tier's residency histograms need the block events' ids,
-        # which only the index stream carries: the ids alone with
-        # --prometheus, everything with -o (the tap then drops the rest
-        # after the Recorder took it)
-        residency = lifecycle.LiveResidency(lifecycle.StreamTap(keep_all=bool(args.output)))
         residency.misses = misses.LiveMisses()
         # bound before any BPF is loaded: a busy port fails in a second
         exporter = prometheus.Exporter(_model_name(args), residency)
@@ -294,7 +287,7 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
                         verify_rows=args.verify_rows)
         # the views' and the endpoint's reads of groups the kernel does not
         # count (step_rows without block_table), fed by the residency's tick
-        tracer.live_rows = residency.rows if residency else None
+        tracer.live_rows = residency.rows
         target, follower = _start(args, tracer, follower)
         recorder = _open_recorder(args, tracer, target)
         if server is not None:
@@ -306,11 +299,9 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
         def on_poll():
             if recorder:
                 recorder.tick()  # first: with -o, its take feeds the residency's tap
-            if residency:
-                residency.tick()
+            residency.tick()
 
-        _trace_loop(args, tracer, target, follower, stop,
-                    on_poll=on_poll if recorder or residency else None, recorder=recorder,
+        _trace_loop(args, tracer, target, follower, stop, on_poll=on_poll, recorder=recorder,
                     on_refresh=exporter.publish if exporter else None)
         traced = True
     except BaseException:
@@ -326,8 +317,10 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
             target.end_child()
             target.close()
         _drop_if_empty(args)
-        if server is not None and traced:
-            _publish_final(tracer, exporter, recorder)
+        if traced:
+            _take_the_rest(tracer, residency, recorder)
+            if server is not None:
+                exporter.publish_final(_aggregate(tracer))
     try:
         rc = _finish(args, tracer, target, stop["reason"] or "?", recorder)
     finally:
@@ -341,18 +334,16 @@ def _run(args, t_start, stop, exporter, server, residency, follower) -> int:
     return rc
 
 
-def _publish_final(tracer, exporter, recorder):
-    """--prometheus after detach: publish the figures of the whole run,
-    with the residency samples the live path still held back (HOLD_S; none
-    can come after the drain).  Else the last interval and second never
-    reach a scraper."""
+def _take_the_rest(tracer, residency, recorder):
+    """After detach: the events the live path still held back (HOLD_S; none
+    can come after the drain) taken in, so that the summary, --json and
+    --prometheus's final figures hold the derived reads and residency
+    samples of the whole run, not all but its last second."""
     tracer.drain()
     if recorder is not None:
         recorder.tick(force=True)  # first: with -o, its take feeds the residency's tap
-    if exporter.residency is not None:
-        exporter.residency.tick(force=True, now_ns=time.monotonic_ns() +
-                                int(lifecycle.LiveResidency.HOLD_S * 1e9) + 1)
-    exporter.publish_final(_aggregate(tracer))
+    residency.tick(force=True, now_ns=time.monotonic_ns() +
+                   int(lifecycle.LiveResidency.HOLD_S * 1e9) + 1)
 
 
 def _linger(args, exporter, stop):
@@ -624,10 +615,11 @@ def _trace_loop(args, tracer, target, follower, stop, on_poll=None, on_refresh=N
     tracer.during_poll = during_poll
     wakeup = _SignalWakeup()
     wake_fds = [wakeup.fd] + ([target.exit_fd] if target.exit_fd is not None else [])
-    longest = IDLE_POLL_S if target.exit_fd is not None and not tracer.polls_records \
-        else POLL_S
     try:
         while stop["reason"] is None:
+            # (a plugin-tier process may come with vLLM's workers)
+            longest = IDLE_POLL_S if target.exit_fd is not None and \
+                not tracer.polls_records else POLL_S
             due = min(next_scan, deadline if deadline is not None else math.inf,
                       next_refresh if live_ctx or on_refresh else math.inf)
             wait = min(max(due - time.monotonic(), 0.0), longest)

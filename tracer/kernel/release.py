@@ -107,6 +107,7 @@ def forget(tracer, pid: int):
     _zero_row(tracer, "op_stats", tracer.max_procs, proc.index)
     _zero_row(tracer, "block_moves", tracer.max_procs, proc.index)
     _zero_row(tracer, "block_life", tracer.max_procs, proc.index)
+    _zero_row(tracer, "life_pages", tracer.max_procs, proc.index)
     try:
         del bpf["traced_pids"][bpf["traced_pids"].Key(pid)]
     except KeyError:

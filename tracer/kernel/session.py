@@ -114,6 +114,8 @@ IN_POLL_WRITE_BYTES = 1 << 30
 MAX_PENDING_BYTES = 4 << 30
 _SHED_CHECK_EVERY = 1024  # records between looks at the clock
 DEFAULT_WAKEUP_EVERY = WAKE_BY_FILL
+# words of a process's life_pages row: 64 marks and the sink (bpf/kvtrace.h)
+LIFE_PAGE_WORDS = 128
 RING_WAKEUP_EVERY = 64
 
 
@@ -268,6 +270,8 @@ class Tracer:
         # bench/run.py's carrying-capacity row measures what the transports
         # carry.
         self.op_records = bool(index_stream) if op_records is None else bool(op_records)
+        # the block-id stream alone: only the plugin tier's ops send records
+        self.plugin_records_only = index_stream == "block_ids"
         if self.op_records and not index_stream:
             cflags.append("-DKVTRACE_WITH_OP_RECORDS")
         if transport not in TRANSPORTS:
@@ -359,6 +363,11 @@ class Tracer:
                                          (abi.CACHE_ENTRIES, len(self.cache_stat_fields)))
         # the plugin tier's lifecycle events per block (enum kvtrace_life)
         self.life = RowMap(self.bpf["block_life"].map_fd, max_procs, (len(abi.LIFE), max_blocks))
+        # per process, which 64ths of the block range its lifecycle rows
+        # count in (bpf/kvtrace.bpf.c life_pages): where read_maps(used_only)
+        # looks for a row's last counted entry
+        self.life_page = max(1, max_blocks // 64)
+        self.life_pages = self._map_u64("life_pages", (max_procs, LIFE_PAGE_WORDS))
 
         self.records = 0
         # records shed by a poll that ran past its budget: op records, and
@@ -428,14 +437,20 @@ class Tracer:
 
     @property
     def polls_records(self) -> bool:
-        """Whether poll() reads op records (it then returns as they come)."""
-        return self._poll_fns is not None
+        """Whether poll() reads op records (it then returns as they come).
+        With the block-id stream alone, only once a process with the
+        plugin tier's probes is traced: no other op sends a record, and a
+        tracer of the op tiers sleeps as it would without a stream."""
+        if self._poll_fns is None:
+            return False
+        return not self.plugin_records_only or \
+            any(p.tier == "plugin" for p in self.procs.values())
 
     def poll(self, timeout_ms: int, wake_fds=()):
         """Read the op records waiting, waiting up to timeout_ms for them.
         Without records, sleep that long, or until one of wake_fds (the
         target's exit, a signal) is readable."""
-        if self._poll_fns is None:
+        if not self.polls_records:
             if timeout_ms > 0:
                 select.select(wake_fds, [], [], timeout_ms / 1000)
             return
@@ -613,7 +628,7 @@ class Tracer:
             if rows is not None:
                 rows.close()
         self.writes = self.moves = self.reads = self.life = self.fill = None
-        self.op_stats = self.op_log2 = self.cache_stats = None
+        self.op_stats = self.op_log2 = self.cache_stats = self.life_pages = None
         for m in self._maps:
             m.close()
         if self.empty_prog_fd >= 0:
@@ -720,8 +735,7 @@ class Tracer:
                 # from_maps cuts moves to the layers' largest num_blocks,
                 # and each lifecycle row to its last non-zero entry
                 length = max([int(c["num_blocks"]) for c in caches if c["pid"] == pid] + [0])
-                nz = np.flatnonzero(self.life[p.index].any(axis=0))
-                used = int(nz[-1]) + 1 if len(nz) else 1
+                used = self._life_used(p.index)
             moves[pid] = first(self.moves[p.index], length)
             life[pid] = first(self.life[p.index], used)
         requests = []
@@ -747,6 +761,24 @@ class Tracer:
                     # op records only, counted where they were dropped: the
                     # lost callback also hears of the stream's chunk records
                     lost=glob["records_lost"])
+
+    def _life_used(self, index: int) -> int:
+        """The length of process `index`'s lifecycle rows up to their last
+        non-zero entry (1 if none): found in the highest 64th of the block
+        range the kernel marked (life_pages), so a refresh scans one 64th
+        of the rows, not all of them.  The mark is set after the count and
+        before the op ends: an op that ended before this read is found.
+        Where the 64th shows no count (an op in progress on a machine that
+        orders stores less than x86), the whole rows are scanned."""
+        rows = self.life[index]
+        marked = np.flatnonzero(self.life_pages[index][:64])
+        if len(marked):
+            lo = int(marked[-1]) * self.life_page
+            nz = np.flatnonzero(rows[:, lo:lo + self.life_page].any(axis=0))
+            if len(nz):
+                return lo + int(nz[-1]) + 1
+        nz = np.flatnonzero(rows.any(axis=0))
+        return int(nz[-1]) + 1 if len(nz) else 1
 
     def stack_frames(self, stack_id: int, pid: int) -> list:
         """Symbolized user frames of a stack, outermost first."""
