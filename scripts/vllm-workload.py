@@ -83,6 +83,9 @@ def main():
     p.add_argument("--max-model-len", type=int, default=512,
                    help="vLLM's max_model_len (default %(default)s; at most what "
                    "--num-gpu-blocks hold)")
+    p.add_argument("--kv-events-port", type=int, metavar="PORT",
+                   help="vLLM publishes its KV events (BlockStored, BlockRemoved) on "
+                   "tcp://*:PORT (its zmq publisher; audit-kv-events reads them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
                    help="KV cache size (default 64 MiB: vLLM's default wants GiBs)")
@@ -141,6 +144,11 @@ def main():
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_gpu_blocks:
         extra["num_gpu_blocks_override"] = args.num_gpu_blocks
+    if args.kv_events_port:
+        from vllm.config.kv_events import KVEventsConfig
+        extra["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq",
+            endpoint=f"tcp://*:{args.kv_events_port}")
     # disable_log_stats=False: LLM turns stats off by default, and without
     # them LLM.get_metrics() (vLLM's prefix-cache counters) is refused
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
