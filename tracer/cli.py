@@ -21,7 +21,8 @@ examples:
   kvtrace-bpf probes tests/target/libkvsim_ops.so
   sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # can it be traced?
   sudo kvtrace-bpf agent                             # every engine on the node: /metrics
-  sudo kvtrace-bpf audit-kv-events -p PID --kv-events tcp://127.0.0.1:5557   # vLLM's KV events
+  sudo kvtrace-bpf audit-kv-events -p $(pgrep -of 'vllm serve|vllm.entrypoints') \\
+      --kv-events tcp://127.0.0.1:5557               # do vLLM's KV events tell the truth?
 
 exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data, 5 output
 """

@@ -26,21 +26,23 @@ from .args import positive_float, positive_int
 
 EXAMPLES = """\
 examples:
-  # vLLM run with the kvtrace plugin and its ZMQ KV events on port 5557
-  # (bytes hashes: the int form cannot be matched to the scheduler's):
+  # vLLM with the kvtrace plugin, prefix caching and its KV events on port
+  # 5557, its hashes as bytes (their int form cannot be matched):
   VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 vllm serve MODEL --enable-prefix-caching \\
       --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
                            "endpoint": "tcp://*:5557"}' &
-  sudo kvtrace-bpf audit-kv-events -p $(pgrep -of 'vllm serve') \\
+  sudo kvtrace-bpf audit-kv-events -p $(pgrep -of 'vllm serve|vllm.entrypoints') \\
       --kv-events tcp://127.0.0.1:5557 -d 60 --json audit.json
-  # start vLLM under the auditor; keep the recording for report
+
+vLLM started under the auditor, its recording kept for report or a later audit:
   sudo kvtrace-bpf audit-kv-events --kv-events tcp://127.0.0.1:5557 -o run.kvt -- vllm serve ...
-  # offline: a recording against a capture of the stream's messages
+offline, a recording against a capture of the stream's messages:
   kvtrace-bpf audit-kv-events --trace run.kvt --kv-events-file events.frames
 
 exit codes: 0 the audit ran (its findings are in the summary), 1 usage,
-2 environment, 3 target (not vLLM, no kvtrace plugin, no KV events from the
-endpoint), 4 data (a trace or capture that cannot be read; int hashes)
+2 environment, 3 target (not vLLM, no kvtrace plugin in the recording, the
+endpoint unreachable or no KV events from it), 4 data (a trace or capture
+that cannot be read, or int hashes), 5 output
 """
 
 
@@ -166,9 +168,14 @@ def truth_of(trace) -> list:
     and block_evict), one Truth per block, in the order it took them."""
     ev = lifecycle.events(trace.ops)
     cache, evict = abi.LIFE.index("cache"), abi.LIFE.index("evict")
-    if not np.isin(trace.ops.ops["op"], [abi.OPS[o] for o in abi.PLUGIN_OPS]).any():
-        raise TargetError(f"{trace.path}: no event of the kvtrace plugin (vLLM's scheduler "
-                          "probes): install it where vLLM runs (docs/plugin.md)")
+    # vLLM publishes events only with prefix caching on, and then its
+    # scheduler caches blocks: a recording without block_cache, block_hit
+    # or block_evict has no plugin tier (stock vLLM's uprobes alone)
+    life = [abi.OPS[f"block_{k}"] for k in ("cache", "hit", "evict")]
+    if not np.isin(trace.ops.ops["op"], life).any():
+        raise TargetError(f"{trace.path}: no block_cache, block_hit or block_evict of the "
+                          "kvtrace plugin: install it where vLLM runs (docs/plugin.md), "
+                          "with prefix caching on")
     pick = np.flatnonzero(np.isin(ev.kind, [cache, evict]))
     pick = pick[np.argsort(ev.ts_ns[pick], kind="stable")]
     return [kv_audit.Truth(kv_audit.STORED if ev.kind[i] == cache else kv_audit.REMOVED,
