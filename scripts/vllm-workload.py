@@ -86,6 +86,9 @@ def main():
     p.add_argument("--kv-events-port", type=int, metavar="PORT",
                    help="vLLM publishes its KV events (BlockStored, BlockRemoved) on "
                    "tcp://*:PORT (its zmq publisher; audit-kv-events reads them)")
+    p.add_argument("--report-mode", choices=("incremental", "full"),
+                   help="each request's kv_cache_report_mode (sampling extra_args): with "
+                   "\"full\", vLLM announces its prefix-cache hits as BlockStored events")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
                    help="KV cache size (default 64 MiB: vLLM's default wants GiBs)")
@@ -170,7 +173,10 @@ def main():
     prompts = draw()
     args.draw = draw  # --fresh-prompts: each batch after the first draws anew
     args.user_tokens = lambda: [rng.randrange(3, vocab) for _ in range(args.turn_tokens)]
-    params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
+    report = {"extra_args": {"kv_cache_report_mode": args.report_mode}} \
+        if args.report_mode else {}
+    params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False,
+                             **report)
               for _, gen in requests]
 
     if args.wait:

@@ -236,3 +236,57 @@ def test_audit_kv_events_real_vllm(tmp_path, tiny_model, no_leftovers):
         ("removed", h64(events[i]["block_hashes"][0]), int.from_bytes(sq, "big"))
     assert x["index"] in (i, i + 1)
     assert dup["counts"]["missing"] == 0 and dup["counts"]["reuse_as_new"] == 0
+
+
+def test_audit_names_hits_announced_as_stored(tmp_path, tiny_model, no_leftovers):
+    """kv_cache_report_mode="full": vLLM announces each request's prefix-cache
+    hits as a BlockStored of hashes already stored (PR #51699).  The audit,
+    live on vLLM's own publisher, names each as reuse_as_new: as many as
+    vLLM's own per-request num_cached_tokens say it hit, in blocks.  A cache
+    large enough that no request waits for blocks (a waiting request is
+    looked up, and announces, again at each step) nor is evicted."""
+    port = free_port()
+    out, log = tmp_path / "generated.json", tmp_path / "vllm.log"
+    # four 100-token prompts sharing 64 tokens (2 blocks), twice: in round
+    # one the last three hit the first's 2 shared blocks, in round two
+    # every request hits its own 3 full blocks of round one
+    argv = [str(VLLM_PYTHON), str(WORKLOAD), "--model", str(tiny_model),
+            "--requests", "100:2,100:2,100:2,100:2", "--block-size", "32", "--out", str(out),
+            "--wait", "--prefix-caching", "on", "--repeat", "2", "--shared-prefix", "64",
+            "--report-mode", "full", "--kv-events-port", str(port)]
+    env = dict(os.environ, VLLM_PLUGINS="kvtrace", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0")
+    with open(log, "w") as f:
+        wl = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                              start_new_session=True)
+    audit = None
+    js = tmp_path / "audit.json"
+    try:
+        deadline = time.monotonic() + 300
+        while f"READY {wl.pid}" not in log.read_text():
+            assert wl.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        audit = Audit("-p", wl.pid, "--kv-events", f"tcp://127.0.0.1:{port}",
+                      "--json", js, "--limit", 10000)
+        audit.wait_attached(timeout=180)
+        os.kill(wl.pid, signal.SIGUSR1)
+        assert wl.wait(300) == 0, log.read_text()[-3000:]
+        rc, stdout, err = audit.finish(timeout=300)
+        assert rc == 0, err[-3000:]
+    finally:
+        if audit is not None:
+            audit.kill()
+        try:
+            os.killpg(wl.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        wl.wait()
+    generated = json.loads(out.read_text())
+    hits = sum(r["num_cached_tokens"] for r in generated["requests"]) // 32
+    assert hits == 3 * 2 + 4 * 3, generated["requests"]  # as the run was built
+    a = json.loads(js.read_text())
+    assert a["counts"]["reuse_as_new"] == hits, a["counts"]
+    assert a["counts"]["missing"] == a["counts"]["extra"] == 0, a
+    assert a["counts"]["stored_again"] == 0 and a["truth"]["evicted"] == 0
+    assert not a["clean"] and "reuse_as_new: 18" in stdout
+    # each announced hash was resident, in the block that holds it
+    assert all(x["resident_in"] for x in a["reuse_as_new"])

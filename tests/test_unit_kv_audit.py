@@ -14,18 +14,18 @@ from tracer.trace import kv_events
 S, R = ka.STORED, ka.REMOVED
 
 
-def T(kind, h, block, req=1, group=0):
-    return ka.Truth(kind, group, h, block, req)
+def T(kind, h, block, req=1, group=0, ts_ns=0):
+    return ka.Truth(kind, group, h, block, req, ts_ns)
 
 
-def batch(seq, *events):
-    return NS(seq=seq, events=[NS(kind=k, group=0, hashes=list(hs), medium="GPU")
-                               for k, *hs in events])
+def batch(seq, *events, ts=0.0):
+    return NS(seq=seq, ts=ts, events=[NS(kind=k, group=0, hashes=list(hs), medium="GPU")
+                                      for k, *hs in events])
 
 
-def run(truth, batches):
+def run(truth, batches, **kw):
     said, facts = ka.stream_items(batches)
-    return ka.audit(truth, said, facts)
+    return ka.audit(truth, said, facts, **kw)
 
 
 # a request caches 3 blocks, another evicts two of them
@@ -110,9 +110,7 @@ def test_a_lost_message_is_a_seq_gap():
 def test_cleared_covers_the_reset_evictions():
     truth = [T(S, 1, 10), T(S, 2, 11), T(S, 3, 12), T(R, 1, 10, 0), T(R, 2, 11, 0),
              T(R, 3, 12, 0), T(S, 4, 10)]
-    stream = [batch(0, (S, 1, 2, 3)), NS(seq=1, events=[NS(kind="cleared", group=0,
-                                                             hashes=[], medium=None)]),
-              batch(2, (S, 4))]
+    stream = [batch(0, (S, 1, 2, 3)), batch(1, ("cleared",)), batch(2, (S, 4))]
     a = run(truth, stream)
     assert a["clean"] and a["cleared_evictions"] == 3
     assert a["drift"]["final_ghost"] == a["drift"]["final_unseen"] == 0
@@ -121,8 +119,27 @@ def test_cleared_covers_the_reset_evictions():
 def test_edges_are_not_judged():
     # the tracer attached after the stream's first batch
     stream = [batch(-1, (S, 7))] + STREAM
-    a = run(TRUTH, [NS(seq=b.seq + 1, events=b.events) for b in stream])
+    a = run(TRUTH, [NS(seq=b.seq + 1, ts=0.0, events=b.events) for b in stream])
     assert a["clean"] and a["edge"] == {"truth": 0, "stream": 1}
+
+
+def test_the_end_is_judged_but_for_what_lies_past_either_side():
+    # wall clock = trace clock + 100 s; each batch published 1 ms after its step
+    truth = [T(S, 1, 10, ts_ns=1_000), T(S, 2, 11, ts_ns=2_000_000_000),
+             T(S, 3, 12, ts_ns=3_000_000_000), T(S, 4, 13, ts_ns=9_000_000_000)]
+    stream = [batch(0, (S, 1), ts=100.001), batch(1, (S, 2), ts=102.001),
+              batch(2, (S, 7), ts=103.001), batch(3, (S, 8), ts=104.001)]
+    a = run(truth, stream, trace_end_ns=3_500_000_000)
+    # hash 3 was never announced though batches came after it: missing; hash
+    # 7 came while tracing: extra; hash 8 was published after the recording
+    # ended and hash 4 cached after the last batch came: neither is judged
+    assert [m["hash"] for m in a["missing"]] == [f"{3:016x}"]
+    assert [x["hash"] for x in a["extra"]] == [f"{7:016x}"]
+    assert a["edge"] == {"truth": 1, "stream": 1}
+    # without the clocks, all of it is judged
+    a = run([T(t.kind, t.hash, t.block) for t in truth],
+            [NS(seq=b.seq, ts=0.0, events=b.events) for b in stream])
+    assert a["counts"]["missing"] == 2 and a["counts"]["extra"] == 2
 
 
 # -- decoding, to vLLM's wire format ----------------------------------------

@@ -69,6 +69,7 @@ class Said:
     hash: int
     seq: int
     index: int
+    ts: float = 0.0  # the batch's, wall clock (vLLM's time.time() at publishing)
 
 
 def stream_items(batches, media=("GPU", None)) -> tuple:
@@ -93,13 +94,13 @@ def stream_items(batches, media=("GPU", None)) -> tuple:
             facts["events"] += 1
             if e.kind == CLEARED:
                 facts[CLEARED] += 1
-                items.append(Said(CLEARED, 0, 0, b.seq, i))
+                items.append(Said(CLEARED, 0, 0, b.seq, i, b.ts))
                 continue
             if e.medium not in media:
                 facts["other_medium"] += 1
                 continue
             facts[e.kind] += len(e.hashes)
-            items.extend(Said(e.kind, e.group, h, b.seq, i) for h in e.hashes)
+            items.extend(Said(e.kind, e.group, h, b.seq, i, b.ts) for h in e.hashes)
     return items, facts
 
 
@@ -150,9 +151,10 @@ def _hex(h: int) -> str:
 
 
 def audit(truth: list, said: list, facts: dict = None, limit: int = LIMIT,
-          window: int = WINDOW) -> dict:
+          window: int = WINDOW, trace_end_ns: int = None) -> dict:
     """The audit of the stream `said` (Said items, stream order) against
-    `truth` (Truth items, the scheduler's order).  A dict (docs/kv-events.md)."""
+    `truth` (Truth items, the scheduler's order).  trace_end_ns: when the
+    recording ended (its clock, the truth's).  A dict (docs/kv-events.md)."""
     tk = [(t.kind, t.group, t.hash) for t in truth]
     sk = [(s.kind, s.group, s.hash) for s in said]
     pair = {}  # truth index -> stream index
@@ -168,8 +170,24 @@ def audit(truth: list, said: list, facts: dict = None, limit: int = LIMIT,
         if i in pair:
             last = pair[i]
         expect[i] = last + 1
-    lo_t, hi_t = (min(pair), max(pair)) if pair else (None, None)
-    lo_s, hi_s = (min(used), max(used)) if used else (None, None)
+    # Not judged: what comes before the first match (the tracer attaching,
+    # the subscription starting), a scheduler event after the last batch
+    # the auditor received (not yet published), and a stream event
+    # published after the recording ended.  The clocks are tied by the
+    # matched pairs: a batch is published after its events, so the wall
+    # clock less the trace's is at most the least of (batch's ts - event's
+    # ts_ns) over them (within a step's publishing delay).
+    lo_t = min(pair) if pair else None
+    lo_s = min(used) if used else None
+    offset = min((said[j].ts * 1e9 - truth[i].ts_ns for i, j in pair.items()), default=None)
+    last_ts = max((s.ts for s in said), default=None)
+
+    def late_truth(t):
+        return offset is not None and t.ts_ns + offset > last_ts * 1e9
+
+    def late_said(s):
+        return offset is not None and trace_end_ns is not None and \
+            s.ts * 1e9 - offset > trace_end_ns
     # reordered: an unmatched scheduler event and an unmatched stream event
     # of the same key, at most `window` stream items apart
     free = {}
@@ -238,7 +256,7 @@ def audit(truth: list, said: list, facts: dict = None, limit: int = LIMIT,
         elif what == "truth":
             t = truth[x]
             st.truth(t)
-            if lo_t is None or x < lo_t or x > hi_t:
+            if lo_t is None or x < lo_t or late_truth(t):
                 out["edge"]["truth"] += 1
             elif t.kind == REMOVED and t.req == 0 and any(
                     abs(j - expect[x]) <= window for j in cleared_at):
@@ -251,7 +269,7 @@ def audit(truth: list, said: list, facts: dict = None, limit: int = LIMIT,
             s = said[x]
             if s.kind == CLEARED:
                 out["matched"][CLEARED] += 1
-            elif lo_s is None or x < lo_s or x > hi_s:
+            elif lo_s is None or x < lo_s or late_said(s):
                 out["edge"]["stream"] += 1
             elif s.kind == STORED and st.real.get((s.group, s.hash)):
                 note("reuse_as_new", {"group": s.group, "hash": _hex(s.hash), "seq": s.seq,

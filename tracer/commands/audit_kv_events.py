@@ -188,7 +188,9 @@ def _report(args, path, batches, source) -> int:
     trace = tracefile.load(path)
     truth = truth_of(trace)
     said, facts = kv_audit.stream_items(batches)
-    doc = kv_audit.audit(truth, said, facts, limit=args.limit)
+    ts = trace.ops.ops["ts_ns"]
+    doc = kv_audit.audit(truth, said, facts, limit=args.limit,
+                         trace_end_ns=int(ts.max()) if len(ts) else None)
     doc["source"] = source
     if args.json == "-":
         print(json.dumps(doc, indent=1))
