@@ -89,6 +89,9 @@ def main():
     p.add_argument("--report-mode", choices=("incremental", "full"),
                    help="each request's kv_cache_report_mode (sampling extra_args): with "
                    "\"full\", vLLM announces its prefix-cache hits as BlockStored events")
+    p.add_argument("--cache-salts", metavar="S1,S2,...",
+                   help="batch k of --repeat gets cache_salt S(k mod n) ('' none): the same "
+                   "prompts under another salt share no prefix-cache block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
                    help="KV cache size (default 64 MiB: vLLM's default wants GiBs)")
@@ -221,6 +224,10 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
     batches = 0
     while True:
         batch = args.draw() if args.fresh_prompts and batches else prompts
+        if args.cache_salts is not None:
+            salts = args.cache_salts.split(",")
+            salt = salts[batches % len(salts)]
+            batch = [dict(p, cache_salt=salt) if salt else p for p in batch]
         for out in (converse(llm, batch[0], params[0], args) if args.conversation else
                     llm.generate(batch, params, use_tqdm=False)):
             # num_cached_tokens: vLLM's own per-request prefix-cache hit, in
