@@ -194,10 +194,11 @@ def _report(args, path, batches, source) -> int:
     doc["source"] = source
     if args.json == "-":
         print(json.dumps(doc, indent=1))
-    else:
-        if args.json:
-            write_file(args.json, json.dumps(doc, indent=1) + "\n")
-        sys.stdout.write(text(doc))
+        return 0
+    sys.stdout.write(text(doc))  # first: a --json that cannot be written loses only itself
+    sys.stdout.flush()
+    if args.json:
+        write_file(args.json, json.dumps(doc, indent=1) + "\n")
     return 0
 
 
