@@ -83,6 +83,15 @@ def main():
     p.add_argument("--max-model-len", type=int, default=512,
                    help="vLLM's max_model_len (default %(default)s; at most what "
                    "--num-gpu-blocks hold)")
+    p.add_argument("--kv-events-port", type=int, metavar="PORT",
+                   help="vLLM publishes its KV events (BlockStored, BlockRemoved) on "
+                   "tcp://*:PORT (its zmq publisher; audit-kv-events reads them)")
+    p.add_argument("--report-mode", choices=("incremental", "full"),
+                   help="each request's kv_cache_report_mode (sampling extra_args): with "
+                   "\"full\", vLLM announces its prefix-cache hits as BlockStored events")
+    p.add_argument("--cache-salts", metavar="S1,S2,...",
+                   help="batch k of --repeat gets cache_salt S(k mod n) ('' none): the same "
+                   "prompts under another salt share no prefix-cache block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
                    help="KV cache size (default 64 MiB: vLLM's default wants GiBs)")
@@ -141,6 +150,11 @@ def main():
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_gpu_blocks:
         extra["num_gpu_blocks_override"] = args.num_gpu_blocks
+    if args.kv_events_port:
+        from vllm.config.kv_events import KVEventsConfig
+        extra["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq",
+            endpoint=f"tcp://*:{args.kv_events_port}")
     # disable_log_stats=False: LLM turns stats off by default, and without
     # them LLM.get_metrics() (vLLM's prefix-cache counters) is refused
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
@@ -162,7 +176,10 @@ def main():
     prompts = draw()
     args.draw = draw  # --fresh-prompts: each batch after the first draws anew
     args.user_tokens = lambda: [rng.randrange(3, vocab) for _ in range(args.turn_tokens)]
-    params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
+    report = {"extra_args": {"kv_cache_report_mode": args.report_mode}} \
+        if args.report_mode else {}
+    params = [SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False,
+                             **report)
               for _, gen in requests]
 
     if args.wait:
@@ -207,6 +224,10 @@ def generate_round(llm, prompts, params, args, config, t_init, round_no=1):
     batches = 0
     while True:
         batch = args.draw() if args.fresh_prompts and batches else prompts
+        if args.cache_salts is not None:
+            salts = args.cache_salts.split(",")
+            salt = salts[batches % len(salts)]
+            batch = [dict(p, cache_salt=salt) if salt else p for p in batch]
         for out in (converse(llm, batch[0], params[0], args) if args.conversation else
                     llm.generate(batch, params, use_tqdm=False)):
             # num_cached_tokens: vLLM's own per-request prefix-cache hit, in

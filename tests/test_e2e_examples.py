@@ -34,7 +34,8 @@ from conftest import ROOT, Kvsim, read_line
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
-SUBCOMMANDS = ("", "attach", "record", "report", "export", "probes", "doctor")
+SUBCOMMANDS = ("", "attach", "record", "report", "export", "probes", "doctor",
+               "audit-kv-events")
 FOLDED = re.compile(r"^\S.*;?\S* \d+$")
 VLLM_ONLY = re.compile(r"\$\(|\$!|\.\.\./")
 

@@ -319,6 +319,41 @@ def test_plugin_tier_eviction_and_capacity_misses(tmp_path, tiny_model, no_lefto
     assert m["regret"]["blocks"] == m["totals"]["capacity"]["blocks"]
 
 
+# two prompts of 3 full blocks (and 4 tokens), three times: under salt a,
+# salt b, salt a again
+REQUESTS_SALT = "100:2,100:2"
+SALTS = "a,b,a"
+
+
+def test_plugin_tier_cache_salt_misses(tmp_path, tiny_model, no_leftovers):
+    """The same prompts under another cache_salt share no block (vLLM hashes
+    the salt into a prompt's first block, and every block's hash chains on
+    it): the second batch misses everything vLLM's own num_cached_tokens
+    says it missed, and each of those misses is hash_domain (the same
+    tokens, cached under other hash inputs); the first batch's are
+    compulsory, and the third, under the first salt again, hits every full
+    block."""
+    generated, records, doc, trace = trace_run(
+        tmp_path, tiny_model, REQUESTS_SALT, "--prefix-caching", "on", "--repeat", 3,
+        "--cache-salts", SALTS)
+    assert doc["exact"], doc["inexact_reasons"]
+    m = report_json(trace)["lifecycle"]["misses"]
+    bs = generated["block_size"]
+    by_short = by_short_id({r["req"] for r in records})
+    got = {r["id"]: r for r in m["requests"]}
+    n = len(REQUESTS_SALT.split(","))
+    assert len(generated["requests"]) == 3 * n
+    for k, (short, req) in enumerate(zip(generated["request_ids"], generated["requests"])):
+        r = got[by_short[short]]
+        full = req["prompt_len"] // bs
+        assert r["hit_blocks"] * bs == req["num_cached_tokens"], short
+        # vLLM's own: nothing cached for the first two batches, all for the third
+        assert req["num_cached_tokens"] == (0 if k < 2 * n else full * bs), (k, req)
+        want = ["compulsory"] * full if k < n else ["hash_domain"] * full if k < 2 * n else []
+        assert [x["cause"] for x in r["misses"]] == want, (k, r["misses"])
+    assert m["totals"]["hash_domain"]["blocks"] == n * 3
+
+
 def test_plugin_tier_preemption(tmp_path, tiny_model, no_leftovers):
     generated, records, doc, trace = trace_run(
         tmp_path, tiny_model, REQUESTS_PREEMPT, "--num-gpu-blocks", 10, "--max-model-len", 256)

@@ -21,6 +21,8 @@ examples:
   kvtrace-bpf probes tests/target/libkvsim_ops.so
   sudo kvtrace-bpf doctor -p $(pgrep -of 'vllm serve|vllm.entrypoints')   # can it be traced?
   sudo kvtrace-bpf agent                             # every engine on the node: /metrics
+  sudo kvtrace-bpf audit-kv-events -p $(pgrep -of 'vllm serve|vllm.entrypoints') \\
+      --kv-events tcp://127.0.0.1:5557               # do vLLM's KV events tell the truth?
 
 exit codes: 0 ok, 1 usage, 2 environment or privileges, 3 target, 4 data, 5 output
 """
@@ -34,7 +36,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 # the subcommands, in --help's order, by module (commands/)
-COMMANDS = ("attach", "record", "report", "export", "probes", "doctor", "agent")
+COMMANDS = ("attach", "record", "report", "export", "probes", "doctor", "agent",
+            "audit-kv-events")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each subcommand's help on its name's line: argparse (3.11) sizes the
+    column by the names at the list's indent, not at the subcommands'
+    deeper one, and put audit-kv-events' help on a line of its own."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        for sub in getattr(action, "_choices_actions", ()):
+            self._action_max_length = max(self._action_max_length,
+                                          len(sub.dest) + self._current_indent
+                                          + self._indent_increment)
 
 
 def chosen_command(argv):
@@ -55,13 +71,14 @@ def build_parser(command=None):
     parser = _Parser(prog="kvtrace-bpf", epilog=EPILOG,
                      description="eBPF tracer for vLLM's paged KV cache: what happens "
                                  "to every physical block.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS if command is None else (command,):
-        importlib.import_module(f".commands.{name}", __package__).add_parser(sub)
+        module = name.replace("-", "_")  # audit-kv-events: commands/audit_kv_events.py
+        importlib.import_module(f".commands.{module}", __package__).add_parser(sub)
     return parser
 
 
