@@ -76,8 +76,7 @@ def test_no_events_then_no_plugin(tmp_path, publisher):
     """The publisher sends nothing: the live audit of kvsim says no events
     came.  kvsim's default workload has no prefix caching (no block_cache,
     block_hit or block_evict, as stock vLLM without the plugin): offline,
-    with a capture, the audit says the recording has no plugin tier.  A
-    capture of int hashes is refused."""
+    with a capture, the audit says the recording has no plugin tier."""
     trace = tmp_path / "kvsim.kvt"
     r = run_kvtrace("audit-kv-events", "--kv-events", publisher, "-o", trace, "--",
                     ROOT / "tests/target/kvsim", "--workload", "default", timeout=300)
@@ -89,9 +88,5 @@ def test_no_events_then_no_plugin(tmp_path, publisher):
                          msgspec.msgpack.encode([1.0, [removed], 0]))])
     r = run_kvtrace("audit-kv-events", "--trace", trace, "--kv-events-file", cap)
     one_line(r, 3, "no block_cache, block_hit or block_evict of the kvtrace plugin")
-    write_capture(cap, [(b"", (0).to_bytes(8, "big"),
-                         msgspec.msgpack.encode([1.0, [dict(removed, block_hashes=[7])], 0]))])
-    r = run_kvtrace("audit-kv-events", "--trace", trace, "--kv-events-file", cap)
-    one_line(r, 4, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0")
     r = run_kvtrace("audit-kv-events", "--trace", trace, "--kv-events-file", tmp_path / "no")
     one_line(r, 4, "No such file")

@@ -65,10 +65,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def h64(h: bytes) -> str:
-    """The plugin's 64 bits of a BlockHash, as the audit prints them: its
-    first 8 bytes, little-endian (plugin/kvtrace_vllm/hooks.py)."""
-    return f"{int.from_bytes(h[:8], 'little'):016x}"
+def h64(h) -> str:
+    """vLLM's 64-bit int form of a block hash (kv_cache_utils.py,
+    maybe_convert_block_hash: the hash as a big-endian number, its low 64
+    bits), as the audit prints hashes; an int is that form already."""
+    if isinstance(h, bytes):
+        h = int.from_bytes(h, "big") & (2**64 - 1)
+    return f"{h:016x}"
 
 
 class Proxy:
@@ -132,8 +135,7 @@ def vllm_replay(messages):
             assert e["type"] != "AllBlocksCleared"
             assert e.get("medium") == "GPU", e.get("medium")
             for h in e["block_hashes"]:
-                assert isinstance(h, bytes), "int hashes: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
-                key = (e.get("group_idx") or 0, h)
+                key = (e.get("group_idx") or 0, h64(h))
                 if e["type"] == "BlockStored":
                     stored += 1
                     if copies.get(key, 0) > 0:
@@ -164,8 +166,9 @@ def test_audit_kv_events_real_vllm(tmp_path, tiny_model, no_leftovers):
             "--prefix-caching", "on", "--repeat", "2", "--num-gpu-blocks", "16",
             "--max-model-len", "256", "--shared-prefix", str(SHARED),
             "--kv-events-port", str(port_vllm)]
-    # the plugin; vLLM's hashes as bytes (its int form cannot be matched)
-    env = dict(os.environ, VLLM_PLUGINS="kvtrace", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0")
+    # the plugin; vLLM's hashes in its default int form (the other run has
+    # them as bytes)
+    env = dict(os.environ, VLLM_PLUGINS="kvtrace", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1")
     with open(log, "w") as f:
         wl = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                               start_new_session=True)

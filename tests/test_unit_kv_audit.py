@@ -160,15 +160,20 @@ def test_decode_takes_the_first_8_bytes_little_endian_and_no_tokens():
     b = kv_events.decode(4, p)
     assert b.seq == 4 and b.ts == 1.5
     st, rm, cl = b.events
-    assert (st.kind, st.group, st.hashes) == ("stored", 1, [int.from_bytes(h[:8], "little")])
+    assert (st.kind, st.group, st.hashes) == ("stored", 1, [int.from_bytes(h[-8:], "big")])
     assert (rm.kind, rm.group) == ("removed", 0) and cl.kind == "cleared"
     assert not hasattr(st, "token_ids")
 
 
-def test_int_hashes_are_refused():
-    p = payload([{"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU"}])
-    with pytest.raises(kv_events.IntHashes):
-        kv_events.decode(0, p)
+def test_int_hashes_are_the_bytes_last_8_big_endian():
+    """vLLM's int form of a hash (maybe_convert_block_hash) and its bytes
+    decode to the same key, the plugin's (hooks.py _content_hash)."""
+    h = bytes(range(1, 33))
+    as_int = int.from_bytes(h, "big") & (2**64 - 1)
+    p = payload([{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"},
+                 {"type": "BlockRemoved", "block_hashes": [as_int], "medium": "GPU"}])
+    a, b = kv_events.decode(0, p).events
+    assert a.hashes == b.hashes == [0x191A1B1C1D1E1F20]
 
 
 def test_a_capture_file_and_its_damage(tmp_path):
@@ -178,7 +183,7 @@ def test_a_capture_file_and_its_damage(tmp_path):
     f = tmp_path / "ev.frames"
     f.write_bytes(data)
     (b,) = kv_events.read_capture(str(f))
-    assert b.seq == 7 and b.events[0].hashes == [int.from_bytes(b"\1" * 8, "little")]
+    assert b.seq == 7 and b.events[0].hashes == [int.from_bytes(b"\1" * 8, "big")]
     f.write_bytes(data[:-3])
     with pytest.raises(DataError, match="truncated"):
         kv_events.read_capture(str(f))

@@ -174,13 +174,15 @@ def _ids(blocks):
 
 
 def _content_hash(key):
-    """64 bits of a block's content hash, for the tracer's miss-ratio curve:
-    the first 8 bytes (little-endian) of vLLM's BlockHash, the 4-byte group
-    id suffix of a BlockHashWithGroupId left out (kv_cache_utils.py).  0 for
-    a block without one."""
+    """64 bits of a block's content hash: the last 8 bytes (big-endian) of
+    vLLM's BlockHash, the 4-byte group id suffix of a BlockHashWithGroupId
+    left out (kv_cache_utils.py).  The same number vLLM's KV events publish
+    by default (maybe_convert_block_hash, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1),
+    so that the tracer's hashes are the ones a KV-event router indexes.
+    0 for a block without one."""
     if not key:
         return 0
-    return int.from_bytes(bytes(key[:-4][:8]), "little")
+    return int.from_bytes(bytes(key[-12:-4]), "big")
 
 
 def _hashes(blocks):

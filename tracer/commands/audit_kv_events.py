@@ -27,8 +27,8 @@ from .args import positive_float, positive_int
 EXAMPLES = """\
 examples:
   # vLLM with the kvtrace plugin, prefix caching and its KV events on port
-  # 5557, its hashes as bytes (their int form cannot be matched):
-  VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 vllm serve MODEL --enable-prefix-caching \\
+  # 5557:
+  vllm serve MODEL --enable-prefix-caching \\
       --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
                            "endpoint": "tcp://*:5557"}' &
   sudo kvtrace-bpf audit-kv-events -p $(pgrep -of 'vllm serve|vllm.entrypoints') \\
@@ -42,7 +42,7 @@ offline, a recording against a capture of the stream's messages:
 exit codes: 0 the audit ran (its findings are in the summary), 1 usage,
 2 environment, 3 target (not vLLM, no kvtrace plugin in the recording, the
 endpoint unreachable or no KV events from it), 4 data (a trace or capture
-that cannot be read, or int hashes), 5 output
+that cannot be read), 5 output
 """
 
 

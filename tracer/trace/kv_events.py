@@ -76,21 +76,15 @@ class Batch:
     rank: Optional[int] = None
 
 
-class IntHashes(DataError):
-    """The stream's hashes are vLLM's 64-bit ints, not its hash bytes."""
-
-
 def hash64(h) -> int:
-    """The plugin's 64-bit content hash of a BlockHash (plugin/kvtrace_vllm/
-    hooks.py _content_hash): its first 8 bytes, little-endian.  vLLM's
-    int form (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default) keeps the
-    hash's LAST 8 bytes, big-endian: no function of it gives the first 8."""
+    """The plugin's 64-bit content hash of an event's block hash (plugin/
+    kvtrace_vllm/hooks.py _content_hash).  vLLM publishes either its int
+    form (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default): the hash's
+    last 8 bytes, big-endian, which is the plugin's hash itself; or the
+    hash's bytes (=0), of which the same 8 bytes are taken."""
     if isinstance(h, int):
-        raise IntHashes(
-            "vLLM publishes its block hashes as 64-bit ints (VLLM_KV_EVENTS_USE_INT_"
-            "BLOCK_HASHES=1, its default): they cannot be matched to the scheduler's; "
-            "run vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0")
-    return int.from_bytes(bytes(h[:8]), "little")
+        return h & 0xFFFF_FFFF_FFFF_FFFF
+    return int.from_bytes(bytes(h[-8:]), "big")
 
 
 def decode(seq: int, payload: bytes) -> Batch:
