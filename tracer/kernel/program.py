@@ -576,9 +576,7 @@ def cache_key(cflags: list) -> str:
         h.update(f"{label}:{len(data)}:".encode() + data)
 
     add("format", FORMAT)
-    for path in sorted(abi.BPF_DIR.iterdir()):
-        if path.is_file():
-            add(path.name, path.read_bytes())
+    add("bpf", _program_text_hash())
     add("cflags", "\0".join(cflags))
     uname = os.uname()
     add("kernel", f"{uname.release} {uname.version} {uname.machine}")
