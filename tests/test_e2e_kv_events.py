@@ -158,35 +158,32 @@ def audit_offline(tmp_path, trace, messages, name):
     return json.loads(r.stdout)
 
 
-def test_audit_kv_events_real_vllm(tmp_path, tiny_model, no_leftovers):
-    port_vllm, port_audit = free_port(), free_port()
-    out, log = tmp_path / "generated.json", tmp_path / "vllm.log"
-    argv = [str(VLLM_PYTHON), str(WORKLOAD), "--model", str(tiny_model),
-            "--requests", REQUESTS, "--block-size", "32", "--out", str(out), "--wait",
-            "--prefix-caching", "on", "--repeat", "2", "--num-gpu-blocks", "16",
-            "--max-model-len", "256", "--shared-prefix", str(SHARED),
-            "--kv-events-port", str(port_vllm)]
-    # the plugin; vLLM's hashes in its default int form (the other run has
-    # them as bytes)
-    env = dict(os.environ, VLLM_PLUGINS="kvtrace", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1")
+def run_audited(argv, log, int_hashes, events, *audit_args, relay_from=None):
+    """Runs the workload argv (its output in log) with the plugin, vLLM's
+    hashes in their int form or as bytes, and audits it from the moment it
+    is ready to its end on the publisher events, through a Proxy of the
+    test's own from relay_from when given: (the Proxy or None, the audit's
+    stdout)."""
+    env = dict(os.environ, VLLM_PLUGINS="kvtrace",
+               VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1" if int_hashes else "0")
     with open(log, "w") as f:
         wl = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                               start_new_session=True)
     audit = proxy = None
-    trace, js = tmp_path / "run.kvt", tmp_path / "audit.json"
     try:
         deadline = time.monotonic() + 300
         while f"READY {wl.pid}" not in log.read_text():
             assert wl.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        proxy = Proxy(f"tcp://127.0.0.1:{port_vllm}", f"tcp://127.0.0.1:{port_audit}")
-        audit = Audit("-p", wl.pid, "--kv-events", f"tcp://127.0.0.1:{port_audit}",
-                      "-o", trace, "--json", js, "--limit", 10000)
+        if relay_from is not None:
+            proxy = Proxy(relay_from, events)
+        audit = Audit("-p", wl.pid, "--kv-events", events, *audit_args)
         audit.wait_attached(timeout=180)
         os.kill(wl.pid, signal.SIGUSR1)
         assert wl.wait(300) == 0, log.read_text()[-3000:]
         rc, stdout, err = audit.finish(timeout=300)
         assert rc == 0, err[-3000:]
+        return proxy, stdout
     finally:
         if audit is not None:
             audit.kill()
@@ -197,6 +194,21 @@ def test_audit_kv_events_real_vllm(tmp_path, tiny_model, no_leftovers):
         except ProcessLookupError:
             pass
         wl.wait()
+
+
+def test_audit_kv_events_real_vllm(tmp_path, tiny_model, no_leftovers):
+    port_vllm, port_audit = free_port(), free_port()
+    out, log = tmp_path / "generated.json", tmp_path / "vllm.log"
+    argv = [str(VLLM_PYTHON), str(WORKLOAD), "--model", str(tiny_model),
+            "--requests", REQUESTS, "--block-size", "32", "--out", str(out), "--wait",
+            "--prefix-caching", "on", "--repeat", "2", "--num-gpu-blocks", "16",
+            "--max-model-len", "256", "--shared-prefix", str(SHARED),
+            "--kv-events-port", str(port_vllm)]
+    # vLLM's hashes in its default int form (the other run has them as bytes)
+    trace, js = tmp_path / "run.kvt", tmp_path / "audit.json"
+    proxy, stdout = run_audited(argv, log, True, f"tcp://127.0.0.1:{port_audit}",
+                                "-o", trace, "--json", js, "--limit", 10000,
+                                relay_from=f"tcp://127.0.0.1:{port_vllm}")
     messages = proxy.messages
     stored, removed, again, while_res = vllm_replay(messages)
     assert removed > 0, "vLLM evicted nothing: the cache is too large"
@@ -257,32 +269,9 @@ def test_audit_names_hits_announced_as_stored(tmp_path, tiny_model, no_leftovers
             "--requests", "100:2,100:2,100:2,100:2", "--block-size", "32", "--out", str(out),
             "--wait", "--prefix-caching", "on", "--repeat", "2", "--shared-prefix", "64",
             "--report-mode", "full", "--kv-events-port", str(port)]
-    env = dict(os.environ, VLLM_PLUGINS="kvtrace", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0")
-    with open(log, "w") as f:
-        wl = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                              start_new_session=True)
-    audit = None
     js = tmp_path / "audit.json"
-    try:
-        deadline = time.monotonic() + 300
-        while f"READY {wl.pid}" not in log.read_text():
-            assert wl.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        audit = Audit("-p", wl.pid, "--kv-events", f"tcp://127.0.0.1:{port}",
-                      "--json", js, "--limit", 10000)
-        audit.wait_attached(timeout=180)
-        os.kill(wl.pid, signal.SIGUSR1)
-        assert wl.wait(300) == 0, log.read_text()[-3000:]
-        rc, stdout, err = audit.finish(timeout=300)
-        assert rc == 0, err[-3000:]
-    finally:
-        if audit is not None:
-            audit.kill()
-        try:
-            os.killpg(wl.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        wl.wait()
+    _, stdout = run_audited(argv, log, False, f"tcp://127.0.0.1:{port}",
+                            "--json", js, "--limit", 10000)
     generated = json.loads(out.read_text())
     hits = sum(r["num_cached_tokens"] for r in generated["requests"]) // 32
     assert hits == 3 * 2 + 4 * 3, generated["requests"]  # as the run was built
